@@ -1,0 +1,368 @@
+"""The scheduling policy, rule by rule, on a fake clock (no I/O anywhere)."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from thunderctl.scheduler import (
+    Decay,
+    EventKind,
+    Phase,
+    ProgramEvent,
+    Scheduler,
+    SchedulerConfig,
+    Status,
+)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+# Round numbers: capacity 1000, no per-program buffer unless a test asks for one.
+BASE = dict(
+    pause_threshold=0.95, pause_target=0.8, resume_threshold=0.9, buffer_tokens=0,
+    resume_timeout_s=60, idle_ttl_s=300,
+)
+
+
+def make(capacities: dict[str, int | None] | None = None, **overrides) -> tuple[Scheduler, FakeClock, list[ProgramEvent]]:
+    clock = FakeClock()
+    events: list[ProgramEvent] = []
+    sched = Scheduler(SchedulerConfig(**(BASE | overrides)), clock, [events.append])
+    for backend_id, capacity in (capacities or {"a": 1000}).items():
+        sched.add_backend(backend_id, capacity)
+    return sched, clock, events
+
+
+def run_step(sched: Scheduler, program_id: str, prompt: int, completion: int = 0) -> str | None:
+    """One full turn: request admitted, response with the given usage."""
+    backend = sched.on_request(program_id, prompt)
+    if backend is not None:
+        sched.on_response(program_id, prompt, completion)
+    return backend
+
+
+def kinds(events: list[ProgramEvent], program_id: str) -> list[EventKind]:
+    return [e.kind for e in events if e.program.id == program_id]
+
+
+def test_new_program_is_admitted_at_once_when_there_is_room() -> None:
+    sched, _, _ = make()
+    assert sched.on_request("p", 300) == "a"
+    assert sched.programs["p"].status is Status.ACTIVE
+    assert sched.programs["p"].phase is Phase.REASONING
+
+
+def test_program_stays_on_its_backend_across_turns() -> None:
+    sched, _, _ = make({"a": 1000, "b": 1000})
+    first = run_step(sched, "p", 100, 10)
+    assert all(run_step(sched, "p", 110 + 20 * i, 10) == first for i in range(5))
+
+
+def test_usage_from_the_engine_replaces_the_estimate() -> None:
+    sched, _, _ = make()
+    sched.on_request("p", 500)
+    sched.on_response("p", prompt_tokens=420, completion_tokens=30)
+    assert sched.programs["p"].tokens == 450
+    assert sched.reserved_tokens("a") == 450
+
+
+def test_new_program_waits_when_full_and_runs_after_a_release() -> None:
+    sched, _, events = make()
+    run_step(sched, "big", 850)
+    assert sched.on_request("late", 200) is None
+    assert sched.programs["late"].status is Status.PAUSED
+    sched.release("big")
+    assert sched.programs["late"].status is Status.ACTIVE
+    assert kinds(events, "late") == [EventKind.CREATED, EventKind.RESUMED]
+
+
+@pytest.mark.parametrize(
+    ("sizes", "paused"),
+    [
+        # over 950 → pause shortest ACTING first until at or under 800
+        ({"p1": 100, "p2": 200, "p3": 700}, {"p1", "p2"}),
+        ({"p1": 290, "p2": 300, "p3": 390}, {"p1"}),
+        ({"p1": 60, "p2": 900}, {"p1", "p2"}),
+        # at or under the threshold nothing pauses
+        ({"p1": 450, "p2": 500}, set()),
+    ],
+)
+def test_tick_pauses_acting_programs_shortest_first_down_to_target(sizes, paused) -> None:
+    sched, _, _ = make(resume_threshold=0.9, pause_threshold=0.95)
+    for pid in sizes:
+        run_step(sched, pid, 10)
+    for pid, size in sizes.items():  # grow after admission, as contexts do
+        sched.on_request(pid, size)
+        sched.on_response(pid, size, 0)
+    sched.tick()
+    assert {p.id for p in sched.paused()} == paused
+
+
+def test_reasoning_program_is_never_cut_and_pauses_at_its_tool_boundary() -> None:
+    sched, _, events = make()
+    sched.on_request("r1", 100)
+    sched.on_request("r2", 100)
+    sched.on_request("r1", 500)  # both decoding and grown: 980 > 950
+    sched.on_request("r2", 480)
+    sched.tick()
+    assert not sched.paused()
+    assert sched.programs["r2"].pause_at_boundary and not sched.programs["r1"].pause_at_boundary
+    sched.on_response("r2", 480, 20)
+    assert sched.programs["r2"].status is Status.PAUSED
+    assert kinds(events, "r2")[-1] is EventKind.PAUSED
+
+
+def test_acting_programs_pause_before_reasoning_ones() -> None:
+    sched, _, _ = make()
+    run_step(sched, "acting_big", 600)
+    sched.on_request("reasoning_small", 100)
+    sched.on_request("reasoning_small", 380)
+    sched.tick()
+    assert [p.id for p in sched.paused()] == ["acting_big"]
+    assert not sched.programs["reasoning_small"].pause_at_boundary
+
+
+def test_resume_runs_before_pause_within_one_tick() -> None:
+    sched, clock, _ = make()
+    run_step(sched, "x", 500)
+    run_step(sched, "y", 300)
+    sched.on_request("waiter", 150)  # 950: no room under the resume band
+    assert sched.programs["waiter"].status is Status.PAUSED
+    sched.on_request("x", 700)
+    sched.on_response("x", 700, 0)  # 1000 > 950: this tick pauses y (shortest ACTING)
+    sched.tick()
+    assert {p.id for p in sched.paused()} == {"y", "waiter"}
+    clock.advance(5)
+    sched.tick()  # the next tick resumes the waiter into the room the pause made
+    assert sched.programs["waiter"].status is Status.ACTIVE
+    assert sched.programs["y"].status is Status.PAUSED
+
+
+@pytest.mark.parametrize(
+    ("capacity", "resumed"),
+    [
+        # headroom = 0.9 x capacity; the queue is w_short(100) w_long(300) new_tiny(10) idle(50)
+        (120, {"w_short"}),
+        (450, {"w_short", "w_long"}),  # new_tiny would fit the rest but waits its turn
+        (1000, {"w_short", "w_long", "new_tiny", "idle"}),
+    ],
+)
+def test_resume_order_is_waiting_then_new_then_acting_shortest_first(capacity, resumed) -> None:
+    sched, _, _ = make()
+    sched.on_request("anchor", 0)  # keeps the backend from counting as idle
+    for pid, size in [("w_long", 300), ("w_short", 100), ("idle", 50)]:
+        run_step(sched, pid, size)
+    sched.add_backend("a", 10)
+    sched.tick()  # every ACTING program pauses
+    sched.set_schedulable("a", False)
+    for pid, size in [("w_long", 300), ("w_short", 100), ("new_tiny", 10)]:
+        assert sched.on_request(pid, size) is None
+    sched.add_backend("a", capacity)
+    sched.set_schedulable("a", True)
+    sched.tick()
+    assert {p.id for p in sched.programs.values() if p.status is Status.ACTIVE} - {"anchor"} == resumed
+
+
+def test_new_program_waits_behind_paused_programs_with_requests() -> None:
+    sched, _, _ = make()
+    run_step(sched, "old", 400)
+    run_step(sched, "hog", 480)
+    sched.on_request("hog", 600)
+    sched.on_response("hog", 600, 0)
+    sched.tick()  # 1000 > 950: old (shorter) pauses
+    assert sched.programs["old"].status is Status.PAUSED
+    sched.on_request("old", 400)  # needs 400, only 300 under the band: waits
+    assert sched.on_request("newcomer", 250) is None  # would fit, but old is ahead
+
+
+def place_on(sched: Scheduler, backend_id: str, program_id: str, size: int) -> None:
+    others = [b for b in sched.backends.values() if b.id != backend_id]
+    for backend in others:
+        backend.schedulable = False
+    run_step(sched, program_id, size)
+    for backend in others:
+        backend.schedulable = True
+
+
+@pytest.mark.parametrize(
+    ("loads", "waiting", "placement"),
+    [
+        # headroom a=800 b=600: big takes a (800 -> 300), then small takes b
+        ({"a": 100, "b": 300}, {"big": 500, "small": 200}, {"big": "a", "small": "b"}),
+        # headroom a=400 b=900: big takes b (900 -> 300), then small takes a
+        ({"a": 500, "b": 0}, {"big": 600, "small": 350}, {"big": "b", "small": "a"}),
+    ],
+)
+def test_resume_places_largest_first_on_most_headroom(loads, waiting, placement) -> None:
+    sched, _, _ = make({"a": 1000, "b": 1000})
+    for backend_id, size in loads.items():
+        place_on(sched, backend_id, f"load_{backend_id}", size)
+    for backend_id in sched.backends:
+        sched.set_schedulable(backend_id, False)
+    for pid, size in waiting.items():
+        assert sched.on_request(pid, size) is None
+    for backend_id in sched.backends:
+        sched.set_schedulable(backend_id, True)
+    sched.tick()
+    assert {pid: sched.programs[pid].backend for pid in waiting} == placement
+
+
+def test_paused_program_resumes_on_another_backend_when_its_own_is_full() -> None:
+    sched, _, _ = make({"a": 1000, "b": 1000})
+    sched.set_schedulable("b", False)
+    run_step(sched, "p", 300)
+    run_step(sched, "q", 600)
+    sched.on_request("q", 700)
+    sched.on_response("q", 700, 0)
+    sched.tick()  # 1000 on a: p pauses
+    assert sched.programs["p"].status is Status.PAUSED
+    sched.set_schedulable("b", True)
+    assert sched.on_request("p", 300) == "b"
+
+
+def test_forced_resume_after_timeout_even_when_full() -> None:
+    sched, clock, events = make()
+    run_step(sched, "hog", 900)
+    assert sched.on_request("starved", 300) is None
+    clock.advance(30)
+    sched.tick()
+    assert sched.programs["starved"].status is Status.PAUSED
+    clock.advance(31)
+    sched.tick()
+    assert sched.programs["starved"].status is Status.ACTIVE
+    assert sched.counters.forced_resumes == 1
+    assert any(e.forced for e in events if e.program.id == "starved")
+
+
+def test_idle_program_expires_after_ttl_but_not_while_decoding() -> None:
+    sched, clock, events = make()
+    run_step(sched, "idle", 100)
+    sched.on_request("decoding", 100)
+    clock.advance(301)
+    sched.tick()
+    assert "idle" not in sched.programs and "decoding" in sched.programs
+    assert kinds(events, "idle")[-1] is EventKind.EXPIRED
+    assert sched.reserved_tokens("a") == 100
+
+
+def test_release_is_idempotent_and_frees_the_reservation() -> None:
+    sched, _, events = make()
+    run_step(sched, "p", 400)
+    assert sched.release("p") is True
+    assert sched.release("p") is False
+    assert sched.reserved_tokens("a") == 0
+    assert kinds(events, "p").count(EventKind.RELEASED) == 1
+
+
+@pytest.mark.parametrize(
+    ("decay", "idle_s", "weight"),
+    [
+        (Decay.OFF, 100, 1.0),
+        (Decay.EXP, 0, 1.0),
+        (Decay.EXP, 10, 0.5),
+        (Decay.EXP, 20, 0.25),
+        (Decay.LINEAR, 5, 0.5),
+        (Decay.LINEAR, 15, 0.0),
+    ],
+)
+def test_acting_decay_weights_on_the_resume_side_only(decay, idle_s, weight) -> None:
+    sched, clock, _ = make(acting_decay=decay, acting_decay_tau_s=10)
+    run_step(sched, "p", 400)
+    clock.advance(idle_s)
+    program = sched.programs["p"]
+    assert sched._weight(program, physical=False) == pytest.approx(weight)
+    assert sched._weight(program, physical=True) == 1.0
+    assert sched.reserved_tokens("a") == 400
+
+
+def test_overbooking_admits_more_but_physical_check_still_pauses() -> None:
+    sched, _, _ = make(acting_overbook=0.5)
+    run_step(sched, "a1", 800)
+    assert sched.on_request("b1", 400) == "a"  # 0.5*800 + 400 <= 900
+    sched.on_response("b1", 400, 0)
+    sched.tick()  # physically 1200 > 950: pauses shortest ACTING
+    assert [p.id for p in sched.paused()] == ["b1"]
+
+
+def test_shared_prefix_is_charged_once_per_backend() -> None:
+    sched, _, _ = make()
+    for i in range(4):
+        sched.on_request(f"p{i}", 300, prefix_key="sys", prefix_tokens=200)
+    # 200 once + 4 x 100 private
+    assert sched.reserved_tokens("a") == 600
+    sched.release("p0")
+    assert sched.reserved_tokens("a") == 500
+
+
+def test_buffer_is_charged_the_same_on_both_sides_so_pausing_converges() -> None:
+    sched, clock, events = make(buffer_tokens=50)
+    for i in range(8):
+        run_step(sched, f"p{i}", 100 + i)
+    for i in range(8):
+        sched.on_request(f"p{i}", 140 + i)
+        sched.on_response(f"p{i}", 140 + i, 0)
+    sched.tick()
+    settled = len(events)
+    for _ in range(10):
+        clock.advance(5)
+        sched.tick()
+    assert len(events) == settled, "a static load must not flap between pause and resume"
+    assert sched.reserved_tokens("a") <= 950
+
+
+def test_backend_without_capacity_is_never_paused() -> None:
+    sched, _, _ = make({"u": None})
+    for i in range(20):
+        assert run_step(sched, f"p{i}", 10_000) == "u"
+    sched.tick()
+    assert not sched.paused()
+
+
+def test_failed_tick_resumes_every_paused_program() -> None:
+    sched, _, _ = make()
+    run_step(sched, "hog", 900)
+    sched.on_request("w1", 300)
+    sched.on_request("w2", 300)
+    assert len(sched.paused()) == 2
+
+    def broken() -> None:
+        raise RuntimeError("policy bug")
+
+    sched._pause_overfull = broken  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError):
+        sched.tick()
+    assert not sched.paused()
+    assert sched.counters.tick_failures == 1
+
+
+def test_failing_listener_does_not_stop_scheduling() -> None:
+    def explode(event: ProgramEvent) -> None:
+        raise RuntimeError("sandbox host down")
+
+    sched, _, _ = make()
+    sched.listeners.insert(0, explode)
+    assert sched.on_request("p", 100) == "a"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"pause_target": 0.96}, "pause_target"),
+        ({"resume_threshold": 0.99}, "resume_threshold"),
+        ({"buffer_tokens": -1}, "buffer_tokens"),
+        ({"acting_decay": "sometimes"}, "acting_decay"),
+    ],
+)
+def test_config_rejects_inconsistent_bands(overrides, message) -> None:
+    with pytest.raises(ValidationError, match=message):
+        SchedulerConfig(**(BASE | overrides))

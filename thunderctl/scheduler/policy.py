@@ -1,0 +1,420 @@
+"""The program-aware scheduling policy of DESIGN.md: pure, synchronous, clock injected.
+
+The gateway tells it what happens (a request arrives, a response ends, a program is released)
+and drives `tick()`; the policy decides where each program runs and which wait. It does no
+I/O: decisions reach the outside world through the listeners it is given.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from pydantic import BaseModel, Field, model_validator
+
+from thunderctl.scheduler.program import Backend, Phase, Program, Status
+
+log = logging.getLogger(__name__)
+
+
+class Decay(StrEnum):
+    OFF = "off"
+    EXP = "exp"
+    LINEAR = "linear"
+
+
+class SchedulerConfig(BaseModel):
+    """Knobs of the policy; fractions are of a backend's KV capacity."""
+
+    model_config = {"extra": "forbid"}
+
+    tick_interval_s: float = Field(5.0, gt=0)
+    pause_threshold: float = Field(0.95, gt=0, le=1.5)
+    pause_target: float = Field(0.85, gt=0, le=1.5)
+    resume_threshold: float = Field(0.90, gt=0, le=1.5)
+    buffer_tokens: int = Field(256, ge=0, description="decode headroom charged per program")
+    resume_timeout_s: float = Field(600.0, gt=0)
+    idle_ttl_s: float = Field(900.0, gt=0)
+    acting_decay: Decay = Decay.OFF
+    acting_decay_tau_s: float = Field(30.0, gt=0)
+    acting_overbook: float = Field(
+        1.0, ge=0, le=1, description="weight of an ACTING reservation on the resume side"
+    )
+
+    @model_validator(mode="after")
+    def _bands_are_ordered(self) -> SchedulerConfig:
+        if not self.pause_target < self.pause_threshold:
+            raise ValueError(
+                f"pause_target ({self.pause_target}) must be below pause_threshold "
+                f"({self.pause_threshold}), or pausing never gets usage back under the threshold"
+            )
+        if not self.resume_threshold < self.pause_threshold:
+            raise ValueError(
+                f"resume_threshold ({self.resume_threshold}) must be below pause_threshold "
+                f"({self.pause_threshold}), or a resumed program is paused again at once"
+            )
+        return self
+
+
+class EventKind(StrEnum):
+    CREATED = "created"
+    PAUSED = "paused"
+    RESUMED = "resumed"
+    RELEASED = "released"
+    EXPIRED = "expired"
+
+
+@dataclass(frozen=True)
+class ProgramEvent:
+    kind: EventKind
+    program: Program
+    forced: bool = False
+
+
+Listener = Callable[[ProgramEvent], None]
+
+
+@dataclass
+class Counters:
+    pauses: int = 0
+    resumes: int = 0
+    forced_resumes: int = 0
+    released: int = 0
+    expired: int = 0
+    tick_failures: int = 0
+
+
+@dataclass
+class _Load:
+    """Tokens charged on one backend, with each shared prefix counted once."""
+
+    tokens: float = 0.0
+    prefix_holders: Counter[str] = field(default_factory=Counter)
+
+    def need(self, program: Program, weight: float, buffer: int) -> float:
+        shared = program.prefix_key is not None and self.prefix_holders[program.prefix_key] > 0
+        prefix = 0 if shared else program.prefix_tokens
+        return weight * program.private_tokens + buffer + prefix
+
+    def add(self, program: Program, weight: float, buffer: int) -> None:
+        self.tokens += self.need(program, weight, buffer)
+        if program.prefix_key is not None:
+            self.prefix_holders[program.prefix_key] += 1
+
+    def remove(self, program: Program, weight: float, buffer: int) -> None:
+        if program.prefix_key is not None:
+            self.prefix_holders[program.prefix_key] -= 1
+        self.tokens -= self.need(program, weight, buffer)
+
+
+class Scheduler:
+    """Programs, backends and the policy over them."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        listeners: Iterable[Listener] = (),
+    ) -> None:
+        self.config = config or SchedulerConfig()
+        self.clock = clock
+        self.listeners = list(listeners)
+        self.programs: dict[str, Program] = {}
+        self.backends: dict[str, Backend] = {}
+        self.counters = Counters()
+
+    # ---- backends -------------------------------------------------------------------------
+
+    def add_backend(self, backend_id: str, capacity: int | None) -> Backend:
+        backend = self.backends.setdefault(backend_id, Backend(backend_id, capacity))
+        backend.capacity = capacity
+        return backend
+
+    def set_schedulable(self, backend_id: str, schedulable: bool) -> None:
+        self.backends[backend_id].schedulable = schedulable
+
+    # ---- what the gateway reports ---------------------------------------------------------
+
+    def on_request(
+        self,
+        program_id: str,
+        prompt_tokens: int,
+        prefix_key: str | None = None,
+        prefix_tokens: int = 0,
+    ) -> str | None:
+        """A request of the program arrived; returns its backend, or None while it must wait.
+
+        `prompt_tokens` is the gateway's estimate of the prompt; the engine's usage replaces
+        it when the response ends.
+        """
+        now = self.clock()
+        program = self.programs.get(program_id)
+        if program is None:
+            program = Program(program_id, created_at=now, paused_at=now)
+            self.programs[program_id] = program
+            self._emit(EventKind.CREATED, program)
+        program.tokens = max(program.tokens, prompt_tokens)
+        if prefix_key is not None:
+            program.prefix_key = prefix_key
+            program.prefix_tokens = min(prefix_tokens, program.tokens)
+        program.phase = Phase.REASONING
+        program.last_activity = now
+        if program.status is Status.ACTIVE:
+            return program.backend
+        program.waiting_since = now
+        self._resume_waiting()
+        return program.backend if program.status is Status.ACTIVE else None
+
+    def on_response(self, program_id: str, prompt_tokens: int, completion_tokens: int) -> None:
+        """A response ended: the engine's usage becomes the program's size; it now ACTs."""
+        program = self.programs.get(program_id)
+        if program is None or program.status is Status.TERMINATED:
+            return
+        now = self.clock()
+        program.tokens = prompt_tokens + completion_tokens
+        if program.prefix_tokens > program.tokens:
+            program.prefix_tokens = program.tokens
+        program.phase = Phase.ACTING
+        program.acting_since = now
+        program.last_activity = now
+        program.steps += 1
+        if program.pause_at_boundary:
+            self._pause(program)
+            self._resume_waiting()
+
+    def on_request_failed(self, program_id: str) -> None:
+        """The request ended without usage (backend error, client gone): the program ACTs."""
+        program = self.programs.get(program_id)
+        if program is None or program.status is Status.TERMINATED:
+            return
+        program.phase = Phase.ACTING
+        program.acting_since = program.last_activity = self.clock()
+        if program.pause_at_boundary:
+            self._pause(program)
+
+    def release(self, program_id: str) -> bool:
+        """The program ended; idempotent. Returns whether it was known."""
+        program = self.programs.get(program_id)
+        if program is None:
+            return False
+        self._terminate(program, EventKind.RELEASED)
+        self.counters.released += 1
+        self._resume_waiting()
+        return True
+
+    # ---- the tick -------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Expire idle programs, then resume, then pause (so nothing resumes the tick it paused).
+
+        A tick that raises fails open: every paused program is let go, so a policy bug costs
+        cache hits, never a stuck agent.
+        """
+        try:
+            self._expire_idle()
+            self._resume()
+            self._pause_overfull()
+        except Exception:
+            self.counters.tick_failures += 1
+            log.exception("scheduler tick failed; resuming every paused program")
+            self._fail_open()
+            raise
+
+    # ---- views ----------------------------------------------------------------------------
+
+    def reserved_tokens(self, backend_id: str) -> int:
+        """Physical (undecayed) tokens charged on a backend."""
+        return round(self._load(self.backends[backend_id], physical=True).tokens)
+
+    def paused(self) -> list[Program]:
+        return [p for p in self.programs.values() if p.status is Status.PAUSED]
+
+    # ---- policy ---------------------------------------------------------------------------
+
+    def _weight(self, program: Program, physical: bool) -> float:
+        if physical or program.phase is Phase.REASONING:
+            return 1.0
+        cfg = self.config
+        idle = max(self.clock() - program.acting_since, 0.0)
+        match cfg.acting_decay:
+            case Decay.EXP:
+                decay = math.pow(2.0, -idle / cfg.acting_decay_tau_s)
+            case Decay.LINEAR:
+                decay = max(0.0, 1.0 - idle / cfg.acting_decay_tau_s)
+            case Decay.OFF:
+                decay = 1.0
+        return cfg.acting_overbook * decay
+
+    def _load(self, backend: Backend, physical: bool) -> _Load:
+        load = _Load()
+        for program_id in backend.programs:
+            program = self.programs[program_id]
+            load.add(program, self._weight(program, physical), self.config.buffer_tokens)
+        return load
+
+    def _expire_idle(self) -> None:
+        deadline = self.clock() - self.config.idle_ttl_s
+        for program in list(self.programs.values()):
+            in_flight = program.phase is Phase.REASONING and program.status is Status.ACTIVE
+            if not in_flight and program.waiting_since is None and program.last_activity < deadline:
+                self._terminate(program, EventKind.EXPIRED)
+                self.counters.expired += 1
+
+    def _resume_order(self, program: Program) -> tuple[int, int, float]:
+        if program.waiting_since is not None:
+            group = 1 if program.is_new else 0  # a new program waits behind paused ones
+        else:
+            group = 2
+        return group, program.tokens, program.paused_at or 0.0
+
+    def _resume_waiting(self) -> None:
+        """The event-driven resume: as the tick's, without forcing anyone."""
+        self._resume(force_overdue=False)
+
+    def _resume(self, force_overdue: bool = True) -> None:
+        queue = sorted(self.paused(), key=self._resume_order)
+        if not queue:
+            return
+        targets = [b for b in self.backends.values() if b.schedulable]
+        if not targets:
+            return
+        loads = {b.id: self._load(b, physical=False) for b in targets}
+        if force_overdue:
+            queue = self._force_overdue(queue, targets, loads)
+        chosen = self._admit_in_order(queue, targets, loads)
+        # Best fit decreasing: the largest chosen program first, onto the most headroom.
+        for program in sorted(chosen, key=lambda p: p.tokens, reverse=True):
+            backend = self._roomiest_fit(program, targets, loads)
+            if backend is not None:
+                self._place(program, backend, loads[backend.id])
+
+    def _force_overdue(
+        self, queue: list[Program], targets: list[Backend], loads: dict[str, _Load]
+    ) -> list[Program]:
+        deadline = self.clock() - self.config.resume_timeout_s
+        waiting = []
+        for program in queue:
+            if program.waiting_since is not None and program.waiting_since <= deadline:
+                backend = max(targets, key=lambda b: self._headroom(b, loads[b.id]))
+                self._place(program, backend, loads[backend.id], forced=True)
+            else:
+                waiting.append(program)
+        return waiting
+
+    def _admit_in_order(
+        self, queue: list[Program], targets: list[Backend], loads: dict[str, _Load]
+    ) -> list[Program]:
+        """The head of the queue that fits in the total headroom; nobody jumps the queue."""
+        headroom = sum(self._headroom(b, loads[b.id]) for b in targets)
+        chosen = []
+        for program in queue:
+            need = program.tokens + self.config.buffer_tokens
+            if need > headroom and not any(self._is_idle(b) for b in targets):
+                break
+            headroom -= need
+            chosen.append(program)
+        return chosen
+
+    def _headroom(self, backend: Backend, load: _Load) -> float:
+        if backend.capacity is None:
+            return math.inf
+        return backend.capacity * self.config.resume_threshold - load.tokens
+
+    def _is_idle(self, backend: Backend) -> bool:
+        return not backend.programs
+
+    def _roomiest_fit(
+        self, program: Program, targets: list[Backend], loads: dict[str, _Load]
+    ) -> Backend | None:
+        def fits(backend: Backend) -> bool:
+            need = loads[backend.id].need(program, 1.0, self.config.buffer_tokens)
+            # An idle backend takes any program: otherwise one larger than the resume band
+            # would wait for its forced resume while the engine sits empty.
+            return self._is_idle(backend) or need <= self._headroom(backend, loads[backend.id])
+
+        fitting = [b for b in targets if fits(b)]
+        if not fitting:
+            return None
+        return max(fitting, key=lambda b: self._headroom(b, loads[b.id]))
+
+    def _place(self, program: Program, backend: Backend, load: _Load, forced: bool = False) -> None:
+        now = self.clock()
+        load.add(program, 1.0, self.config.buffer_tokens)
+        backend.programs.add(program.id)
+        program.backend = backend.id
+        program.status = Status.ACTIVE
+        if program.paused_at is not None:
+            program.paused_total_s += now - program.paused_at
+        program.paused_at = None
+        program.waiting_since = None
+        program.pause_at_boundary = False
+        if program.phase is Phase.ACTING:
+            program.acting_since = now  # its tool time so far is not evidence of idleness here
+        self.counters.resumes += 1
+        self.counters.forced_resumes += forced
+        self._emit(EventKind.RESUMED, program, forced=forced)
+
+    def _pause_overfull(self) -> None:
+        cfg = self.config
+        for backend in self.backends.values():
+            if backend.capacity is None:
+                continue
+            load = self._load(backend, physical=True)
+            if load.tokens <= backend.capacity * cfg.pause_threshold:
+                continue
+            target = backend.capacity * cfg.pause_target
+            members = sorted((self.programs[i] for i in backend.programs), key=lambda p: (p.tokens, p.id))
+            for program in members:
+                if program.phase is Phase.ACTING:
+                    load.remove(program, 1.0, cfg.buffer_tokens)
+                    self._pause(program)
+                    if load.tokens <= target:
+                        break
+            else:
+                # Nothing ACTING is left: the shortest decodes pause once their response is out.
+                for program in members:
+                    if load.tokens <= target:
+                        break
+                    if program.phase is Phase.REASONING and program.status is Status.ACTIVE:
+                        program.pause_at_boundary = True
+                        load.remove(program, 1.0, cfg.buffer_tokens)
+
+    def _pause(self, program: Program) -> None:
+        self._detach(program)
+        program.status = Status.PAUSED
+        program.paused_at = self.clock()
+        program.pause_at_boundary = False
+        self.counters.pauses += 1
+        self._emit(EventKind.PAUSED, program)
+
+    def _detach(self, program: Program) -> None:
+        if program.status is Status.ACTIVE and program.backend in self.backends:
+            self.backends[program.backend].programs.discard(program.id)
+
+    def _terminate(self, program: Program, kind: EventKind) -> None:
+        self._detach(program)
+        program.status = Status.TERMINATED
+        del self.programs[program.id]
+        self._emit(kind, program)
+
+    def _fail_open(self) -> None:
+        targets = [b for b in self.backends.values() if b.schedulable] or list(self.backends.values())
+        if not targets:
+            return
+        for program in self.paused():
+            backend = min(targets, key=lambda b: len(b.programs))
+            self._place(program, backend, _Load(), forced=True)
+
+    def _emit(self, kind: EventKind, program: Program, forced: bool = False) -> None:
+        event = ProgramEvent(kind, program, forced)
+        for listener in self.listeners:
+            try:
+                listener(event)
+            except Exception:
+                # One subscriber's failure (a sandbox host down) must not stall scheduling.
+                log.exception("listener failed on %s of %s", kind, program.id)

@@ -1,0 +1,54 @@
+"""The scheduler's view of an agent program and of a backend (one vLLM worker)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class Phase(StrEnum):
+    REASONING = "reasoning"  # a request of the program is in flight, or waiting to go
+    ACTING = "acting"  # between a response and the program's next request (a tool runs)
+
+
+class Status(StrEnum):
+    ACTIVE = "active"
+    PAUSED = "paused"
+    TERMINATED = "terminated"
+
+
+@dataclass
+class Program:
+    id: str
+    tokens: int = 0  # context the engine holds for it: last prompt + completion, or an estimate
+    phase: Phase = Phase.REASONING
+    status: Status = Status.PAUSED
+    backend: str | None = None  # where it runs while ACTIVE; kept while PAUSED for reporting
+    # A prefix many programs share (the system prompt) sits once in the engine's prefix cache,
+    # so it is charged once per backend rather than once per program.
+    prefix_key: str | None = None
+    prefix_tokens: int = 0
+    steps: int = 0
+    created_at: float = 0.0
+    last_activity: float = 0.0
+    acting_since: float = 0.0
+    paused_at: float | None = None
+    paused_total_s: float = 0.0
+    waiting_since: float | None = None  # a request arrived while PAUSED and waits for resume
+    pause_at_boundary: bool = False  # REASONING and chosen to pause once its response is out
+
+    @property
+    def is_new(self) -> bool:
+        return self.steps == 0
+
+    @property
+    def private_tokens(self) -> int:
+        return max(self.tokens - self.prefix_tokens, 0)
+
+
+@dataclass
+class Backend:
+    id: str
+    capacity: int | None  # KV tokens; None when the engine does not say (never paused there)
+    schedulable: bool = True  # False while draining or unhealthy: nothing new is placed there
+    programs: set[str] = field(default_factory=set)  # ids of ACTIVE programs placed here
