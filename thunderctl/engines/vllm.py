@@ -1,0 +1,294 @@
+"""What the scheduler needs from a vLLM server: its health and its Prometheus `/metrics`.
+
+vLLM renamed several metrics over time (`gpu_cache_usage_perc` → `kv_cache_usage_perc`,
+`gpu_prefix_cache_*` → `prefix_cache_*`); both spellings are accepted, the newer preferred,
+and never both added up. A server with several engine cores (data parallel) labels each
+sample with `engine`; totals are summed over engines and each engine is kept as well.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import httpx
+
+CACHE_CONFIG_INFO = "vllm:cache_config_info"
+# Preferred name first. prometheus_client appends `_total` to counters, but the bare
+# name is accepted in case a version or exporter does not.
+KV_USAGE_NAMES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+RUNNING_NAMES = ("vllm:num_requests_running",)
+WAITING_NAMES = ("vllm:num_requests_waiting",)
+PREFIX_QUERIES_NAMES = (
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_queries",
+    "vllm:gpu_prefix_cache_queries_total",
+    "vllm:gpu_prefix_cache_queries",
+)
+PREFIX_HITS_NAMES = (
+    "vllm:prefix_cache_hits_total",
+    "vllm:prefix_cache_hits",
+    "vllm:gpu_prefix_cache_hits_total",
+    "vllm:gpu_prefix_cache_hits",
+)
+PREEMPTIONS_NAMES = ("vllm:num_preemptions_total", "vllm:num_preemptions")
+# Only these shape the result: other vllm: series (some without an `engine` label, like
+# vllm:admission_rejections_total) must not invent an extra engine.
+RELEVANT_NAMES = frozenset(
+    (CACHE_CONFIG_INFO,)
+    + KV_USAGE_NAMES
+    + RUNNING_NAMES
+    + WAITING_NAMES
+    + PREFIX_QUERIES_NAMES
+    + PREFIX_HITS_NAMES
+    + PREEMPTIONS_NAMES
+)
+
+# Samples without an `engine` label (older single-engine servers) are kept under this key.
+NO_ENGINE = ""
+
+
+class MetricsParseError(ValueError):
+    """A line of Prometheus text that does not follow the exposition format."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    name: str
+    labels: dict[str, str]
+    value: float
+
+
+@dataclass
+class EngineMetrics:
+    """One scrape of a vLLM server; `per_engine` holds the same figures per engine core."""
+
+    kv_capacity_tokens: int | None = None
+    kv_usage: float = 0.0
+    requests_running: int = 0
+    requests_waiting: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    preemptions: int = 0
+    per_engine: dict[str, EngineMetrics] = field(default_factory=dict)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        if self.prefix_cache_queries == 0:
+            return None
+        return self.prefix_cache_hits / self.prefix_cache_queries
+
+
+# --- Prometheus text format ----------------------------------------------------------
+
+
+def parse_samples(text: str) -> list[Sample]:
+    """All samples of a Prometheus text exposition (format 0.0.4); comments are skipped."""
+    samples = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        try:
+            sample = parse_sample_line(line)
+        except MetricsParseError as error:
+            raise MetricsParseError(f"line {number}: {error}: {line!r}") from None
+        if sample is not None:
+            samples.append(sample)
+    return samples
+
+
+def parse_sample_line(line: str) -> Sample | None:
+    """`name{label="value",...} value [timestamp]`, or None for blank and comment lines."""
+    stripped = line.strip()
+    if not stripped or stripped.startswith("#"):
+        return None
+    name, pos = read_identifier(stripped, 0, metric=True)
+    pos = skip_spaces(stripped, pos)
+    labels: dict[str, str] = {}
+    if pos < len(stripped) and stripped[pos] == "{":
+        labels, pos = read_labels(stripped, pos + 1)
+    rest = stripped[pos:].split()
+    if len(rest) not in (1, 2):
+        raise MetricsParseError("expected a value and an optional timestamp")
+    return Sample(name, labels, parse_value(rest[0]))
+
+
+def parse_value(token: str) -> float:
+    try:
+        # float() already reads Prometheus' NaN, +Inf and -Inf.
+        return float(token)
+    except ValueError:
+        raise MetricsParseError(f"bad sample value {token!r}") from None
+
+
+def read_identifier(text: str, pos: int, *, metric: bool) -> tuple[str, int]:
+    """A metric name ([a-zA-Z_:][a-zA-Z0-9_:]*) or a label name (the same without ':')."""
+    start = pos
+    while pos < len(text) and is_name_char(text[pos], first=pos == start, colon=metric):
+        pos += 1
+    if pos == start:
+        raise MetricsParseError(f"expected a {'metric' if metric else 'label'} name at column {start}")
+    return text[start:pos], pos
+
+
+def is_name_char(char: str, *, first: bool, colon: bool) -> bool:
+    if char == "_" or (colon and char == ":") or ("a" <= char.lower() <= "z"):
+        return True
+    return not first and char.isdigit() and char.isascii()
+
+
+def read_labels(text: str, pos: int) -> tuple[dict[str, str], int]:
+    """Labels after the opening brace; returns them and the position after '}'."""
+    labels: dict[str, str] = {}
+    while True:
+        pos = skip_spaces(text, pos)
+        if pos < len(text) and text[pos] == "}":
+            return labels, pos + 1
+        name, pos = read_identifier(text, pos, metric=False)
+        pos = expect(text, skip_spaces(text, pos), "=")
+        pos = expect(text, skip_spaces(text, pos), '"')
+        labels[name], pos = read_quoted(text, pos)
+        pos = skip_spaces(text, pos)
+        if pos < len(text) and text[pos] == ",":
+            pos += 1  # a trailing comma before '}' is allowed
+        elif pos >= len(text) or text[pos] != "}":
+            raise MetricsParseError(f"expected ',' or '}}' at column {pos}")
+
+
+def read_quoted(text: str, pos: int) -> tuple[str, int]:
+    """A label value after its opening quote, unescaping \\\\, \\" and \\n."""
+    escapes = {"\\": "\\", '"': '"', "n": "\n"}
+    chars: list[str] = []
+    while pos < len(text):
+        char = text[pos]
+        if char == '"':
+            return "".join(chars), pos + 1
+        if char == "\\" and pos + 1 < len(text):
+            following = text[pos + 1]
+            # Unknown escapes are kept verbatim, as Prometheus' own parser does.
+            chars.append(escapes.get(following, "\\" + following))
+            pos += 2
+            continue
+        chars.append(char)
+        pos += 1
+    raise MetricsParseError("unterminated label value")
+
+
+def expect(text: str, pos: int, char: str) -> int:
+    if pos >= len(text) or text[pos] != char:
+        raise MetricsParseError(f"expected {char!r} at column {pos}")
+    return pos + 1
+
+
+def skip_spaces(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t":
+        pos += 1
+    return pos
+
+
+# --- vLLM metrics --------------------------------------------------------------------
+
+
+def parse_metrics(text: str) -> EngineMetrics:
+    """The scheduler's view of one vLLM `/metrics` page, totalled and per engine core."""
+    samples = [s for s in parse_samples(text) if s.name in RELEVANT_NAMES]
+    by_engine: dict[str, list[Sample]] = defaultdict(list)
+    for sample in samples:
+        by_engine[sample.labels.get("engine", NO_ENGINE)].append(sample)
+    # Choose each metric's spelling once for the whole page, so an engine reporting
+    # both old and new names is not counted twice and all engines agree.
+    present = {s.name for s in samples}
+    names = {
+        "kv_usage": first_present(KV_USAGE_NAMES, present),
+        "requests_running": first_present(RUNNING_NAMES, present),
+        "requests_waiting": first_present(WAITING_NAMES, present),
+        "prefix_cache_queries": first_present(PREFIX_QUERIES_NAMES, present),
+        "prefix_cache_hits": first_present(PREFIX_HITS_NAMES, present),
+        "preemptions": first_present(PREEMPTIONS_NAMES, present),
+    }
+    per_engine = {engine: engine_metrics(group, names) for engine, group in sorted(by_engine.items())}
+    return total_metrics(per_engine)
+
+
+def first_present(candidates: tuple[str, ...], present: set[str]) -> str | None:
+    return next((name for name in candidates if name in present), None)
+
+
+def engine_metrics(samples: list[Sample], names: dict[str, str | None]) -> EngineMetrics:
+    def total(key: str) -> float:
+        return sum(s.value for s in samples if s.name == names[key])
+
+    usages = [s.value for s in samples if s.name == names["kv_usage"]]
+    return EngineMetrics(
+        kv_capacity_tokens=capacity_from_info(samples),
+        # Several model_name series for one engine would share its cache: take the fullest.
+        kv_usage=max(usages, default=0.0),
+        requests_running=round(total("requests_running")),
+        requests_waiting=round(total("requests_waiting")),
+        prefix_cache_queries=round(total("prefix_cache_queries")),
+        prefix_cache_hits=round(total("prefix_cache_hits")),
+        preemptions=round(total("preemptions")),
+    )
+
+
+def capacity_from_info(samples: list[Sample]) -> int | None:
+    """KV tokens one engine can hold, from the labels of `vllm:cache_config_info`."""
+    for sample in samples:
+        if sample.name != CACHE_CONFIG_INFO:
+            continue
+        tokens = int_label(sample.labels, "kv_cache_size_tokens")
+        if tokens is not None:
+            return tokens
+        blocks = int_label(sample.labels, "num_gpu_blocks")
+        block_size = int_label(sample.labels, "block_size")
+        if blocks is not None and block_size is not None:
+            return blocks * block_size
+    return None
+
+
+def int_label(labels: dict[str, str], key: str) -> int | None:
+    # vLLM stringifies its config: an unset value reads "None".
+    try:
+        return int(labels[key])
+    except (KeyError, ValueError):
+        return None
+
+
+def total_metrics(per_engine: dict[str, EngineMetrics]) -> EngineMetrics:
+    engines = list(per_engine.values())
+    capacities = [e.kv_capacity_tokens for e in engines if e.kv_capacity_tokens is not None]
+    return EngineMetrics(
+        kv_capacity_tokens=sum(capacities) if capacities else None,
+        kv_usage=overall_usage(engines),
+        requests_running=sum(e.requests_running for e in engines),
+        requests_waiting=sum(e.requests_waiting for e in engines),
+        prefix_cache_queries=sum(e.prefix_cache_queries for e in engines),
+        prefix_cache_hits=sum(e.prefix_cache_hits for e in engines),
+        preemptions=sum(e.preemptions for e in engines),
+        per_engine=per_engine,
+    )
+
+
+def overall_usage(engines: list[EngineMetrics]) -> float:
+    """Usage of the server's whole KV cache: engines weighted by capacity when all are known."""
+    if not engines:
+        return 0.0
+    if all(e.kv_capacity_tokens for e in engines):
+        used = sum(e.kv_usage * e.kv_capacity_tokens for e in engines)  # type: ignore[operator]
+        return used / sum(e.kv_capacity_tokens for e in engines)  # type: ignore[misc]
+    return sum(e.kv_usage for e in engines) / len(engines)
+
+
+# --- HTTP ----------------------------------------------------------------------------
+
+
+async def fetch_metrics(client: httpx.AsyncClient, base_url: str) -> EngineMetrics:
+    response = await client.get(f"{base_url.rstrip('/')}/metrics")
+    response.raise_for_status()
+    return parse_metrics(response.text)
+
+
+async def is_healthy(client: httpx.AsyncClient, base_url: str) -> bool:
+    try:
+        response = await client.get(f"{base_url.rstrip('/')}/health")
+    except httpx.HTTPError:
+        return False
+    return response.status_code == 200
