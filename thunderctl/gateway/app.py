@@ -1,0 +1,85 @@
+"""HTTP routes of the gateway: OpenAI-compatible endpoints plus program control and metrics."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from thunderctl.gateway.gateway import BackendError, Gateway
+from thunderctl.gateway.metrics import render_metrics
+from thunderctl.gateway.requests import BadRequest, pop_program_id, prompt_shape
+
+
+def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status)
+
+
+async def read_json_object(request: Request) -> dict:
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
+
+
+def build_app(gateway: Gateway) -> Starlette:
+    async def completions(request: Request) -> Response:
+        try:
+            body = await read_json_object(request)
+            program_id = pop_program_id(body, dict(request.headers))
+            shape = prompt_shape(body)
+        except BadRequest as exc:
+            return error(400, str(exc))
+        try:
+            relayed = await gateway.relay(request.url.path, body, program_id, shape)
+        except (BackendError, httpx.HTTPError) as exc:
+            return error(502, str(exc), "backend_error")
+        if isinstance(relayed.body, bytes):
+            return Response(relayed.body, relayed.status, media_type=relayed.media_type)
+        return StreamingResponse(relayed.body, relayed.status, media_type=relayed.media_type)
+
+    async def models(_: Request) -> Response:
+        try:
+            status, content = await gateway.get_models()
+        except BackendError as exc:
+            return error(502, str(exc), "backend_error")
+        return Response(content, status, media_type="application/json")
+
+    async def release(request: Request) -> Response:
+        try:
+            body = await read_json_object(request)
+        except BadRequest as exc:
+            return error(400, str(exc))
+        program_id = body.get("program_id")
+        if not isinstance(program_id, str | int) or program_id == "":
+            return error(400, 'release needs {"program_id": "<id>"}')
+        released = gateway.scheduler.release(str(program_id))
+        return JSONResponse({"program_id": str(program_id), "released": released})
+
+    async def programs(_: Request) -> Response:
+        return JSONResponse({"programs": gateway.programs_view()})
+
+    async def metrics(_: Request) -> Response:
+        return PlainTextResponse(render_metrics(gateway), media_type="text/plain; version=0.0.4")
+
+    async def health(_: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    return Starlette(
+        routes=[
+            Route("/v1/chat/completions", completions, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/programs/release", release, methods=["POST"]),
+            Route("/programs", programs, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+        ]
+    )

@@ -1,0 +1,277 @@
+"""The gateway: admits each program's requests through the scheduler and relays them to vLLM.
+
+One asyncio process: request handlers, a scheduler tick loop and an engine-metrics poller.
+The scheduler stays synchronous; this module is the only place it meets I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from thunderctl.engines.vllm import EngineMetrics, fetch_metrics, is_healthy
+from thunderctl.gateway.requests import PromptShape, TokenEstimator
+from thunderctl.scheduler import EventKind, ProgramEvent, Scheduler, SchedulerConfig, Status
+
+log = logging.getLogger(__name__)
+
+
+class BackendUnreachable(RuntimeError):
+    pass
+
+
+class BackendError(RuntimeError):
+    """A backend could not be reached mid-request; the client gets a 502 naming it."""
+
+
+@dataclass
+class Upstream:
+    """One vLLM worker as the gateway sees it."""
+
+    id: str
+    url: str
+    in_flight: int = 0
+    metrics: EngineMetrics | None = None
+
+    @property
+    def capacity(self) -> int | None:
+        return self.metrics.kv_capacity_tokens if self.metrics else None
+
+
+@dataclass(frozen=True)
+class Relayed:
+    """A backend's answer: a whole body, or a stream of SSE lines as they come."""
+
+    status: int
+    media_type: str
+    body: bytes | AsyncIterator[bytes]
+
+
+class Gateway:
+    def __init__(
+        self,
+        upstreams: list[Upstream],
+        config: SchedulerConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        metrics_interval_s: float = 2.0,
+    ) -> None:
+        if not upstreams:
+            raise ValueError("the gateway needs at least one backend")
+        self.upstreams = {u.id: u for u in upstreams}
+        self.scheduler = Scheduler(config, clock, [self._on_program_event])
+        self.estimator = TokenEstimator()
+        self.metrics_interval_s = metrics_interval_s
+        self.started_at = clock()
+        self._clock = clock
+        self._resumed: dict[str, asyncio.Event] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(None, connect=10.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        )
+
+    # ---- life -----------------------------------------------------------------------------
+
+    async def start(self) -> list[str]:
+        """Check every backend, read its KV capacity, start the loops. Returns warnings."""
+        warnings = []
+        for upstream in self.upstreams.values():
+            if not await is_healthy(self._client, upstream.url):
+                raise BackendUnreachable(
+                    f"backend {upstream.id} at {upstream.url} does not answer GET /health; "
+                    "is vLLM running there and the address right?"
+                )
+            upstream.metrics = await fetch_metrics(self._client, upstream.url)
+            if upstream.capacity is None:
+                warnings.append(
+                    f"backend {upstream.id} ({upstream.url}) reports no vllm:cache_config_info: "
+                    "its programs are served unscheduled (never paused)"
+                )
+            self.scheduler.add_backend(upstream.id, upstream.capacity)
+        self._tasks = [
+            asyncio.create_task(self._tick_loop(), name="scheduler-tick"),
+            asyncio.create_task(self._metrics_loop(), name="metrics-poll"),
+        ]
+        return warnings
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self._client.aclose()
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.scheduler.config.tick_interval_s)
+            try:
+                self.scheduler.tick()
+            except Exception:
+                pass  # logged by the scheduler, which has already let every paused program go
+
+    async def _metrics_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.metrics_interval_s)
+            await self.refresh_metrics()
+
+    async def refresh_metrics(self) -> None:
+        results = await asyncio.gather(
+            *(fetch_metrics(self._client, u.url) for u in self.upstreams.values()),
+            return_exceptions=True,
+        )
+        for upstream, result in zip(self.upstreams.values(), results, strict=True):
+            if isinstance(result, BaseException):
+                log.warning("metrics of %s unavailable: %s", upstream.id, result)
+                continue
+            upstream.metrics = result
+            self.scheduler.add_backend(upstream.id, upstream.capacity)
+
+    # ---- admission ------------------------------------------------------------------------
+
+    def _on_program_event(self, event: ProgramEvent) -> None:
+        if event.kind in (EventKind.RESUMED, EventKind.RELEASED, EventKind.EXPIRED):
+            waiter = self._resumed.pop(event.program.id, None)
+            if waiter is not None:
+                waiter.set()
+
+    async def admit(self, program_id: str | None, shape: PromptShape) -> Upstream:
+        """Where this request goes; a paused program's request waits here for its resume."""
+        if program_id is None:
+            return self.least_loaded()
+        while True:
+            backend = self.scheduler.on_request(
+                program_id,
+                self.estimator.prompt_tokens(shape),
+                shape.prefix_key,
+                self.estimator.estimate(shape.prefix_chars),
+            )
+            if backend is not None:
+                return self.upstreams[backend]
+            waiter = self._resumed.setdefault(program_id, asyncio.Event())
+            await waiter.wait()
+            program = self.scheduler.programs.get(program_id)
+            if program is None:  # released while it waited: serve it unscheduled
+                return self.least_loaded()
+            if program.status is Status.ACTIVE:
+                return self.upstreams[program.backend]
+
+    def least_loaded(self) -> Upstream:
+        return min(self.upstreams.values(), key=lambda u: u.in_flight)
+
+    # ---- relaying -------------------------------------------------------------------------
+
+    async def relay(
+        self, path: str, body: dict[str, Any], program_id: str | None, shape: PromptShape
+    ) -> Relayed:
+        """Send the request to its backend; account the engine's usage when it ends."""
+        upstream = await self.admit(program_id, shape)
+        stream = bool(body.get("stream"))
+        client_wants_usage = True
+        if stream:
+            options = body.get("stream_options") or {}
+            client_wants_usage = bool(options.get("include_usage"))
+            body["stream_options"] = {**options, "include_usage": True}
+        upstream.in_flight += 1
+        try:
+            response = await self._client.send(
+                self._client.build_request("POST", f"{upstream.url}{path}", json=body),
+                stream=True,
+            )
+        except httpx.HTTPError as exc:
+            self._finish(upstream, program_id, shape, None)
+            raise BackendError(f"backend {upstream.id} ({upstream.url}) failed: {exc!r}") from exc
+        media_type = response.headers.get("content-type", "application/json")
+        if response.status_code == 200 and stream:
+            lines = self._relay_stream(response, upstream, program_id, shape, client_wants_usage)
+            return Relayed(response.status_code, media_type, lines)
+        usage = None
+        try:
+            content = await response.aread()
+            if response.status_code == 200:
+                with contextlib.suppress(ValueError, AttributeError):
+                    usage = json.loads(content).get("usage")
+        finally:
+            await response.aclose()
+            self._finish(upstream, program_id, shape, usage)
+        return Relayed(response.status_code, media_type, content)
+
+    async def _relay_stream(
+        self,
+        response: httpx.Response,
+        upstream: Upstream,
+        program_id: str | None,
+        shape: PromptShape,
+        client_wants_usage: bool,
+    ) -> AsyncIterator[bytes]:
+        usage = None
+        drop_blank = False
+        try:
+            async for line in response.aiter_lines():
+                if not line:
+                    if not drop_blank:
+                        yield b"\n"
+                    drop_blank = False
+                    continue
+                if line.startswith("data: {") and '"usage"' in line:
+                    chunk = json.loads(line[6:])
+                    usage = chunk.get("usage") or usage
+                    if not client_wants_usage:
+                        if not chunk.get("choices"):
+                            drop_blank = True  # the usage-only chunk we asked for ourselves
+                            continue
+                        chunk.pop("usage", None)
+                        line = f"data: {json.dumps(chunk, separators=(',', ':'))}"
+                yield f"{line}\n".encode()
+        finally:
+            # Runs on normal end, backend error and client disconnect alike: the slot is freed.
+            await response.aclose()
+            self._finish(upstream, program_id, shape, usage)
+
+    def _finish(
+        self, upstream: Upstream, program_id: str | None, shape: PromptShape, usage: dict | None
+    ) -> None:
+        upstream.in_flight -= 1
+        if usage and usage.get("prompt_tokens"):
+            self.estimator.observe(shape, usage["prompt_tokens"])
+        if program_id is None:
+            return
+        if usage:
+            self.scheduler.on_response(
+                program_id, usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
+            )
+        else:
+            self.scheduler.on_request_failed(program_id)
+
+    async def get_models(self) -> tuple[int, bytes]:
+        upstream = self.least_loaded()
+        try:
+            response = await self._client.get(f"{upstream.url}/v1/models")
+        except httpx.HTTPError as exc:
+            raise BackendError(f"backend {upstream.id} ({upstream.url}) failed: {exc!r}") from exc
+        return response.status_code, response.content
+
+    # ---- views ----------------------------------------------------------------------------
+
+    def programs_view(self) -> list[dict[str, Any]]:
+        now = self._clock()
+        return [
+            {
+                "program_id": p.id,
+                "phase": p.phase.value,
+                "status": p.status.value,
+                "backend": p.backend,
+                "tokens": p.tokens,
+                "steps": p.steps,
+                "paused_s": round(p.paused_total_s + (now - p.paused_at if p.paused_at else 0), 3),
+            }
+            for p in self.scheduler.programs.values()
+        ]

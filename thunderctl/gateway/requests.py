@@ -1,0 +1,88 @@
+"""What the gateway reads off an OpenAI-style request body: identity, size, shared prefix."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+PROGRAM_HEADER = "x-program-id"
+
+
+class BadRequest(ValueError):
+    """The client's request cannot be served as sent; the message says why."""
+
+
+def pop_program_id(body: dict[str, Any], headers: dict[str, str]) -> str | None:
+    """Take the program id out of the body (top level or `extra_body`) or the header.
+
+    The id is removed from the body so the engine never sees a field it does not know.
+    """
+    program_id = body.pop("program_id", None)
+    extra = body.get("extra_body")
+    if isinstance(extra, dict) and "program_id" in extra:
+        program_id = program_id or extra.pop("program_id")
+        if not extra:
+            del body["extra_body"]
+    program_id = program_id or headers.get(PROGRAM_HEADER)
+    if program_id is not None and not isinstance(program_id, str | int):
+        raise BadRequest(f"program_id must be a string, got {type(program_id).__name__}")
+    return None if program_id in (None, "") else str(program_id)
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # multi-part content: count the text parts
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return ""
+
+
+@dataclass(frozen=True)
+class PromptShape:
+    chars: int
+    tokens: int | None = None  # exact, when the client sent token ids
+    prefix_key: str | None = None
+    prefix_chars: int = 0
+
+
+def prompt_shape(body: dict[str, Any]) -> PromptShape:
+    """Prompt size in characters and the shared prefix (a leading system message), if any."""
+    if "messages" in body:
+        messages = body["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("messages must be a non-empty list of {role, content} objects")
+        texts = [_content_text(m.get("content")) if isinstance(m, dict) else "" for m in messages]
+        first = messages[0] if isinstance(messages[0], dict) else {}
+        if first.get("role") == "system" and texts[0]:
+            key = hashlib.blake2b(texts[0].encode(), digest_size=12).hexdigest()
+            return PromptShape(sum(map(len, texts)), prefix_key=key, prefix_chars=len(texts[0]))
+        return PromptShape(sum(map(len, texts)))
+    prompt = body.get("prompt", "")
+    if isinstance(prompt, str):
+        return PromptShape(len(prompt))
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return PromptShape(0, tokens=len(prompt))
+    if isinstance(prompt, list) and all(isinstance(t, str) for t in prompt):
+        return PromptShape(sum(map(len, prompt)))  # a batch of prompts counts as one
+    raise BadRequest("prompt must be a string, a list of strings or a list of token ids")
+
+
+class TokenEstimator:
+    """Characters → tokens, calibrated from the engine's real usage as responses arrive."""
+
+    def __init__(self, tokens_per_char: float = 0.3, smoothing: float = 0.2) -> None:
+        self.tokens_per_char = tokens_per_char
+        self.smoothing = smoothing
+
+    def estimate(self, chars: int) -> int:
+        return round(chars * self.tokens_per_char)
+
+    def prompt_tokens(self, shape: PromptShape) -> int:
+        return shape.tokens if shape.tokens is not None else self.estimate(shape.chars)
+
+    def observe(self, shape: PromptShape, prompt_tokens: int) -> None:
+        chars = shape.chars
+        if shape.tokens is None and chars > 0 and prompt_tokens > 0:
+            sample = prompt_tokens / chars
+            self.tokens_per_char += self.smoothing * (sample - self.tokens_per_char)

@@ -1,0 +1,38 @@
+"""Running the gateway app under uvicorn, in the foreground of the current event loop."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import uvicorn
+
+from thunderctl.gateway.app import build_app
+from thunderctl.gateway.gateway import Gateway, Upstream
+
+
+def parse_backend(spec: str, index: int) -> Upstream:
+    """`URL` or `ID=URL`; the id defaults to the URL's host:port."""
+    backend_id, sep, url = spec.partition("=")
+    if not sep:
+        backend_id, url = "", spec
+    url = url.rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"backend {spec!r}: expected http://HOST:PORT (optionally ID=URL)")
+    return Upstream(backend_id or url.split("://", 1)[1] or f"backend-{index}", url)
+
+
+async def serve_gateway(
+    gateway: Gateway, host: str, port: int, on_ready: Callable[[list[str]], None]
+) -> None:
+    """Check the backends, then serve until interrupted; the gateway's loops stop with it."""
+    warnings = await gateway.start()
+    config = uvicorn.Config(
+        build_app(gateway), host=host, port=port, log_level="warning", access_log=False,
+        lifespan="off",
+    )
+    server = uvicorn.Server(config)
+    try:
+        on_ready(warnings)
+        await server.serve()
+    finally:
+        await gateway.stop()
