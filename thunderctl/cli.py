@@ -121,6 +121,7 @@ def serve(
     header) and end with POST /programs/release; GET /programs and /metrics show the state.
     """
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         config = SchedulerConfig(
             tick_interval_s=tick_interval, pause_threshold=pause_threshold, pause_target=pause_target,

@@ -1,0 +1,3 @@
+from thunderctl.cli import app
+
+app(prog_name="thunderctl")
