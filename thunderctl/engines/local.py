@@ -362,6 +362,16 @@ def tail_of_file(path: Path, lines: int) -> str:
 
 def pick_free_port(host: str = "127.0.0.1") -> int:
     """A port free right now; another process may still take it before the server binds."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    return pick_free_ports(1, host)[0]
+
+
+def pick_free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct free ports: all sockets stay bound until every port is chosen."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
