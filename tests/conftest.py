@@ -11,6 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from thunderctl.engines.local import pick_free_port
+
 pytest_plugins = ["engine_fixtures"]
 
 
@@ -44,12 +46,12 @@ class GatewayProcess:
 
 
 @pytest.fixture
-def start_gateway(tmp_path: Path, free_port: Callable[[], int]) -> Iterator[Callable[..., GatewayProcess]]:
+def start_gateway(tmp_path: Path) -> Iterator[Callable[..., GatewayProcess]]:
     """Start `thunderctl serve` against given backend URLs with CLI options; stopped by pid."""
     started: list[GatewayProcess] = []
 
     def start(backends: list[str], *options: str) -> GatewayProcess:
-        port = free_port()
+        port = pick_free_port()
         log_path = tmp_path / f"gateway-{port}.log"
         command = [sys.executable, "-m", "thunderctl", "serve", "--port", str(port)]
         for backend in backends:

@@ -131,7 +131,7 @@ def test_client_that_disconnects_mid_stream_frees_its_slot(pair_gateway) -> None
 
 
 def test_backend_unreachable_at_start_is_named(start_gateway, free_port) -> None:
-    dead = f"http://127.0.0.1:{free_port()}"
+    dead = f"http://127.0.0.1:{free_port}"
     with pytest.raises(RuntimeError, match=f"backend .* at {dead} does not answer"):
         start_gateway([dead])
 
