@@ -26,8 +26,9 @@ PAIR_NUM_GPU_BLOCKS = 128  # 4,096 tokens: three ~1.5k-token programs overflow i
 # vLLM keeps one block back (its null block) and refuses to start unless one request of
 # max_model_len fits in the rest: 127 blocks × 32 = 4,064 tokens.
 PAIR_MAX_MODEL_LEN = (PAIR_NUM_GPU_BLOCKS - 1) * PAIR_BLOCK_SIZE
-# Two servers start at once on two cores: each alone takes 35-60 s.
-PAIR_START_TIMEOUT = 300.0
+# Two servers start at once on two cores: ~70 s on an idle machine, but 4 minutes were
+# seen while other vLLM servers were busy on the same two cores.
+PAIR_START_TIMEOUT = 480.0
 
 
 def pair_config(port: int) -> LocalEngineConfig:
