@@ -15,6 +15,7 @@ from thunderctl.engines.local import (
     EngineInstallError,
     EngineStartError,
     LocalEngine,
+    TINY_MODEL_SCRIPT,
     LocalEngineConfig,
     install_engine,
     run_install_step,
@@ -113,6 +114,25 @@ def test_install_engine_skips_every_done_step(engine_home: EngineHome) -> None:
     assert len(lines) == 4
     assert all(line.startswith("[skip]") for line in lines), lines
     assert engine_home.is_installed()
+
+
+@pytest.mark.engine
+def test_install_engine_builds_a_missing_model_deterministically(engine_home: EngineHome, tmp_path: Path) -> None:
+    # A home sharing the real engine venv, with no model yet: only the model step runs.
+    home = EngineHome(tmp_path / "home")
+    home.root.mkdir()
+    home.venv.symlink_to(engine_home.venv)
+    lines: list[str] = []
+    install_engine(home, log=lines.append)
+    assert [line.split()[0] for line in lines] == ["[skip]", "[skip]", "[skip]", "[run"]
+    assert "build tiny model" in lines[-1]
+    assert home.is_installed()
+    # Built in a temp dir and renamed: nothing else is left beside the model.
+    assert [p.name for p in home.model_dir.parent.iterdir()] == [home.model_dir.name]
+    again = tmp_path / "again"
+    run_install_step("rebuild", [str(home.python), str(TINY_MODEL_SCRIPT), str(again)], tmp_path / "rebuild.log")
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):
+        assert (again / name).read_bytes() == (home.model_dir / name).read_bytes(), name
 
 
 def test_failed_install_step_names_step_and_log(tmp_path: Path) -> None:
