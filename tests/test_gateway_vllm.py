@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Callable
 
 import httpx
 import pytest
+
+from thunderctl.bench.closed_loop import AgentShape, LoadSpec, Target, Uniform, run_load
 
 pytestmark = pytest.mark.engine
 
@@ -157,3 +160,30 @@ def test_paused_program_resumes_on_the_other_backend_when_its_own_is_full(vllm_p
     complete_ids(gateway, "small", size(0.13), seed=1)  # fits b's headroom, not a's
     assert gateway.programs()["small"]["backend"] == "b"
     assert gateway.metric("thunderctl_pauses_total") == 1
+
+
+def test_more_programs_than_fit_are_paused_not_failed_and_keep_their_cache(vllm_pair, start_gateway) -> None:
+    """Eight agents whose contexts outgrow a 4,096-token KV cache: straight to vLLM they
+    evict each other's prefixes; through the gateway they take turns and keep them."""
+    engine = vllm_pair[0]
+    gateway = start_gateway([engine.url], "--tick-interval", "0.2", "--buffer-tokens", "64")
+    shape = AgentShape(
+        system_prompt_tokens=150, task_tokens=Uniform(150, 250), observation_tokens=Uniform(120, 220),
+        completion_tokens=Uniform(16, 32), steps=Uniform(6, 8), tool_seconds=Uniform(0.3, 1.0),
+        max_context_tokens=3000,
+    )
+    results = {}
+    for target in (Target.direct([engine.url]), Target.gateway(gateway.url)):
+        spec = LoadSpec(concurrency=8, programs=8, shape=shape, seed=7)
+        results[target.name] = asyncio.run(run_load(target, spec, [engine.url]))
+
+    direct, through = results["direct"], results["gateway"]
+    assert direct.steps_failed == through.steps_failed == 0
+    assert through.programs_completed == 8 and through.release_failures == 0
+    assert gateway.metric("thunderctl_pauses_total") > 0
+    assert gateway.metric("thunderctl_resumes_total") > 8  # every new program, plus resumes
+    assert gateway.programs() == {}  # every program released
+    assert through.prefix_cache_hit_rate > direct.prefix_cache_hit_rate + 0.15, (
+        f"hit rate through the gateway {through.prefix_cache_hit_rate:.2f} vs direct "
+        f"{direct.prefix_cache_hit_rate:.2f}"
+    )
