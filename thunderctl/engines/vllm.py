@@ -130,9 +130,11 @@ def read_identifier(text: str, pos: int, *, metric: bool) -> tuple[str, int]:
 
 
 def is_name_char(char: str, *, first: bool, colon: bool) -> bool:
-    if char == "_" or (colon and char == ":") or ("a" <= char.lower() <= "z"):
+    if not char.isascii():
+        return False
+    if char.isalpha() or char == "_" or (colon and char == ":"):
         return True
-    return not first and char.isdigit() and char.isascii()
+    return not first and char.isdigit()
 
 
 def read_labels(text: str, pos: int) -> tuple[dict[str, str], int]:
