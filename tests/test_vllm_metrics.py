@@ -201,6 +201,7 @@ def test_comments_and_blank_lines_are_skipped(line: str) -> None:
         "m 1 2 3",  # too many fields
         '{a="1"} 1',  # no metric name
         'm{1a="1"} 1',  # label name starting with a digit
+        'm{ä="1"} 1',  # non-ASCII label name
     ],
 )
 def test_malformed_lines_raise(line: str) -> None:
