@@ -211,8 +211,8 @@ def test_resume_places_largest_first_on_most_headroom(loads, waiting, placement)
         sched.set_schedulable(backend_id, False)
     for pid, size in waiting.items():
         assert sched.on_request(pid, size) is None
-    for backend_id in sched.backends:
-        sched.set_schedulable(backend_id, True)
+    for backend in sched.backends.values():
+        backend.schedulable = True  # both at once, so the tick places them all
     sched.tick()
     assert {pid: sched.programs[pid].backend for pid in waiting} == placement
 
@@ -366,3 +366,37 @@ def test_failing_listener_does_not_stop_scheduling() -> None:
 def test_config_rejects_inconsistent_bands(overrides, message) -> None:
     with pytest.raises(ValidationError, match=message):
         SchedulerConfig(**(BASE | overrides))
+
+
+def test_drain_pauses_acting_programs_and_lets_reasoning_ones_finish() -> None:
+    sched, _, _ = make({"a": 1000, "b": 1000})
+    place_on(sched, "a", "tool", 300)
+    sched.set_schedulable("b", False)
+    sched.on_request("decode", 200)
+    sched.set_schedulable("b", True)
+    sched.drain("a")
+    assert sched.programs["tool"].backend == "b"  # paused and resumed elsewhere at once
+    assert sched.programs["decode"].backend == "a" and sched.programs["decode"].pause_at_boundary
+    sched.on_response("decode", 200, 10)
+    assert sched.programs["decode"].status is Status.PAUSED
+    assert not sched.backends["a"].programs
+    assert sched.on_request("decode", 230) == "b"
+
+
+def test_draining_backend_takes_no_new_program_until_undrained() -> None:
+    sched, _, _ = make({"a": 1000})
+    sched.drain("a")
+    assert sched.on_request("new", 100) is None
+    sched.set_schedulable("a", True)
+    assert sched.programs["new"].status is Status.ACTIVE
+
+
+def test_requeued_program_resumes_on_a_healthy_backend_first_in_line() -> None:
+    sched, _, _ = make({"a": 1000, "b": 1000})
+    place_on(sched, "a", "victim", 300)
+    sched.on_request("victim", 350)
+    sched.set_schedulable("a", False)  # the backend died
+    sched.requeue("victim")
+    program = sched.programs["victim"]
+    assert program.status is Status.ACTIVE and program.backend == "b"
+    assert program.phase is Phase.REASONING

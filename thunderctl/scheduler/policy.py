@@ -137,6 +137,31 @@ class Scheduler:
 
     def set_schedulable(self, backend_id: str, schedulable: bool) -> None:
         self.backends[backend_id].schedulable = schedulable
+        if schedulable:
+            self._resume_waiting()
+
+    def drain(self, backend_id: str) -> None:
+        """Nothing new goes there; ACTING programs pause now (to resume elsewhere), REASONING
+        ones at their next tool boundary. In-flight requests finish where they are."""
+        backend = self.backends[backend_id]
+        backend.schedulable = False
+        for program in [self.programs[i] for i in backend.programs]:
+            if program.phase is Phase.ACTING:
+                self._pause(program)
+            else:
+                program.pause_at_boundary = True
+        self._resume_waiting()
+
+    def requeue(self, program_id: str) -> None:
+        """The program's request could not be served where it was placed (the backend died):
+        it waits at the head of the queue to resume elsewhere."""
+        program = self.programs.get(program_id)
+        if program is None or program.status is not Status.ACTIVE:
+            return
+        self._pause(program)
+        program.phase = Phase.REASONING
+        program.waiting_since = program.paused_at
+        self._resume_waiting()
 
     # ---- what the gateway reports ---------------------------------------------------------
 
