@@ -378,9 +378,8 @@ def test_drain_pauses_acting_programs_and_lets_reasoning_ones_finish() -> None:
     assert sched.programs["tool"].backend == "b"  # paused and resumed elsewhere at once
     assert sched.programs["decode"].backend == "a" and sched.programs["decode"].pause_at_boundary
     sched.on_response("decode", 200, 10)
-    assert sched.programs["decode"].status is Status.PAUSED
+    assert sched.programs["decode"].backend == "b"  # paused at its boundary, resumed elsewhere
     assert not sched.backends["a"].programs
-    assert sched.on_request("decode", 230) == "b"
 
 
 def test_draining_backend_takes_no_new_program_until_undrained() -> None:
