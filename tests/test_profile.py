@@ -1,0 +1,75 @@
+"""Profiles: the shipped ones load; a bad one fails before anything starts, naming field and fix."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from thunderctl.profile import DEFAULT_PROFILE, ProfileError, load_profile, parse_profile
+
+H100 = Path(__file__).parents[1] / "profiles" / "2xh100.yaml"
+
+
+def test_shipped_profiles_are_valid() -> None:
+    local = load_profile(DEFAULT_PROFILE)
+    assert local.engine.kind == "vllm-cpu" and local.nodes[0].transport == "local"
+    h100 = load_profile(H100)
+    assert [n.gpus for n in h100.nodes] == [8, 8]
+    assert load_profile() == local  # the embedded default
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda p: p["nodes"][1].update(tensor_parallel=3), "nodes[1].tensor_parallel: 3 does not divide gpus: 8"),
+        (lambda p: p["nodes"][0].update(replicas=3), "nodes[0].replicas: 3 × tensor_parallel: 4 needs 12 GPUs"),
+        (lambda p: p["nodes"][0].update(gpus=-1), "nodes[0].gpus: -1: Input should be greater than or equal to 0"),
+        (lambda p: p["nodes"][0].update(transport="telnet"), "nodes[0].transport: 'telnet'"),
+        (lambda p: p["nodes"][0].update(gpu=8), "nodes[0].gpu: unknown field"),
+        (lambda p: p.pop("model"), "model: required but missing"),
+        (lambda p: p["nodes"][1].update(name="node-1"), "node-1 appears more than once"),
+        (lambda p: p["scheduler"].update(pause_target=0.99), "scheduler.pause_target (0.99) must be below"),
+        (lambda p: p["engine"].update(kind="vllm-cpu"), "engine.kind: vllm-cpu with nodes that have gpus"),
+        (lambda p: p.update(nodes=[]), "nodes: []: List should have at least 1 item"),
+    ],
+)
+def test_invalid_profile_names_the_field_the_value_and_the_fix(edit, message) -> None:
+    data = copy.deepcopy(yaml.safe_load(H100.read_text()))
+    edit(data)
+    with pytest.raises(ProfileError) as error:
+        parse_profile(data, "bad.yaml")
+    assert message in str(error.value)
+    assert str(error.value).startswith("bad.yaml is not a valid profile")
+
+
+def test_local_node_on_a_remote_host_points_to_ssh() -> None:
+    data = yaml.safe_load(DEFAULT_PROFILE.read_text())
+    data["nodes"][0]["host"] = "10.1.2.3"
+    with pytest.raises(ProfileError, match="use transport: ssh"):
+        parse_profile(data, "x.yaml")
+
+
+def test_cpu_engine_block_size_must_suit_vllm_cpu() -> None:
+    data = yaml.safe_load(DEFAULT_PROFILE.read_text())
+    data["engine"]["block_size"] = 16
+    with pytest.raises(ProfileError, match="engine.block_size: 16 is not a multiple of 32"):
+        parse_profile(data, "x.yaml")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("cluster: [unclosed", "is not valid YAML"), ("- just\n- a list", "a profile is a YAML mapping")],
+)
+def test_unreadable_profiles(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(text)
+    with pytest.raises(ProfileError, match=message):
+        load_profile(path)
+
+
+def test_missing_profile_file() -> None:
+    with pytest.raises(ProfileError, match="cannot read profile /nonexistent.yaml"):
+        load_profile(Path("/nonexistent.yaml"))

