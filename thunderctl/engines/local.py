@@ -214,19 +214,8 @@ class LocalEngine:
 
     @classmethod
     def start(cls, home: EngineHome, config: LocalEngineConfig, log_path: Path) -> LocalEngine:
-        log_path.parent.mkdir(parents=True, exist_ok=True)
         command = vllm_server_command(home.python, home.model_dir, config)
-        with log_path.open("ab") as log_file:
-            process = subprocess.Popen(
-                command,
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                env=vllm_server_env(config, dict(os.environ)),
-                # Own session: the engine-core and worker children share its process
-                # group, so stop() can signal and account for all of them at once.
-                start_new_session=True,
-            )
+        process = spawn_detached(command, vllm_server_env(config, dict(os.environ)), log_path)
         return cls(process, config, log_path)
 
     @property
@@ -279,6 +268,24 @@ class LocalEngine:
 
     def __repr__(self) -> str:
         return f"LocalEngine(pid={self.pid}, url={self.url!r}, log_path={str(self.log_path)!r})"
+
+
+def spawn_detached(command: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    """Start a server in its own session, output appended to log_path.
+
+    Its own session makes it a process-group leader: the engine-core and worker children
+    share that group, so a stop can signal and account for all of them at once.
+    """
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as log_file:
+        return subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
 
 
 def probe_health(client: httpx.Client, base_url: str) -> bool:
