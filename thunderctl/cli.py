@@ -4,15 +4,33 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
+import httpx
 import typer
 from pydantic import ValidationError
-from rich.console import Console
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+from thunderctl.cluster.lifecycle import (
+    LaunchError,
+    control_client,
+    daemon_answers,
+    existing_state,
+    launch,
+    start_daemon,
+    tear_down,
+    workers_alive,
+)
+from thunderctl.cluster.plan import plan_workers
+from thunderctl.cluster.preflight import Check, preflight
+from thunderctl.cluster.state import ClusterNotFound, ClusterState, find_cluster
 
 from thunderctl.engines.local import (
     EngineHome,
@@ -22,8 +40,10 @@ from thunderctl.engines.local import (
     LocalEngineConfig,
     install_engine,
     pick_free_port,
+    tail_of_file,
 )
 from thunderctl.gateway import BackendUnreachable, Gateway, parse_backend, serve_gateway
+from thunderctl.profile import DEFAULT_PROFILE, Profile, ProfileError, load_profile, state_root
 from thunderctl.scheduler import Decay, SchedulerConfig
 
 app = typer.Typer(
@@ -157,3 +177,251 @@ def serve(
             raise fail(str(exc)) from exc
         except KeyboardInterrupt:
             pass
+
+
+# ---- the cluster ------------------------------------------------------------------------
+
+ClusterOption = Annotated[str | None, typer.Option("--cluster", "-c", help="Cluster name; default: the only one up.")]
+ProfileOption = Annotated[Path | None, typer.Option("--file", "-f", help="Profile YAML; default: the embedded local one.")]
+
+
+def load_profile_or_exit(path: Path | None) -> tuple[Profile, Path]:
+    try:
+        return load_profile(path), path or DEFAULT_PROFILE
+    except ProfileError as exc:
+        raise fail(str(exc)) from exc
+
+
+def cluster_or_exit(name: str | None) -> ClusterState:
+    try:
+        return find_cluster(state_root(), name)
+    except ClusterNotFound as exc:
+        raise fail(str(exc)) from exc
+
+
+def render_checks(checks: list[Check]) -> None:
+    table = Table(title="preflight", show_lines=False)
+    for column in ("node", "check", "", "detail", "fix"):
+        table.add_column(column)
+    for check in checks:
+        mark = "[green]ok[/]" if check.ok else "[red]FAIL[/]"
+        table.add_row(check.node, check.name, mark, check.detail, "" if check.ok else check.fix)
+    out.print(table)
+
+
+@app.command()
+def doctor(file: ProfileOption = None) -> None:
+    """Validate a profile and run the preflight checks; nothing is started."""
+    profile, _ = load_profile_or_exit(file)
+    checks = preflight(profile, plan_workers(profile))
+    render_checks(checks)
+    if not all(c.ok for c in checks):
+        raise fail("preflight failed: fix the rows marked FAIL")
+    out.print("[green]ready[/]: `thunderctl up" + (f" -f {file}`" if file else "`"))
+
+
+@app.command()
+def up(
+    file: ProfileOption = None,
+    dry_run: Annotated[bool, typer.Option(help="Print the plan (the command per worker) and start nothing.")] = False,
+    skip_preflight: Annotated[bool, typer.Option(help="Start without the preflight checks.")] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the workers' health.")] = 300.0,
+) -> None:
+    """Start a cluster: workers, then the daemon (gateway, scheduler, control socket).
+
+    Idempotent: on a running cluster it changes nothing; a cluster whose daemon died gets a new one.
+    """
+    profile, path = load_profile_or_exit(file)
+    plans = plan_workers(profile)
+    if dry_run:
+        for plan in plans:
+            out.print(f"[bold]{plan.id}[/] on {plan.host}:{plan.port}\n  {plan.shell_line()}", soft_wrap=True)
+        out.print(f"gateway on http://{profile.gateway.host}:{profile.gateway.port}/v1")
+        return
+    state = existing_state(profile)
+    if state is not None and daemon_answers(state):
+        out.print(f"cluster [bold]{state.cluster}[/] is already up at {state.endpoint}; nothing changed")
+        return
+    if state is not None and workers_alive(state):
+        with out.status("the daemon had died: starting a new one"):
+            try:
+                start_daemon(state)
+            except LaunchError as exc:
+                raise fail(str(exc)) from exc
+        out.print(f"cluster [bold]{state.cluster}[/] recovered at [bold]{state.endpoint}[/]")
+        return
+    if state is not None:
+        out.print(f"cleaning up what a crashed cluster {state.cluster} left behind")
+        tear_down(state, drain_timeout=0)
+    if not skip_preflight:
+        checks = preflight(profile, plans)
+        if not all(c.ok for c in checks):
+            render_checks(checks)
+            raise fail("preflight failed; nothing was started (fix the FAIL rows, or --skip-preflight)")
+    with out.status("starting workers") as status:
+        def progress(ready: int, total: int, elapsed: float) -> None:
+            status.update(f"workers healthy: {ready}/{total} ({elapsed:.0f} s)")
+
+        try:
+            state = launch(profile, path, plans, timeout, progress)
+        except LaunchError as exc:
+            raise fail(f"{exc}\neverything this `up` started has been stopped") from exc
+    out.print(f"cluster [bold]{state.cluster}[/] up: {len(state.workers)} worker(s); endpoint [bold]{state.endpoint}[/]")
+
+
+def get_status(state: ClusterState) -> dict:
+    try:
+        with control_client(state, timeout=10) as client:
+            return client.get("/status").raise_for_status().json()
+    except httpx.HTTPError as exc:
+        raise fail(f"the daemon of {state.cluster} does not answer ({exc}); `thunderctl up` recovers it, "
+                   "`thunderctl down` cleans up") from exc
+
+
+def status_renderable(view: dict) -> Group:
+    workers = Table(title=f"cluster {view['cluster']} · {view['endpoint']} · up {view['uptime_s']:.0f} s")
+    for column in ("worker", "state", "url", "KV capacity", "reserved", "programs", "in flight", "hit rate", "preempt"):
+        workers.add_column(column)
+    for w in view["workers"]:
+        hit = "-" if w["prefix_cache_hit_rate"] is None else f"{w['prefix_cache_hit_rate']:.2f}"
+        workers.add_row(w["id"], w["state"], w["url"], str(w["kv_capacity_tokens"] or "-"), str(w["kv_reserved_tokens"]),
+                        str(w["programs_active"]), str(w["requests_in_flight"]), hit, str(w["preemptions"]))
+    sched = view["scheduler"]
+    programs = sched["programs"]
+    boxes = view["sandboxes"]
+    sandboxes = (f"warm {boxes['warm']} · bound {boxes['bound']} · preparing {boxes['preparing']}"
+                 if boxes.get("available", True) else f"unavailable ({boxes.get('reason', '')})")
+    return Group(
+        workers,
+        f"programs: reasoning {programs['reasoning']} · acting {programs['acting']} · paused {programs['paused']}"
+        f"   pauses {sched['pauses_total']} · resumes {sched['resumes_total']} · forced {sched['forced_resumes_total']}",
+        f"sandboxes: {sandboxes}",
+    )
+
+
+@app.command()
+def status(
+    cluster: ClusterOption = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the status as JSON.")] = False,
+    watch: Annotated[bool, typer.Option(help="Refresh live until Ctrl-C.")] = False,
+    interval: Annotated[float, typer.Option(help="Seconds between refreshes with --watch.")] = 1.0,
+) -> None:
+    """Workers, programs, KV and sandboxes of a running cluster."""
+    state = cluster_or_exit(cluster)
+    if json_output:
+        print(json.dumps(get_status(state), indent=2))
+        return
+    if not watch:
+        out.print(status_renderable(get_status(state)))
+        return
+    with Live(status_renderable(get_status(state)), console=out, refresh_per_second=4) as live:
+        with contextlib.suppress(KeyboardInterrupt):
+            while True:
+                time.sleep(interval)
+                live.update(status_renderable(get_status(state)))
+
+
+def post_target(state: ClusterState, path: str, target: str) -> list[str]:
+    with control_client(state) as client:
+        response = client.post(path, json={"target": target})
+    if response.status_code != 200:
+        raise fail(response.json()["error"]["message"])
+    return response.json()["workers"]
+
+
+@app.command()
+def drain(
+    target: Annotated[str, typer.Argument(help="A worker id such as local/0, or a node name.")],
+    cluster: ClusterOption = None,
+    wait: Annotated[bool, typer.Option(help="Wait until nothing is in flight or reserved there.")] = False,
+    stop: Annotated[bool, typer.Option(help="Stop the worker(s) once drained (implies --wait).")] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait with --wait.")] = 600.0,
+) -> None:
+    """Take workers out of service without losing work.
+
+    No new or resumed programs go there; ACTING programs pause now and resume elsewhere;
+    REASONING programs pause at their next tool boundary; requests in flight finish.
+    """
+    state = cluster_or_exit(cluster)
+    worker_ids = post_target(state, "/drain", target)
+    out.print(f"draining {', '.join(worker_ids)}")
+    if not (wait or stop):
+        return
+    deadline = time.monotonic() + timeout
+    with out.status("draining") as progress:
+        while True:
+            views = {w["id"]: w for w in get_status(state)["workers"]}
+            busy = {i: views[i] for i in worker_ids if views[i]["state"] not in ("drained", "stopped", "unhealthy")}
+            if not busy:
+                break
+            if time.monotonic() > deadline:
+                raise fail(f"still busy after {timeout:.0f} s: {', '.join(busy)}")
+            progress.update("draining: " + ", ".join(
+                f"{i} in flight {w['requests_in_flight']} programs {w['programs_active']}" for i, w in busy.items()))
+            time.sleep(0.5)
+    out.print(f"[green]drained[/] {', '.join(worker_ids)}: safe to stop")
+    if stop:
+        post_target(state, "/workers/stop", target)
+        out.print(f"stopped {', '.join(worker_ids)}")
+
+
+@app.command()
+def undrain(
+    target: Annotated[str, typer.Argument(help="A worker id or node name.")],
+    cluster: ClusterOption = None,
+) -> None:
+    """Return drained workers to service."""
+    state = cluster_or_exit(cluster)
+    out.print(f"in service: {', '.join(post_target(state, '/undrain', target))}")
+
+
+@app.command()
+def down(
+    cluster: ClusterOption = None,
+    timeout: Annotated[float, typer.Option(help="Seconds to let requests in flight finish.")] = 60.0,
+) -> None:
+    """Drain, release programs, stop workers and the daemon; leave nothing behind. Idempotent."""
+    try:
+        state = find_cluster(state_root(), cluster)
+    except ClusterNotFound as exc:
+        out.print(f"nothing to do: {exc}")
+        return
+    with out.status(f"stopping cluster {state.cluster}"):
+        report, stops = tear_down(state, timeout)
+    if report is None:
+        out.print("the daemon was not running; cleaned up from the state file")
+    else:
+        out.print(f"released {report['released']} program(s); " + ("drained" if report["drained"] else "drain timed out"))
+    for stop_report in stops:
+        out.print(f"  {stop_report.worker_id}: {stop_report.outcome}")
+    if any(s.outcome not in ("stopped", "already stopped") for s in stops):
+        raise fail(f"some workers could not be stopped; state kept in {state.dir}")
+    out.print(f"cluster [bold]{state.cluster}[/] is down")
+
+
+@app.command()
+def logs(
+    target: Annotated[str, typer.Argument(help="A worker id such as local/0, or `daemon`.")],
+    cluster: ClusterOption = None,
+    follow: Annotated[bool, typer.Option("--follow", "-F", help="Keep printing new lines.")] = False,
+    lines: Annotated[int, typer.Option("--lines", "-n", help="Lines from the end.")] = 50,
+) -> None:
+    """Print a worker's or the daemon's log."""
+    state = cluster_or_exit(cluster)
+    if target == "daemon":
+        path = state.daemon_log
+    else:
+        try:
+            path = Path(state.worker(target).log_path)
+        except KeyError:
+            raise fail(f"no worker {target!r}; workers: {', '.join(w.id for w in state.workers)}, or `daemon`") from None
+    print(tail_of_file(path, lines), end="" if not follow else "\n", flush=True)
+    if follow:
+        with contextlib.suppress(KeyboardInterrupt), path.open() as handle:
+            handle.seek(0, 2)
+            while True:
+                line = handle.readline()
+                if line:
+                    print(line, end="", flush=True)
+                else:
+                    time.sleep(0.3)

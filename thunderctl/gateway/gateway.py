@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import httpx
@@ -32,6 +33,19 @@ class BackendError(RuntimeError):
     """A backend could not be reached mid-request; the client gets a 502 naming it."""
 
 
+# Consecutive failed health/metrics polls before a worker is taken out of scheduling.
+UNHEALTHY_AFTER = 3
+
+
+class WorkerState(StrEnum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    DRAINED = "drained"
+    UNHEALTHY = "unhealthy"
+    STOPPED = "stopped"
+
+
 @dataclass
 class Upstream:
     """One vLLM worker as the gateway sees it."""
@@ -40,10 +54,18 @@ class Upstream:
     url: str
     in_flight: int = 0
     metrics: EngineMetrics | None = None
+    draining: bool = False
+    healthy: bool = True
+    stopped: bool = False
+    failures: int = 0  # consecutive failed polls
 
     @property
     def capacity(self) -> int | None:
         return self.metrics.kv_capacity_tokens if self.metrics else None
+
+    @property
+    def usable(self) -> bool:
+        return self.healthy and not self.draining and not self.stopped
 
 
 @dataclass(frozen=True)
@@ -129,11 +151,55 @@ class Gateway:
             return_exceptions=True,
         )
         for upstream, result in zip(self.upstreams.values(), results, strict=True):
-            if isinstance(result, BaseException):
-                log.warning("metrics of %s unavailable: %s", upstream.id, result)
+            if upstream.stopped:
                 continue
+            if isinstance(result, BaseException):
+                upstream.failures += 1
+                log.warning("metrics of %s unavailable (%d in a row): %s", upstream.id, upstream.failures, result)
+                if upstream.failures >= UNHEALTHY_AFTER:
+                    self.mark_unhealthy(upstream)
+                continue
+            upstream.failures = 0
             upstream.metrics = result
             self.scheduler.add_backend(upstream.id, upstream.capacity)
+            if not upstream.healthy:
+                log.warning("worker %s answers again", upstream.id)
+                upstream.healthy = True
+                self.scheduler.set_schedulable(upstream.id, upstream.usable)
+
+    # ---- worker states --------------------------------------------------------------------
+
+    def mark_unhealthy(self, upstream: Upstream) -> None:
+        """Its programs go back to the global queue and resume on other workers."""
+        if upstream.healthy:
+            log.warning("worker %s is unhealthy; its programs move to other workers", upstream.id)
+        upstream.healthy = False
+        self.scheduler.drain(upstream.id)
+
+    def drain(self, worker_id: str) -> None:
+        upstream = self.upstreams[worker_id]
+        upstream.draining = True
+        self.scheduler.drain(worker_id)
+
+    def undrain(self, worker_id: str) -> None:
+        upstream = self.upstreams[worker_id]
+        upstream.draining = False
+        self.scheduler.set_schedulable(worker_id, upstream.usable)
+
+    def mark_stopped(self, worker_id: str) -> None:
+        upstream = self.upstreams[worker_id]
+        upstream.stopped = True
+        self.scheduler.drain(worker_id)
+
+    def worker_state(self, upstream: Upstream) -> WorkerState:
+        if upstream.stopped:
+            return WorkerState.STOPPED
+        if not upstream.healthy:
+            return WorkerState.UNHEALTHY
+        if upstream.draining:
+            idle = upstream.in_flight == 0 and not self.scheduler.backends[upstream.id].programs
+            return WorkerState.DRAINED if idle else WorkerState.DRAINING
+        return WorkerState.READY if upstream.metrics else WorkerState.STARTING
 
     # ---- admission ------------------------------------------------------------------------
 
@@ -165,30 +231,41 @@ class Gateway:
                 return self.upstreams[program.backend]
 
     def least_loaded(self) -> Upstream:
-        return min(self.upstreams.values(), key=lambda u: u.in_flight)
+        candidates = [u for u in self.upstreams.values() if u.usable] or list(self.upstreams.values())
+        return min(candidates, key=lambda u: u.in_flight)
 
     # ---- relaying -------------------------------------------------------------------------
 
     async def relay(
         self, path: str, body: dict[str, Any], program_id: str | None, shape: PromptShape
     ) -> Relayed:
-        """Send the request to its backend; account the engine's usage when it ends."""
-        upstream = await self.admit(program_id, shape)
+        """Send the request to its backend; account the engine's usage when it ends.
+
+        A request that fails before any byte reached the client (the worker died) is tried
+        once more on another worker.
+        """
         stream = bool(body.get("stream"))
         client_wants_usage = True
         if stream:
             options = body.get("stream_options") or {}
             client_wants_usage = bool(options.get("include_usage"))
             body["stream_options"] = {**options, "include_usage": True}
-        upstream.in_flight += 1
-        try:
-            response = await self._client.send(
-                self._client.build_request("POST", f"{upstream.url}{path}", json=body),
-                stream=True,
-            )
-        except httpx.HTTPError as exc:
-            self._finish(upstream, program_id, shape, None)
-            raise BackendError(f"backend {upstream.id} ({upstream.url}) failed: {exc!r}") from exc
+        for attempt in (1, 2):
+            upstream = await self.admit(program_id, shape)
+            upstream.in_flight += 1
+            try:
+                response = await self._client.send(
+                    self._client.build_request("POST", f"{upstream.url}{path}", json=body),
+                    stream=True,
+                )
+                break
+            except httpx.TransportError as exc:
+                upstream.in_flight -= 1
+                if attempt == 1 and self._fail_over(upstream, program_id):
+                    log.warning("worker %s failed (%r); retrying on another worker", upstream.id, exc)
+                    continue
+                self._finish_failed(program_id)
+                raise BackendError(f"backend {upstream.id} ({upstream.url}) failed: {exc!r}") from exc
         media_type = response.headers.get("content-type", "application/json")
         if response.status_code == 200 and stream:
             lines = self._relay_stream(response, upstream, program_id, shape, client_wants_usage)
@@ -236,19 +313,28 @@ class Gateway:
             await response.aclose()
             self._finish(upstream, program_id, shape, usage)
 
+    def _fail_over(self, upstream: Upstream, program_id: str | None) -> bool:
+        """Take a worker that refused a connection out of scheduling; is there another?"""
+        self.mark_unhealthy(upstream)
+        if program_id is not None:
+            self.scheduler.requeue(program_id)
+        return any(u.usable for u in self.upstreams.values())
+
     def _finish(
         self, upstream: Upstream, program_id: str | None, shape: PromptShape, usage: dict | None
     ) -> None:
         upstream.in_flight -= 1
         if usage and usage.get("prompt_tokens"):
             self.estimator.observe(shape, usage["prompt_tokens"])
-        if program_id is None:
-            return
-        if usage:
+        if program_id is not None and usage:
             self.scheduler.on_response(
                 program_id, usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
             )
         else:
+            self._finish_failed(program_id)
+
+    def _finish_failed(self, program_id: str | None) -> None:
+        if program_id is not None:
             self.scheduler.on_request_failed(program_id)
 
     async def get_models(self) -> tuple[int, bytes]:

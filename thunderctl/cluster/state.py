@@ -1,0 +1,107 @@
+"""What a cluster started where, on disk, so `down` and a restarted daemon can clean up."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+class ClusterNotFound(LookupError):
+    pass
+
+
+@dataclass
+class WorkerRecord:
+    id: str
+    node: str
+    url: str
+    pid: int  # leader of its own process group
+    log_path: str
+    stopped: bool = False
+
+
+@dataclass
+class ClusterState:
+    cluster: str
+    dir: Path
+    profile_path: str
+    endpoint: str
+    created_at: float = field(default_factory=time.time)
+    workers: list[WorkerRecord] = field(default_factory=list)
+    daemon_pid: int | None = None
+
+    @property
+    def state_file(self) -> Path:
+        return self.dir / "state.json"
+
+    @property
+    def socket_path(self) -> Path:
+        return self.dir / "control.sock"
+
+    @property
+    def daemon_log(self) -> Path:
+        return self.dir / "daemon.log"
+
+    def worker_log(self, worker_id: str) -> Path:
+        return self.dir / "logs" / f"{worker_id.replace('/', '-')}.log"
+
+    def worker(self, worker_id: str) -> WorkerRecord:
+        for worker in self.workers:
+            if worker.id == worker_id:
+                return worker
+        raise KeyError(worker_id)
+
+    def save(self) -> None:
+        """Atomic: a crash mid-write leaves the previous state, never half of one."""
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        data = asdict(self) | {"dir": str(self.dir)}
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=2))
+        os.replace(tmp, self.state_file)
+
+    @classmethod
+    def load(cls, directory: Path) -> ClusterState:
+        data = json.loads((directory / "state.json").read_text())
+        data["dir"] = Path(data["dir"])
+        data["workers"] = [WorkerRecord(**w) for w in data["workers"]]
+        return cls(**data)
+
+
+def pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie still answers kill(0); it is not running.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def known_clusters(root: Path) -> list[ClusterState]:
+    if not root.is_dir():
+        return []
+    return [ClusterState.load(d) for d in sorted(root.iterdir()) if (d / "state.json").is_file()]
+
+
+def find_cluster(root: Path, name: str | None) -> ClusterState:
+    """The named cluster, or the only one there is."""
+    if name is not None:
+        if not (root / name / "state.json").is_file():
+            raise ClusterNotFound(f"no cluster named {name!r} under {root}; `thunderctl up` starts one")
+        return ClusterState.load(root / name)
+    clusters = known_clusters(root)
+    if not clusters:
+        raise ClusterNotFound(f"no cluster is running (state under {root}); start one with `thunderctl up`")
+    if len(clusters) > 1:
+        names = ", ".join(c.cluster for c in clusters)
+        raise ClusterNotFound(f"several clusters are up ({names}); pick one with -c NAME")
+    return clusters[0]

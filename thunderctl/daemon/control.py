@@ -1,0 +1,161 @@
+"""The control API, served on the daemon's Unix socket: status, drain, undrain, stop, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from thunderctl.engines.local import stop_process_group
+from thunderctl.gateway.app import error, read_json_object
+from thunderctl.gateway.requests import BadRequest
+from thunderctl.scheduler import Phase, Status
+
+if TYPE_CHECKING:
+    from thunderctl.daemon.service import Daemon
+
+
+class UnknownTarget(LookupError):
+    pass
+
+
+def resolve_target(daemon: Daemon, target: str) -> list[str]:
+    """A worker id (`local/0`) or a node name (all its workers)."""
+    ids = [w.id for w in daemon.state.workers]
+    if target in ids:
+        return [target]
+    on_node = [w.id for w in daemon.state.workers if w.node == target]
+    if on_node:
+        return on_node
+    raise UnknownTarget(f"no worker or node named {target!r}; workers: {', '.join(ids)}")
+
+
+def status_view(daemon: Daemon) -> dict[str, Any]:
+    gateway, scheduler = daemon.gateway, daemon.gateway.scheduler
+    workers = []
+    for record in daemon.state.workers:
+        upstream = gateway.upstreams[record.id]
+        metrics = upstream.metrics
+        workers.append(
+            {
+                "id": record.id,
+                "node": record.node,
+                "url": record.url,
+                "state": gateway.worker_state(upstream).value,
+                "kv_capacity_tokens": upstream.capacity,
+                "kv_reserved_tokens": scheduler.reserved_tokens(record.id) if record.id in scheduler.backends else 0,
+                "programs_active": len(scheduler.backends[record.id].programs) if record.id in scheduler.backends else 0,
+                "requests_in_flight": upstream.in_flight,
+                "prefix_cache_hit_rate": metrics.prefix_cache_hit_rate if metrics else None,
+                "preemptions": metrics.preemptions if metrics else 0,
+                "requests_running": metrics.requests_running if metrics else 0,
+                "requests_waiting": metrics.requests_waiting if metrics else 0,
+            }
+        )
+    counts = Counter(
+        "paused" if p.status is Status.PAUSED else p.phase.value for p in scheduler.programs.values()
+    )
+    return {
+        "cluster": daemon.state.cluster,
+        "endpoint": daemon.state.endpoint,
+        "uptime_s": round(time.time() - daemon.started_at, 1),
+        "daemon_pid": daemon.state.daemon_pid,
+        "workers": workers,
+        "scheduler": {
+            "programs": {k: counts[k] for k in (Phase.REASONING.value, Phase.ACTING.value, "paused")},
+            "pauses_total": scheduler.counters.pauses,
+            "resumes_total": scheduler.counters.resumes,
+            "forced_resumes_total": scheduler.counters.forced_resumes,
+        },
+        "sandboxes": {"available": False, "reason": "no sandbox pool in this cluster", "warm": 0, "bound": 0, "preparing": 0},
+    }
+
+
+def build_control_app(daemon: Daemon) -> Starlette:
+    gateway = daemon.gateway
+
+    async def targets_of(request: Request) -> list[str]:
+        body = await read_json_object(request)
+        target = body.get("target")
+        if not isinstance(target, str) or not target:
+            raise BadRequest('expected {"target": "<worker id or node name>"}')
+        return resolve_target(daemon, target)
+
+    async def with_targets(request: Request, action) -> JSONResponse:
+        try:
+            worker_ids = await targets_of(request)
+        except BadRequest as exc:
+            return error(400, str(exc))
+        except UnknownTarget as exc:
+            return error(404, str(exc), "not_found")
+        for worker_id in worker_ids:
+            await action(worker_id)
+        return JSONResponse({"workers": worker_ids})
+
+    async def status(_: Request) -> JSONResponse:
+        return JSONResponse(status_view(daemon))
+
+    async def drain(request: Request) -> JSONResponse:
+        async def act(worker_id: str) -> None:
+            gateway.drain(worker_id)
+
+        return await with_targets(request, act)
+
+    async def undrain(request: Request) -> JSONResponse:
+        async def act(worker_id: str) -> None:
+            gateway.undrain(worker_id)
+
+        return await with_targets(request, act)
+
+    async def stop_workers(request: Request) -> JSONResponse:
+        async def act(worker_id: str) -> None:
+            gateway.mark_stopped(worker_id)
+            record = daemon.state.worker(worker_id)
+            await asyncio.to_thread(stop_process_group, record.pid)
+            record.stopped = True
+            daemon.state.save()
+
+        return await with_targets(request, act)
+
+    async def shutdown(request: Request) -> JSONResponse:
+        """Drain everything (bounded), release every program, then exit after answering."""
+        try:
+            body = await read_json_object(request)
+        except BadRequest:
+            body = {}
+        timeout = float(body.get("timeout", 60))
+        worker_ids = [w.id for w in daemon.state.workers]
+        for worker_id in worker_ids:
+            gateway.drain(worker_id)
+        deadline = time.monotonic() + timeout
+        while not _quiet_in_flight(daemon) and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        drained = _quiet_in_flight(daemon)
+        program_ids = list(gateway.scheduler.programs)
+        for program_id in program_ids:
+            gateway.scheduler.release(program_id)
+        return JSONResponse(
+            {"drained": drained, "released": len(program_ids)},
+            background=BackgroundTask(daemon.request_exit),
+        )
+
+    return Starlette(
+        routes=[
+            Route("/status", status, methods=["GET"]),
+            Route("/drain", drain, methods=["POST"]),
+            Route("/undrain", undrain, methods=["POST"]),
+            Route("/workers/stop", stop_workers, methods=["POST"]),
+            Route("/shutdown", shutdown, methods=["POST"]),
+        ]
+    )
+
+
+def _quiet_in_flight(daemon: Daemon) -> bool:
+    return all(u.in_flight == 0 for u in daemon.gateway.upstreams.values())
