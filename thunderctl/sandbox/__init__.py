@@ -1,0 +1,28 @@
+"""Docker sandboxes tied to agent programs: a pool over Docker engines and its HTTP routes."""
+
+from thunderctl.sandbox.config import SandboxConfig
+from thunderctl.sandbox.docker_host import ExecResult, HostUnavailable, ImageUnavailable, SandboxError
+from thunderctl.sandbox.pool import (
+    PoolUnavailable,
+    Sandbox,
+    SandboxFailed,
+    SandboxNotFound,
+    SandboxPool,
+    SandboxState,
+)
+from thunderctl.sandbox.routes import sandbox_routes
+
+__all__ = [
+    "ExecResult",
+    "HostUnavailable",
+    "ImageUnavailable",
+    "PoolUnavailable",
+    "Sandbox",
+    "SandboxConfig",
+    "SandboxError",
+    "SandboxFailed",
+    "SandboxNotFound",
+    "SandboxPool",
+    "SandboxState",
+    "sandbox_routes",
+]

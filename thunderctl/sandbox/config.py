@@ -1,0 +1,72 @@
+"""Sandbox pool configuration: the `sandboxes:` section of a profile."""
+
+from __future__ import annotations
+
+from docker.utils import parse_bytes
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+LOCAL_DOCKER = "unix:///var/run/docker.sock"
+
+
+class SandboxConfig(BaseModel):
+    """What the pool runs, where, and inside which limits."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    image: str = Field("busybox:latest", description="image of a sandbox whose request names none")
+    warm: int = Field(0, ge=0, description="ready containers kept of `image`, handed out at once")
+    warm_images: dict[str, int] = Field(
+        default_factory=dict, description="further images to keep warm, image -> count"
+    )
+    setup: str | None = Field(None, description="shell command run in every new container of `image`")
+    hosts: list[str] = Field(default_factory=lambda: [LOCAL_DOCKER], min_length=1)
+    cpus: float = Field(1.0, gt=0)
+    memory: str = Field("1g", description="memory limit; swap is set equal, so no swap is used")
+    pids: int = Field(512, gt=0)
+    nofile: int = Field(4096, gt=0)
+    network: str = Field("none", description="Docker network mode of sandboxes")
+    keepalive: list[str] = Field(
+        default_factory=lambda: ["sleep", "infinity"],
+        min_length=1,
+        description="the container's main process, replacing the image's entrypoint",
+    )
+    prepare_concurrency: int = Field(4, ge=1, description="containers created/set up at once")
+    prepare_timeout_s: float = Field(300.0, gt=0, description="a longer setup command is killed: failed")
+    exec_timeout_s: float = Field(600.0, gt=0, description="default and maximum exec timeout")
+    exec_output_limit_bytes: int = Field(1 << 20, gt=0)
+    idle_expiry_s: float | None = Field(3600.0, gt=0, description="released when unused this long")
+    maintenance_interval_s: float = Field(30.0, gt=0, description="reaper, warm check, disk check")
+    disk_high_watermark: str = Field("20g", description="per host: above it, evict images the pool pulled")
+    docker_timeout_s: float = Field(60.0, gt=0, description="per Docker API call")
+    max_threads: int = Field(64, ge=4, description="threads for blocking Docker calls and execs")
+
+    @field_validator("memory", "disk_high_watermark")
+    @classmethod
+    def _byte_size(cls, value: str) -> str:
+        try:
+            parse_bytes(value)
+        except Exception as exc:  # docker raises its own DockerException subclasses here
+            raise ValueError(f"not a byte size like '512m' or '2g': {value!r}") from exc
+        return value
+
+    @field_validator("hosts")
+    @classmethod
+    def _docker_urls(cls, hosts: list[str]) -> list[str]:
+        for url in hosts:
+            if not url.startswith(("unix://", "tcp://", "ssh://", "http://", "https://")):
+                raise ValueError(f"not a Docker host URL (unix://, tcp://, ssh://): {url!r}")
+        return hosts
+
+    @property
+    def memory_bytes(self) -> int:
+        return parse_bytes(self.memory)
+
+    @property
+    def disk_high_watermark_bytes(self) -> int:
+        return parse_bytes(self.disk_high_watermark)
+
+    def warm_targets(self) -> dict[str, int]:
+        """Image -> number of ready containers the warm pool keeps."""
+        targets = {self.image: self.warm} if self.warm else {}
+        return targets | {image: n for image, n in self.warm_images.items() if n > 0}

@@ -1,0 +1,163 @@
+"""`/v1/sandboxes`: the sandbox pool over HTTP, mounted by the daemon on the gateway's port."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from thunderctl.sandbox.docker_host import ImageUnavailable, SandboxError
+from thunderctl.sandbox.pool import (
+    PoolUnavailable,
+    SandboxFailed,
+    SandboxNotFound,
+    SandboxPool,
+    SandboxState,
+)
+
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+DEFAULT_WAIT_S = 60.0
+MAX_WAIT_S = 600.0
+
+
+class BadRequest(Exception):
+    pass
+
+
+def error(status: int, message: str, kind: str) -> JSONResponse:
+    # The same error shape as the gateway's OpenAI-compatible endpoints.
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status)
+
+
+def error_response(exc: Exception) -> JSONResponse:
+    match exc:
+        case BadRequest():
+            return error(400, str(exc), "invalid_request_error")
+        case SandboxNotFound():
+            return error(404, str(exc), "not_found")
+        case SandboxFailed() | ImageUnavailable():
+            return error(422, str(exc), "sandbox_failed")
+        case PoolUnavailable():
+            return error(503, str(exc), "sandboxes_unavailable")
+        case _:
+            return error(502, str(exc), "docker_error")
+
+
+async def json_object(request: Request) -> dict:
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
+
+
+def field_of(body: dict, name: str, kind: type | tuple[type, ...], required: bool = False) -> object:
+    value = body.get(name)
+    if value is None:
+        if required:
+            raise BadRequest(f"missing field {name!r}")
+        return None
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise BadRequest(f"field {name!r} has the wrong type: {type(value).__name__}")
+    return value
+
+
+def string_map(value: object, name: str) -> dict[str, str] | None:
+    if value is None:
+        return None
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise BadRequest(f"field {name!r} must map strings to strings")
+    return value
+
+
+def string_list(value: object, name: str) -> list[str]:
+    if not value or not all(isinstance(item, str) and item for item in value):
+        raise BadRequest(f"field {name!r} must be a non-empty list of strings")
+    return value
+
+
+def wait_seconds(request: Request) -> float:
+    raw = request.query_params.get("timeout", str(DEFAULT_WAIT_S))
+    try:
+        return min(max(float(raw), 0.0), MAX_WAIT_S)
+    except ValueError as exc:
+        raise BadRequest(f"timeout must be a number of seconds, not {raw!r}") from exc
+
+
+def sandbox_routes(pool: SandboxPool) -> list[Route]:
+    async def create(request: Request) -> Response:
+        body = await json_object(request)
+        program_id = str(field_of(body, "program_id", (str, int), required=True))
+        sandbox = await pool.acquire(
+            program_id,
+            image=field_of(body, "image", str),
+            env=string_map(field_of(body, "env", dict), "env"),
+            setup=field_of(body, "setup", str),
+        )
+        return JSONResponse(sandbox.view(), 201)
+
+    async def adopt(request: Request) -> Response:
+        body = await json_object(request)
+        program_id = str(field_of(body, "program_id", (str, int), required=True))
+        docker_ids = string_list(field_of(body, "docker_ids", list, required=True), "docker_ids")
+        adopted = await pool.adopt(program_id, docker_ids)
+        return JSONResponse({"program_id": program_id, "sandboxes": [sb.view() for sb in adopted]})
+
+    async def listing(request: Request) -> Response:
+        program_id = request.query_params.get("program_id")
+        return JSONResponse({"sandboxes": [sb.view() for sb in pool.sandboxes(program_id)]})
+
+    async def show(request: Request) -> Response:
+        sandbox_id = request.path_params["sandbox_id"]
+        if request.query_params.get("wait") == "ready":
+            sandbox = await pool.wait_ready(sandbox_id, wait_seconds(request))
+        else:
+            sandbox = pool.get(sandbox_id)
+        if sandbox.state is SandboxState.RELEASED:
+            raise SandboxNotFound(f"sandbox {sandbox_id!r} was released")
+        if sandbox.state is SandboxState.FAILED:
+            return JSONResponse(
+                {"error": {"message": sandbox.error, "type": "sandbox_failed", "code": 422},
+                 "sandbox": sandbox.view()}, 422)
+        return JSONResponse(sandbox.view())
+
+    async def run(request: Request) -> Response:
+        body = await json_object(request)
+        cmd = field_of(body, "cmd", (str, list), required=True)
+        if isinstance(cmd, list):
+            cmd = string_list(cmd, "cmd")
+        timeout = field_of(body, "timeout", (int, float))
+        if timeout is not None and timeout <= 0:
+            raise BadRequest("timeout must be a positive number of seconds")
+        result = await pool.exec(request.path_params["sandbox_id"], cmd, timeout)
+        return JSONResponse(asdict(result))
+
+    async def delete(request: Request) -> Response:
+        sandbox_id = request.path_params["sandbox_id"]
+        await pool.release(sandbox_id)
+        return JSONResponse({"id": sandbox_id, "state": str(SandboxState.RELEASED)})
+
+    def guarded(handler: Endpoint) -> Endpoint:
+        async def endpoint(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except (BadRequest, SandboxError) as exc:
+                return error_response(exc)
+
+        return endpoint
+
+    return [
+        Route("/v1/sandboxes", guarded(create), methods=["POST"]),
+        Route("/v1/sandboxes", guarded(listing), methods=["GET"]),
+        Route("/v1/sandboxes/adopt", guarded(adopt), methods=["POST"]),
+        Route("/v1/sandboxes/{sandbox_id}", guarded(show), methods=["GET"]),
+        Route("/v1/sandboxes/{sandbox_id}", guarded(delete), methods=["DELETE"]),
+        Route("/v1/sandboxes/{sandbox_id}/exec", guarded(run), methods=["POST"]),
+    ]
