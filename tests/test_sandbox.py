@@ -1,0 +1,330 @@
+"""The sandbox pool against a real Docker engine (scripts/start-dockerd.sh), over real HTTP where
+an agent would use it. Needs the sandbox_fixtures plugin."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import docker
+import pytest
+from docker.errors import NotFound
+
+from thunderctl.sandbox import SandboxConfig, SandboxPool
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"  # the pool is asyncio code; anyio would also try trio where it is installed
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def labelled(client: docker.DockerClient, cluster: str) -> list:
+    return client.containers.list(all=True, filters={"label": f"thunderctl.cluster={cluster}"})
+
+
+def container_exists(client: docker.DockerClient, container_id: str) -> bool:
+    try:
+        client.containers.get(container_id)
+    except NotFound:
+        return False
+    return True
+
+
+async def eventually(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
+
+
+async def test_acquire_exec_release_round_trip_over_http(start_pool, serve_pool, docker_client) -> None:
+    pool = await start_pool()
+    http = await serve_pool(pool)
+
+    created = await http.post("/v1/sandboxes", json={"program_id": "p1", "env": {"GREETING": "hello"}})
+    assert created.status_code == 201
+    sandbox = created.json()
+    assert sandbox["state"] in ("preparing", "ready") and sandbox["host"] == "unix:///var/run/docker.sock"
+
+    ready = (await http.get(f"/v1/sandboxes/{sandbox['id']}", params={"wait": "ready"})).json()
+    assert ready["state"] == "ready" and ready["program_id"] == "p1"
+    assert docker_client.containers.get(ready["container_id"]).status == "running"
+
+    ran = await http.post(f"/v1/sandboxes/{sandbox['id']}/exec",
+                          json={"cmd": "echo $GREETING; echo oops >&2; exit 3", "timeout": 10})
+    assert ran.status_code == 200
+    result = ran.json()
+    assert result["exit_code"] == 3 and result["output"] == "hello\noops\n" and not result["timed_out"]
+    assert result["duration_s"] < 5
+
+    listed = (await http.get("/v1/sandboxes", params={"program_id": "p1"})).json()["sandboxes"]
+    assert [s["id"] for s in listed] == [sandbox["id"]]
+
+    assert (await http.delete(f"/v1/sandboxes/{sandbox['id']}")).status_code == 200
+    assert not container_exists(docker_client, ready["container_id"])
+    gone = await http.post(f"/v1/sandboxes/{sandbox['id']}/exec", json={"cmd": "true"})
+    assert gone.status_code == 404 and sandbox["id"] in gone.json()["error"]["message"]
+    assert (await http.get(f"/v1/sandboxes/{sandbox['id']}")).status_code == 404
+    assert (await http.delete(f"/v1/sandboxes/{sandbox['id']}")).status_code == 404
+
+
+async def test_bad_requests_are_400s_naming_the_field(start_pool, serve_pool) -> None:
+    http = await serve_pool(await start_pool())
+    assert (await http.post("/v1/sandboxes", content=b"{nope")).status_code == 400
+    missing = await http.post("/v1/sandboxes", json={"image": "x"})
+    assert missing.status_code == 400 and "program_id" in missing.json()["error"]["message"]
+    bad_env = await http.post("/v1/sandboxes", json={"program_id": "p", "env": {"A": 1}})
+    assert bad_env.status_code == 400 and "env" in bad_env.json()["error"]["message"]
+
+
+async def test_limits_and_isolation_are_applied(start_pool, docker_client) -> None:
+    pool = await start_pool(memory="64m", pids=64, nofile=1024, cpus=0.5)
+    sandbox = await pool.wait_ready((await pool.acquire("p1")).id, 30)
+
+    host_config = docker_client.api.inspect_container(sandbox.container_id)["HostConfig"]
+    assert host_config["Memory"] == 64 * 2**20
+    assert host_config["MemorySwap"] == 64 * 2**20  # swap equal to memory: none
+    assert host_config["PidsLimit"] == 64
+    assert host_config["NanoCpus"] == 500_000_000
+    assert host_config["CapDrop"] == ["ALL"]
+    assert host_config["SecurityOpt"] == ["no-new-privileges"]
+    assert host_config["NetworkMode"] == "none"
+    assert host_config["Ulimits"] == [{"Name": "nofile", "Soft": 1024, "Hard": 1024}]
+
+    # And as the agent sees it: loopback only, the file limit, and no capabilities.
+    seen = await pool.exec(sandbox.id, "ls /sys/class/net; ulimit -n; grep CapEff /proc/self/status")
+    assert seen.output.split() == ["lo", "1024", "CapEff:", "0000000000000000"]
+
+
+async def test_exec_timeout_kills_the_command_and_its_children(start_pool) -> None:
+    pool = await start_pool()
+    sandbox = await pool.wait_ready((await pool.acquire("p1")).id, 30)
+
+    result = await pool.exec(sandbox.id, "sleep 300 & echo started; sleep 301; echo never", timeout_s=1)
+    assert result.timed_out and result.exit_code == 137
+    assert result.output == "started\n"
+    assert 1 <= result.duration_s < 5
+
+    left = await pool.exec(sandbox.id, "ps -o args")
+    assert "sleep 30" not in left.output  # neither the command nor what it put in the background
+    assert (await pool.exec(sandbox.id, "echo still usable")).output == "still usable\n"
+
+
+async def test_hundred_programs_leave_no_container_behind(start_pool, sandbox_cluster, docker_client) -> None:
+    pool = await start_pool(prepare_concurrency=6)
+    sandboxes = [await pool.acquire(f"program-{n}") for n in range(100)]
+    ready = await asyncio.gather(*(pool.wait_ready(sb.id, 120) for sb in sandboxes))
+    assert {sb.state for sb in ready} == {"ready"}
+    assert len(labelled(docker_client, sandbox_cluster)) == 100
+    assert pool.stats()["bound"] == 100 and pool.stats()["prepare_s"]["count"] == 100
+
+    ended = await asyncio.gather(*(pool.program_ended(f"program-{n}") for n in range(100)))
+    assert sum(ended) == 100
+    assert labelled(docker_client, sandbox_cluster) == []
+    assert pool.stats()["bound"] == 0 and pool.sandboxes() == []
+
+
+# The first daemon, in a process of its own: 20 sandboxes, then it waits to be killed.
+CRASHING_DAEMON = """
+import asyncio, sys
+from thunderctl.sandbox import SandboxConfig, SandboxPool
+
+async def main(image, cluster):
+    pool = SandboxPool(SandboxConfig(image=image, memory="64m", prepare_concurrency=6), cluster=cluster)
+    await pool.start()
+    sandboxes = [await pool.acquire(f"program-{n}") for n in range(20)]
+    for sandbox in sandboxes:
+        await pool.wait_ready(sandbox.id, 120)
+    print(sum(sb.state == "ready" for sb in sandboxes), flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+async def test_restart_after_kill_9_reaps_every_orphan_and_nothing_else(
+    start_pool, sandbox_cluster, sandbox_image, docker_client
+) -> None:
+    daemon = subprocess.Popen(
+        [sys.executable, "-c", CRASHING_DAEMON, sandbox_image, sandbox_cluster],
+        stdout=subprocess.PIPE, cwd=REPO, env=os.environ | {"PYTHONPATH": str(REPO)},
+    )
+    try:
+        ready_line = await asyncio.wait_for(asyncio.to_thread(daemon.stdout.readline), 120)
+    finally:
+        daemon.send_signal(signal.SIGKILL)
+        daemon.wait()
+    assert ready_line.strip() == b"20"
+    assert len(labelled(docker_client, sandbox_cluster)) == 20
+
+    # Containers the reaper must not touch: unlabelled, and another cluster's.
+    bystanders = [
+        docker_client.containers.run(sandbox_image, ["sleep", "600"], detach=True, network_mode="none",
+                                     labels=labels | {"thunderctl.test": "1"})
+        for labels in ({}, {"thunderctl.cluster": f"{sandbox_cluster}-other"})
+    ]
+
+    pool = await start_pool()
+    assert labelled(docker_client, sandbox_cluster) == []
+    assert pool.stats()["reaped"] == 20
+    for bystander in bystanders:
+        bystander.reload()
+        assert bystander.status == "running"
+
+
+async def test_adopted_container_is_collected_with_its_program(
+    start_pool, serve_pool, sandbox_image, docker_client
+) -> None:
+    pool = await start_pool()
+    http = await serve_pool(pool)
+    agents_own = docker_client.containers.run(sandbox_image, ["sleep", "600"], detach=True,
+                                              network_mode="none", labels={"thunderctl.test": "1"})
+
+    adopted = await http.post("/v1/sandboxes/adopt", json={"program_id": "p1", "docker_ids": [agents_own.short_id]})
+    assert adopted.status_code == 200
+    [sandbox] = adopted.json()["sandboxes"]
+    assert sandbox["container_id"] == agents_own.id and sandbox["adopted"] and sandbox["state"] == "ready"
+    ran = await http.post(f"/v1/sandboxes/{sandbox['id']}/exec", json={"cmd": "echo inside"})
+    assert ran.json()["output"] == "inside\n"
+
+    await pool.program_ended("p1")
+    assert not container_exists(docker_client, agents_own.id)
+
+    unknown = await http.post("/v1/sandboxes/adopt", json={"program_id": "p1", "docker_ids": ["f00dfeed"]})
+    assert unknown.status_code == 404 and "f00dfeed" in unknown.json()["error"]["message"]
+
+
+async def test_restart_collects_containers_adopted_before_a_crash(
+    start_pool, sandbox_config, sandbox_cluster, sandbox_image, docker_client, tmp_path
+) -> None:
+    state_path = tmp_path / "sandboxes.json"
+    agents_own = docker_client.containers.run(sandbox_image, ["sleep", "600"], detach=True,
+                                              network_mode="none", labels={"thunderctl.test": "1"})
+    first = SandboxPool(sandbox_config(), cluster=sandbox_cluster, state_path=state_path)
+    await first.start()
+    await first.adopt("p1", [agents_own.id])
+    # The first daemon "dies" here: nothing released, only its state file is left for the next.
+
+    await start_pool(state_path=state_path)
+    assert not container_exists(docker_client, agents_own.id)
+    await first.shutdown()  # the dead daemon's threads and timers, not its containers
+
+
+async def test_preparation_follows_the_resume_queue(start_pool) -> None:
+    pool = await start_pool(prepare_concurrency=1)
+    blocker = await pool.acquire("blocker", setup="sleep 1")  # holds the only slot
+    waiting = [await pool.acquire(f"waiting-{n}") for n in range(5)]
+    pool.program_queue(["waiting-3", "waiting-1", "waiting-4", "waiting-0", "waiting-2"])
+    running = await pool.acquire("running")  # not waiting for GPU memory: needs its sandbox now
+
+    finished: list[str] = []
+
+    async def note_when_ready(sandbox_id: str) -> None:
+        sandbox = await pool.wait_ready(sandbox_id, 60)
+        finished.append(sandbox.program_id)
+
+    await asyncio.gather(*(note_when_ready(sb.id) for sb in [blocker, *waiting, running]))
+    assert finished == ["blocker", "running", "waiting-3", "waiting-1", "waiting-4", "waiting-0", "waiting-2"]
+
+
+async def test_warm_pool_hands_out_at_once_and_refills(start_pool, serve_pool, sandbox_cluster, docker_client) -> None:
+    pool = await start_pool(warm=2)
+    http = await serve_pool(pool)
+    await eventually(lambda: pool.stats()["warm"] == 2)
+
+    started = time.monotonic()
+    created = (await http.post("/v1/sandboxes", json={"program_id": "p1"})).json()
+    assert created["state"] == "ready" and created["container_id"] is not None
+    ran = await http.post(f"/v1/sandboxes/{created['id']}/exec", json={"cmd": "echo warm"})
+    assert ran.json()["output"] == "warm\n"
+    assert time.monotonic() - started < 1.0  # no container was made on the way
+    await eventually(lambda: pool.stats()["warm"] == 2)
+    assert pool.stats()["bound"] == 1
+
+    # A warm container that died is replaced at the next maintenance.
+    warm = [c for c in labelled(docker_client, sandbox_cluster) if c.id != created["container_id"]]
+    assert len(warm) == 2
+    warm[0].kill()
+    await pool.maintain()
+    await eventually(lambda: pool.stats()["warm"] == 2)
+    assert not container_exists(docker_client, warm[0].id)
+    assert len(labelled(docker_client, sandbox_cluster)) == 3  # two warm, one bound
+
+
+async def test_setup_runs_before_ready_and_its_failure_is_reported(start_pool, serve_pool) -> None:
+    pool = await start_pool()
+    http = await serve_pool(pool)
+    made = (await http.post("/v1/sandboxes", json={"program_id": "p1", "setup": "echo prepared > /marker"})).json()
+    ran = await http.post(f"/v1/sandboxes/{made['id']}/exec", json={"cmd": ["cat", "/marker"]})
+    assert ran.json()["output"] == "prepared\n"
+
+    broken = (await http.post("/v1/sandboxes", json={"program_id": "p2", "setup": "echo no such repo; exit 7"})).json()
+    waited = await http.get(f"/v1/sandboxes/{broken['id']}", params={"wait": "ready"})
+    assert waited.status_code == 422
+    message = waited.json()["error"]["message"]
+    assert "exited 7" in message and "no such repo" in message
+
+
+async def test_missing_image_is_a_clear_error_and_the_pool_keeps_working(start_pool, serve_pool, unused_port) -> None:
+    pool = await start_pool()
+    http = await serve_pool(pool)
+    missing = f"127.0.0.1:{unused_port}/thunderctl-test/missing:1"  # a registry that refuses at once
+
+    created = await http.post("/v1/sandboxes", json={"program_id": "p1", "image": missing})
+    assert created.status_code == 201
+    waited = await http.get(f"/v1/sandboxes/{created.json()['id']}", params={"wait": "ready"})
+    assert waited.status_code == 422
+    assert missing in waited.json()["error"]["message"]
+    assert missing in pool.stats()["last_error"]
+
+    ok = (await http.post("/v1/sandboxes", json={"program_id": "p1"})).json()
+    ran = await http.post(f"/v1/sandboxes/{ok['id']}/exec", json={"cmd": "echo fine"})
+    assert ran.json()["output"] == "fine\n"
+
+
+async def test_unreachable_docker_host_is_named_and_nothing_crashes(start_pool, serve_pool, unused_port) -> None:
+    url = f"tcp://127.0.0.1:{unused_port}"
+    pool = await start_pool(hosts=[url], warm=2)
+    http = await serve_pool(pool)
+
+    stats = pool.stats()
+    assert not stats["available"] and url in stats["reason"]
+    refused = await http.post("/v1/sandboxes", json={"program_id": "p1"})
+    assert refused.status_code == 503 and url in refused.json()["error"]["message"]
+    assert (await http.get("/v1/sandboxes")).json() == {"sandboxes": []}
+    await pool.maintain()  # the periodic round survives a host that does not answer
+    assert not pool.stats()["available"]
+
+
+async def test_one_unreachable_host_of_two_leaves_the_other_serving(start_pool, unused_port) -> None:
+    down = f"tcp://127.0.0.1:{unused_port}"
+    pool = await start_pool(hosts=[down, "unix:///var/run/docker.sock"])
+    sandbox = await pool.wait_ready((await pool.acquire("p1")).id, 30)
+    assert sandbox.state == "ready" and sandbox.host.url == "unix:///var/run/docker.sock"
+    assert pool.stats()["available"] and pool.stats()["hosts"][0]["available"] is False
+
+
+async def test_idle_sandbox_expires(start_pool, docker_client) -> None:
+    pool = await start_pool(idle_expiry_s=0.5)
+    sandbox = await pool.wait_ready((await pool.acquire("p1")).id, 30)
+    await asyncio.sleep(1.0)
+    await pool.maintain()
+    await eventually(lambda: not container_exists(docker_client, sandbox.container_id))
+    assert pool.sandboxes("p1") == []
+
+
+def test_config_names_the_bad_field() -> None:
+    with pytest.raises(ValueError, match="memory"):
+        SandboxConfig(memory="lots")
+    with pytest.raises(ValueError, match="ssh://"):
+        SandboxConfig(hosts=["docker.example:2375"])
