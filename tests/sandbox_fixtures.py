@@ -8,17 +8,25 @@ and whatever containers carry that name are removed after the test, whatever the
 from __future__ import annotations
 
 import asyncio
+import gzip
+import hashlib
+import io
+import json
+import re
 import secrets
 import shutil
 import socket
+import tarfile
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import docker
 import httpx
 import pytest
 import uvicorn
-from docker.errors import DockerException
+from docker.errors import DockerException, NotFound
 from starlette.applications import Starlette
 
 from thunderctl.sandbox import SandboxConfig, SandboxPool, sandbox_routes
@@ -26,6 +34,8 @@ from thunderctl.sandbox import SandboxConfig, SandboxPool, sandbox_routes
 TEST_IMAGE = "thunderctl-test/busybox:latest"
 TEST_LABEL = "thunderctl.test"  # on everything the tests make outside a pool
 BUSYBOX = Path("/bin/busybox")  # Debian's busybox-static: runs in an image with no libc
+REGISTRY_PATH = re.compile(r"^/v2/(?P<repository>.+)/(?P<kind>manifests|blobs)/(?P<reference>[^/]+)$")
+MANIFEST_TYPE = "application/vnd.docker.distribution.manifest.v2+json"
 DOCKERFILE = 'FROM scratch\nCOPY busybox /bin/busybox\nRUN ["/bin/busybox", "--install", "-s", "/bin"]\n'
 
 
@@ -131,3 +141,115 @@ async def serve_pool() -> AsyncIterator[Callable[[SandboxPool], Awaitable[httpx.
         await client.aclose()
         server.should_exit = True
         await task
+
+
+class LoopbackRegistry:
+    """A read-only Docker registry (HTTP API v2) on loopback, serving images saved from the local
+    engine: the pool pulls for real without any registry outside this machine. Docker treats
+    127.0.0.0/8 registries as insecure, so plain HTTP is accepted."""
+
+    def __init__(self) -> None:
+        self.blobs: dict[str, bytes] = {}
+        self.manifests: dict[tuple[str, str], bytes] = {}
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.address = f"127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def publish(self, saved: bytes, repository: str, tag: str) -> str:
+        """Serve a `docker save` archive as repository:tag; returns the reference to pull."""
+        with tarfile.open(fileobj=io.BytesIO(saved)) as archive:
+            [entry] = json.load(archive.extractfile("manifest.json"))
+            config = archive.extractfile(entry["Config"]).read()
+            layers = [gzip.compress(archive.extractfile(path).read(), mtime=0) for path in entry["Layers"]]
+        manifest = {
+            "schemaVersion": 2,
+            "mediaType": MANIFEST_TYPE,
+            "config": self._descriptor(config, "application/vnd.docker.container.image.v1+json"),
+            "layers": [self._descriptor(layer, "application/vnd.docker.image.rootfs.diff.tar.gzip")
+                       for layer in layers],
+        }
+        content = json.dumps(manifest).encode()
+        # Docker asks for the manifest by tag, then again by the digest it was told.
+        for reference in (tag, "sha256:" + hashlib.sha256(content).hexdigest()):
+            self.manifests[(repository, reference)] = content
+        return f"{self.address}/{repository}:{tag}"
+
+    def _descriptor(self, blob: bytes, media_type: str) -> dict:
+        digest = "sha256:" + hashlib.sha256(blob).hexdigest()
+        self.blobs[digest] = blob
+        return {"mediaType": media_type, "size": len(blob), "digest": digest}
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        registry = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_HEAD(self) -> None:  # noqa: N802 - http.server's naming
+                self._answer(body=False)
+
+            def do_GET(self) -> None:  # noqa: N802
+                self._answer(body=True)
+
+            def _answer(self, body: bool) -> None:
+                content, media_type = self._lookup()
+                self.send_response(200 if content is not None else 404)
+                self.send_header("Docker-Distribution-API-Version", "registry/2.0")
+                content = content if content is not None else b"{}"
+                self.send_header("Content-Type", media_type)
+                self.send_header("Content-Length", str(len(content)))
+                self.send_header("Docker-Content-Digest", "sha256:" + hashlib.sha256(content).hexdigest())
+                self.end_headers()
+                if body:
+                    self.wfile.write(content)
+
+            def _lookup(self) -> tuple[bytes | None, str]:
+                path = self.path.split("?")[0]
+                if path in ("/v2", "/v2/"):
+                    return b"{}", "application/json"
+                match = REGISTRY_PATH.match(path)
+                if match is None:
+                    return None, "application/json"
+                if match["kind"] == "manifests":
+                    return registry.manifests.get((match["repository"], match["reference"])), MANIFEST_TYPE
+                return registry.blobs.get(match["reference"]), "application/octet-stream"
+
+            def log_message(self, *_: object) -> None:
+                pass  # quiet: pytest shows failures, not every pull
+
+        return Handler
+
+
+@pytest.fixture(scope="session")
+def loopback_registry() -> Iterator[LoopbackRegistry]:
+    registry = LoopbackRegistry()
+    yield registry
+    registry.close()
+
+
+@pytest.fixture
+def publish_image(
+    docker_client: docker.DockerClient, sandbox_image: str, loopback_registry: LoopbackRegistry,
+    tmp_path: Path,
+) -> Iterator[Callable[[], str]]:
+    """Publish a new image (the test image plus a file of its own) on the loopback registry, absent
+    from the engine, so that using it means pulling it. Pulled copies are removed afterwards."""
+    references: list[str] = []
+
+    def publish() -> str:
+        tag = secrets.token_hex(4)
+        (tmp_path / "Dockerfile").write_text(f"FROM {sandbox_image}\nRUN echo {tag} > /pulled\n")
+        image, _ = docker_client.images.build(path=str(tmp_path), rm=True, labels={TEST_LABEL: "1"})
+        saved = b"".join(image.save())
+        docker_client.images.remove(image.id, force=True)
+        references.append(loopback_registry.publish(saved, "thunderctl-test/pullable", tag))
+        return references[-1]
+
+    yield publish
+    for reference in references:
+        try:
+            docker_client.images.remove(reference, force=True)
+        except NotFound:
+            pass

@@ -328,3 +328,30 @@ def test_config_names_the_bad_field() -> None:
         SandboxConfig(memory="lots")
     with pytest.raises(ValueError, match="ssh://"):
         SandboxConfig(hosts=["docker.example:2375"])
+
+
+async def test_image_named_in_a_request_is_pulled_when_missing(start_pool, serve_pool, publish_image) -> None:
+    reference = publish_image()
+    http = await serve_pool(await start_pool())
+    created = (await http.post("/v1/sandboxes", json={"program_id": "p1", "image": reference})).json()
+    ran = await http.post(f"/v1/sandboxes/{created['id']}/exec", json={"cmd": "cat /pulled"})
+    assert ran.status_code == 200 and ran.json()["output"] == reference.rsplit(":", 1)[1] + "\n"
+
+
+async def test_disk_above_watermark_evicts_pulled_images_no_container_uses(
+    start_pool, publish_image, sandbox_image, docker_client
+) -> None:
+    in_use, unused = publish_image(), publish_image()
+    pool = await start_pool(disk_high_watermark="1k")  # anything pulled is over it
+    kept = await pool.wait_ready((await pool.acquire("p1", image=in_use)).id, 60)
+    done = await pool.wait_ready((await pool.acquire("p2", image=unused)).id, 60)
+    assert {kept.state, done.state} == {"ready"}
+    await pool.program_ended("p2")
+
+    await pool.maintain()
+    stats = pool.stats()
+    assert stats["evicted_images"] == 1 and stats["disk_bytes"] > 1024
+    with pytest.raises(NotFound):
+        docker_client.images.get(unused)
+    docker_client.images.get(in_use)  # its container still runs
+    docker_client.images.get(sandbox_image)  # not pulled by the pool: never evicted
