@@ -26,7 +26,7 @@ import docker
 import httpx
 import pytest
 import uvicorn
-from docker.errors import DockerException, NotFound
+from docker.errors import DockerException
 from starlette.applications import Starlette
 
 from thunderctl.sandbox import SandboxConfig, SandboxPool, sandbox_routes
@@ -62,6 +62,11 @@ def sandbox_image(docker_client: docker.DockerClient, tmp_path_factory: pytest.T
     yield TEST_IMAGE
     for container in docker_client.containers.list(all=True, filters={"label": TEST_LABEL}):
         container.remove(force=True, v=True)
+    # Images built from it (and pulled copies of them) carry the label too; pools are shut down by
+    # now, so no container holds any of them.
+    for made in docker_client.images.list(all=True, filters={"label": TEST_LABEL}):
+        if made.id != image.id:
+            docker_client.images.remove(made.id, force=True)
     docker_client.images.remove(image.id, force=True)
 
 
@@ -233,10 +238,10 @@ def loopback_registry() -> Iterator[LoopbackRegistry]:
 def publish_image(
     docker_client: docker.DockerClient, sandbox_image: str, loopback_registry: LoopbackRegistry,
     tmp_path: Path,
-) -> Iterator[Callable[[], str]]:
+) -> Callable[[], str]:
     """Publish a new image (the test image plus a file of its own) on the loopback registry, absent
-    from the engine, so that using it means pulling it. Pulled copies are removed afterwards."""
-    references: list[str] = []
+    from the engine, so that using it means pulling it. Pulled copies carry the test label: the
+    session's end removes them."""
 
     def publish() -> str:
         tag = secrets.token_hex(4)
@@ -244,12 +249,6 @@ def publish_image(
         image, _ = docker_client.images.build(path=str(tmp_path), rm=True, labels={TEST_LABEL: "1"})
         saved = b"".join(image.save())
         docker_client.images.remove(image.id, force=True)
-        references.append(loopback_registry.publish(saved, "thunderctl-test/pullable", tag))
-        return references[-1]
+        return loopback_registry.publish(saved, "thunderctl-test/pullable", tag)
 
-    yield publish
-    for reference in references:
-        try:
-            docker_client.images.remove(reference, force=True)
-        except NotFound:
-            pass
+    return publish
