@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import signal
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -171,6 +173,9 @@ def serve(
             names = ", ".join(f"{u.id} ({u.url})" for u in upstreams)
             out.print(f"gateway on [bold]http://{host}:{port}/v1[/] → {names}")
 
+        # uvicorn re-raises the SIGTERM it caught once it has shut down; as SystemExit it
+        # unwinds through the ExitStack, so a local engine is stopped rather than orphaned.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         try:
             asyncio.run(serve_gateway(Gateway(upstreams, config), host, port, ready))
         except BackendUnreachable as exc:

@@ -52,9 +52,10 @@ class Daemon:
         control_app = build_control_app(self)
 
         async def by_socket(scope: Scope, receive: Receive, send: Send) -> None:
-            # One server, two sockets: uvicorn reports no server address for a Unix-socket
-            # connection, so only the owner's control socket reaches the control API.
-            app = control_app if scope.get("server") is None else gateway_app
+            # One server, two sockets: a Unix-socket connection has no port, so only the
+            # owner's control socket reaches the control API.
+            server = scope.get("server")
+            app = control_app if server is None or server[1] is None else gateway_app
             await app(scope, receive, send)
 
         self.app = by_socket

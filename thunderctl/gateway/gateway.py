@@ -253,11 +253,16 @@ class Gateway:
         for attempt in (1, 2):
             upstream = await self.admit(program_id, shape)
             upstream.in_flight += 1
+            response = None
             try:
                 response = await self._client.send(
                     self._client.build_request("POST", f"{upstream.url}{path}", json=body),
                     stream=True,
                 )
+                if response.status_code == 200 and stream:
+                    lines = self._relay_stream(response, upstream, program_id, shape, client_wants_usage)
+                    return Relayed(200, response.headers.get("content-type", "text/event-stream"), lines)
+                content = await response.aread()
                 break
             except httpx.TransportError as exc:
                 upstream.in_flight -= 1
@@ -266,19 +271,15 @@ class Gateway:
                     continue
                 self._finish_failed(program_id)
                 raise BackendError(f"backend {upstream.id} ({upstream.url}) failed: {exc!r}") from exc
-        media_type = response.headers.get("content-type", "application/json")
-        if response.status_code == 200 and stream:
-            lines = self._relay_stream(response, upstream, program_id, shape, client_wants_usage)
-            return Relayed(response.status_code, media_type, lines)
+            finally:
+                if response is not None and not (stream and response.status_code == 200):
+                    await response.aclose()
         usage = None
-        try:
-            content = await response.aread()
-            if response.status_code == 200:
-                with contextlib.suppress(ValueError, AttributeError):
-                    usage = json.loads(content).get("usage")
-        finally:
-            await response.aclose()
-            self._finish(upstream, program_id, shape, usage)
+        if response.status_code == 200:
+            with contextlib.suppress(ValueError, AttributeError):
+                usage = json.loads(content).get("usage")
+        self._finish(upstream, program_id, shape, usage)
+        media_type = response.headers.get("content-type", "application/json")
         return Relayed(response.status_code, media_type, content)
 
     async def _relay_stream(
