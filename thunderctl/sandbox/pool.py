@@ -5,6 +5,7 @@ program ends. It knows programs only by id: the daemon calls it on lifecycle eve
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import secrets
@@ -15,12 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
+from string import hexdigits
 from typing import TypeVar
-
-from docker.errors import DockerException
 
 from thunderctl.sandbox.config import SandboxConfig
 from thunderctl.sandbox.docker_host import (
+    DOCKER_ERRORS,
     LABEL_CLUSTER,
     LABEL_LEASE,
     ContainerInfo,
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 LATENCY_WINDOW = 1000  # latest preparations kept for percentiles
+SHORT_ID_LENGTH = 12  # digits of a container id that `docker ps` shows
 SETUP_OUTPUT_TAIL = 2000  # characters of a failed setup's output quoted in its error
 
 
@@ -183,19 +185,13 @@ class SandboxPool:
     async def adopt(self, program_id: str, docker_ids: list[str]) -> list[Sandbox]:
         """Take containers an agent started itself into the program: collected when it ends."""
         self._require_available()
-        found = [await self._find_container(docker_id) for docker_id in docker_ids]
         adopted = []
-        for host, info in found:
-            existing = next((sb for sb in self._sandboxes.values() if sb.container_id == info.id), None)
-            if existing is None:
-                existing = self._register(Sandbox(
-                    id=self._new_lease(), image=info.image, host=host, program_id=program_id,
-                    state=SandboxState.READY, container_id=info.id, adopted=True,
-                ))
-                existing.settled.set()
-                self._state.adopted.append(AdoptedContainer(host=host.url, container_id=info.id))
-            adopted.append(existing)
-        self._state.save(self.state_path)
+        for docker_id in docker_ids:
+            sandbox = self._by_container(docker_id)
+            if sandbox is None:
+                host, info = await self._find_container(docker_id)
+                sandbox = self._by_container(info.id) or self._adopt_container(program_id, host, info)
+            adopted.append(sandbox)
         return adopted
 
     def get(self, sandbox_id: str) -> Sandbox:
@@ -214,10 +210,8 @@ class SandboxPool:
     async def wait_ready(self, sandbox_id: str, timeout_s: float) -> Sandbox:
         """The sandbox once ready or failed, or as it is after timeout_s."""
         sandbox = self.get(sandbox_id)
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(sandbox.settled.wait(), timeout_s)
-        except TimeoutError:
-            pass
         return sandbox
 
     async def exec(self, sandbox_id: str, cmd: str | list[str], timeout_s: float | None = None) -> ExecResult:
@@ -230,7 +224,7 @@ class SandboxPool:
         sandbox.last_used = time.monotonic()
         try:
             result = await self._run(sandbox.host.exec, sandbox.container_id, argv, sandbox.env, timeout_s)
-        except DockerException as exc:
+        except DOCKER_ERRORS as exc:
             self._raise_unless_ready(sandbox)
             raise SandboxError(f"exec in sandbox {sandbox_id!r} on {sandbox.host.url} failed: {exc}") from exc
         sandbox.last_used = time.monotonic()
@@ -328,7 +322,7 @@ class SandboxPool:
                 await self._create_container(sandbox)
             while sandbox.pending_setups and sandbox.state is SandboxState.PREPARING:
                 await self._run_setup(sandbox, sandbox.pending_setups.pop(0))
-        except (SandboxError, DockerException) as exc:
+        except (SandboxError, *DOCKER_ERRORS) as exc:
             await self._fail(sandbox, str(exc))
             return
         if sandbox.state is SandboxState.RELEASED:
@@ -421,7 +415,7 @@ class SandboxPool:
             return  # the reaper removes it once the host answers again
         try:
             await self._run(sandbox.host.remove, sandbox.container_id)
-        except DockerException as exc:
+        except DOCKER_ERRORS as exc:
             log.warning("removing container %s of sandbox %s: %s", sandbox.container_id, sandbox.id, exc)
 
     async def _reap(self) -> None:
@@ -429,7 +423,7 @@ class SandboxPool:
         for host in (h for h in self.hosts if h.available):
             try:
                 containers = await self._run(host.labelled_containers)
-            except DockerException as exc:
+            except DOCKER_ERRORS as exc:
                 log.warning("listing containers on %s: %s", host.url, exc)
                 continue
             by_lease = {c.labels.get(LABEL_LEASE): c for c in containers}
@@ -446,7 +440,7 @@ class SandboxPool:
         try:
             await self._run(host.remove, container_id)
             self._reaped += 1
-        except DockerException as exc:
+        except DOCKER_ERRORS as exc:
             log.warning("reaping container %s on %s: %s", container_id, host.url, exc)
 
     async def _collect_previous_adoptions(self) -> None:
@@ -506,7 +500,7 @@ class SandboxPool:
             await asyncio.sleep(self.config.maintenance_interval_s)
             try:
                 await self.maintain()
-            except (SandboxError, DockerException, OSError) as exc:
+            except (SandboxError, *DOCKER_ERRORS) as exc:
                 log.warning("sandbox maintenance: %s", exc)
 
     async def _check_hosts(self) -> None:
@@ -535,12 +529,31 @@ class SandboxPool:
     async def _find_container(self, docker_id: str) -> tuple[DockerHost, ContainerInfo]:
         for host in (h for h in self.hosts if h.available):
             info = await self._run(host.inspect, docker_id)
-            if info is not None:
-                if info.labels.get(LABEL_CLUSTER) == self.cluster and info.labels.get(LABEL_LEASE) not in self._sandboxes:
-                    break  # one of ours about to be reaped: not the agent's to keep
-                return host, info
+            if info is None:
+                continue
+            if info.labels.get(LABEL_CLUSTER) == self.cluster and info.labels.get(LABEL_LEASE) not in self._sandboxes:
+                break  # one of ours about to be reaped: not the agent's to keep
+            return host, info
         urls = ", ".join(h.url for h in self.hosts)
         raise SandboxNotFound(f"container {docker_id!r} is on no Docker host of this pool ({urls})")
+
+    def _by_container(self, docker_id: str) -> Sandbox | None:
+        """The sandbox whose container has this id, or this id's first 12+ digits as `docker ps`
+        shows them. Clients send the same ids with every request: known ones cost no Docker call."""
+        if len(docker_id) < SHORT_ID_LENGTH or not all(c in hexdigits for c in docker_id):
+            return None  # perhaps a container name: only Docker can resolve it
+        return next((sb for sb in self._sandboxes.values()
+                     if sb.container_id and sb.container_id.startswith(docker_id.lower())), None)
+
+    def _adopt_container(self, program_id: str, host: DockerHost, info: ContainerInfo) -> Sandbox:
+        sandbox = self._register(Sandbox(
+            id=self._new_lease(), image=info.image, host=host, program_id=program_id,
+            state=SandboxState.READY, container_id=info.id, adopted=True,
+        ))
+        sandbox.settled.set()
+        self._state.adopted.append(AdoptedContainer(host=host.url, container_id=info.id))
+        self._state.save(self.state_path)
+        return sandbox
 
     def _register(self, sandbox: Sandbox) -> Sandbox:
         self._sandboxes[sandbox.id] = sandbox

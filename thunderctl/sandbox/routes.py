@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
+from typing import Annotated, TypeVar
 
+from pydantic import BaseModel, Field, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -20,6 +22,8 @@ from thunderctl.sandbox.pool import (
 )
 
 Endpoint = Callable[[Request], Awaitable[Response]]
+Body = TypeVar("Body", bound=BaseModel)
+NonEmpty = Annotated[str, Field(min_length=1)]
 
 DEFAULT_WAIT_S = 60.0
 MAX_WAIT_S = 600.0
@@ -58,29 +62,29 @@ async def json_object(request: Request) -> dict:
     return body
 
 
-def field_of(body: dict, name: str, kind: type | tuple[type, ...], required: bool = False) -> object:
-    value = body.get(name)
-    if value is None:
-        if required:
-            raise BadRequest(f"missing field {name!r}")
-        return None
-    if not isinstance(value, kind) or isinstance(value, bool):
-        raise BadRequest(f"field {name!r} has the wrong type: {type(value).__name__}")
-    return value
+class CreateBody(BaseModel):
+    program_id: str | int
+    image: str | None = None
+    env: dict[str, str] | None = None
+    setup: str | None = None
 
 
-def string_map(value: object, name: str) -> dict[str, str] | None:
-    if value is None:
-        return None
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
-        raise BadRequest(f"field {name!r} must map strings to strings")
-    return value
+class AdoptBody(BaseModel):
+    program_id: str | int
+    docker_ids: list[NonEmpty] = Field(min_length=1)
 
 
-def string_list(value: object, name: str) -> list[str]:
-    if not value or not all(isinstance(item, str) and item for item in value):
-        raise BadRequest(f"field {name!r} must be a non-empty list of strings")
-    return value
+class ExecBody(BaseModel):
+    cmd: NonEmpty | list[NonEmpty] = Field(union_mode="left_to_right")
+    timeout: float | None = Field(None, gt=0)
+
+
+def parse(model: type[Body], body: dict) -> Body:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors())
+        raise BadRequest(f"bad request body: {problems}") from exc
 
 
 def wait_seconds(request: Request) -> float:
@@ -93,22 +97,14 @@ def wait_seconds(request: Request) -> float:
 
 def sandbox_routes(pool: SandboxPool) -> list[Route]:
     async def create(request: Request) -> Response:
-        body = await json_object(request)
-        program_id = str(field_of(body, "program_id", (str, int), required=True))
-        sandbox = await pool.acquire(
-            program_id,
-            image=field_of(body, "image", str),
-            env=string_map(field_of(body, "env", dict), "env"),
-            setup=field_of(body, "setup", str),
-        )
+        body = parse(CreateBody, await json_object(request))
+        sandbox = await pool.acquire(str(body.program_id), image=body.image, env=body.env, setup=body.setup)
         return JSONResponse(sandbox.view(), 201)
 
     async def adopt(request: Request) -> Response:
-        body = await json_object(request)
-        program_id = str(field_of(body, "program_id", (str, int), required=True))
-        docker_ids = string_list(field_of(body, "docker_ids", list, required=True), "docker_ids")
-        adopted = await pool.adopt(program_id, docker_ids)
-        return JSONResponse({"program_id": program_id, "sandboxes": [sb.view() for sb in adopted]})
+        body = parse(AdoptBody, await json_object(request))
+        adopted = await pool.adopt(str(body.program_id), body.docker_ids)
+        return JSONResponse({"program_id": str(body.program_id), "sandboxes": [sb.view() for sb in adopted]})
 
     async def listing(request: Request) -> Response:
         program_id = request.query_params.get("program_id")
@@ -129,14 +125,8 @@ def sandbox_routes(pool: SandboxPool) -> list[Route]:
         return JSONResponse(sandbox.view())
 
     async def run(request: Request) -> Response:
-        body = await json_object(request)
-        cmd = field_of(body, "cmd", (str, list), required=True)
-        if isinstance(cmd, list):
-            cmd = string_list(cmd, "cmd")
-        timeout = field_of(body, "timeout", (int, float))
-        if timeout is not None and timeout <= 0:
-            raise BadRequest("timeout must be a positive number of seconds")
-        result = await pool.exec(request.path_params["sandbox_id"], cmd, timeout)
+        body = parse(ExecBody, await json_object(request))
+        result = await pool.exec(request.path_params["sandbox_id"], body.cmd, body.timeout)
         return JSONResponse(asdict(result))
 
     async def delete(request: Request) -> Response:
