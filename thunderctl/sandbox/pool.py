@@ -33,6 +33,9 @@ from thunderctl.sandbox.state import AdoptedContainer, PoolState
 
 log = logging.getLogger(__name__)
 
+# What a preparation or a maintenance round may meet: reported, never let out of the pool.
+FAILURES: tuple[type[Exception], ...] = (SandboxError, *DOCKER_ERRORS)
+
 T = TypeVar("T")
 
 LATENCY_WINDOW = 1000  # latest preparations kept for percentiles
@@ -291,7 +294,7 @@ class SandboxPool:
     def _priority(self, sandbox: Sandbox) -> tuple[int, int]:
         # Running programs (not in the waiting queue) need their sandbox now; waiting ones in
         # the order they will get GPU memory back; the warm pool takes what is left.
-        if sandbox.is_warm:
+        if sandbox.program_id is None:
             return (2, 0)
         rank = self._queue_rank.get(sandbox.program_id)
         return (0, 0) if rank is None else (1, rank)
@@ -322,7 +325,7 @@ class SandboxPool:
                 await self._create_container(sandbox)
             while sandbox.pending_setups and sandbox.state is SandboxState.PREPARING:
                 await self._run_setup(sandbox, sandbox.pending_setups.pop(0))
-        except (SandboxError, *DOCKER_ERRORS) as exc:
+        except FAILURES as exc:
             await self._fail(sandbox, str(exc))
             return
         if sandbox.state is SandboxState.RELEASED:
@@ -500,7 +503,7 @@ class SandboxPool:
             await asyncio.sleep(self.config.maintenance_interval_s)
             try:
                 await self.maintain()
-            except (SandboxError, *DOCKER_ERRORS) as exc:
+            except FAILURES as exc:
                 log.warning("sandbox maintenance: %s", exc)
 
     async def _check_hosts(self) -> None:
