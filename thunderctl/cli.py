@@ -24,11 +24,11 @@ from thunderctl.cluster.lifecycle import (
     LaunchError,
     control_client,
     daemon_answers,
+    any_worker_alive,
     existing_state,
     launch,
-    start_daemon,
     tear_down,
-    workers_alive,
+    recover,
 )
 from thunderctl.cluster.plan import plan_workers
 from thunderctl.cluster.preflight import Check, preflight
@@ -247,13 +247,14 @@ def up(
     if state is not None and daemon_answers(state):
         out.print(f"cluster [bold]{state.cluster}[/] is already up at {state.endpoint}; nothing changed")
         return
-    if state is not None and workers_alive(state):
-        with out.status("the daemon had died: starting a new one"):
+    if state is not None and any_worker_alive(state):
+        with out.status("the daemon had died: restarting it and any worker that died") as status:
             try:
-                start_daemon(state)
+                revived = recover(state, plans, timeout, lambda r, t, e: status.update(f"workers healthy: {r}/{t} ({e:.0f} s)"))
             except LaunchError as exc:
-                raise fail(str(exc)) from exc
-        out.print(f"cluster [bold]{state.cluster}[/] recovered at [bold]{state.endpoint}[/]")
+                raise fail(f"{exc}\n`thunderctl down` stops what is left") from exc
+        again = f"; restarted {', '.join(revived)}" if revived else ""
+        out.print(f"cluster [bold]{state.cluster}[/] recovered at [bold]{state.endpoint}[/]{again}")
         return
     if state is not None:
         out.print(f"cleaning up what a crashed cluster {state.cluster} left behind")

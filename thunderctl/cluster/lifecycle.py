@@ -151,9 +151,26 @@ def existing_state(profile: Profile) -> ClusterState | None:
     return ClusterState.load(directory) if (directory / "state.json").is_file() else None
 
 
-def workers_alive(state: ClusterState) -> bool:
-    live = [w for w in state.workers if not w.stopped]
-    return bool(live) and all(pid_alive(w.pid) for w in live)
+def any_worker_alive(state: ClusterState) -> bool:
+    return any(pid_alive(w.pid) for w in state.workers if not w.stopped)
+
+
+def recover(state: ClusterState, plans: list[WorkerPlan], timeout: float,
+            on_progress: Callable[[int, int, float], None]) -> list[str]:
+    """A cluster whose daemon died: restart the workers that died with it (not those a drain
+    stopped on purpose), then a new daemon. Returns the ids of the workers restarted."""
+    by_id = {plan.id: plan for plan in plans}
+    revived = []
+    for worker in state.workers:
+        if worker.stopped or pid_alive(worker.pid) or worker.id not in by_id:
+            continue
+        plan = by_id[worker.id]
+        worker.pid = spawn_detached(plan.command, {**os.environ, **plan.env}, Path(worker.log_path)).pid
+        revived.append(worker.id)
+    state.save()
+    wait_workers_healthy(state, timeout, on_progress)
+    start_daemon(state)
+    return revived
 
 
 def launch(

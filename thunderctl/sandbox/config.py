@@ -14,32 +14,32 @@ class SandboxConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     enabled: bool = True
-    image: str = Field("busybox:latest", description="image of a sandbox whose request names none")
-    warm: int = Field(0, ge=0, description="ready containers kept of `image`, handed out at once")
+    image: str = Field(default="busybox:latest", description="image of a sandbox whose request names none")
+    warm: int = Field(default=0, ge=0, description="ready containers kept of `image`, handed out at once")
     warm_images: dict[str, int] = Field(
         default_factory=dict, description="further images to keep warm, image -> count"
     )
-    setup: str | None = Field(None, description="shell command run in every new container of `image`")
+    setup: str | None = Field(default=None, description="shell command run in every new container of `image`")
     hosts: list[str] = Field(default_factory=lambda: [LOCAL_DOCKER], min_length=1)
-    cpus: float = Field(1.0, gt=0)
-    memory: str = Field("1g", description="memory limit; swap is set equal, so no swap is used")
-    pids: int = Field(512, gt=0)
-    nofile: int = Field(4096, gt=0)
-    network: str = Field("none", description="Docker network mode of sandboxes")
+    cpus: float = Field(default=1.0, gt=0)
+    memory: str = Field(default="1g", description="memory limit; swap is set equal, so no swap is used")
+    pids: int = Field(default=512, gt=0)
+    nofile: int = Field(default=4096, gt=0)
+    network: str = Field(default="none", description="Docker network mode of sandboxes")
     keepalive: list[str] = Field(
         default_factory=lambda: ["sleep", "infinity"],
         min_length=1,
         description="the container's main process, replacing the image's entrypoint",
     )
-    prepare_concurrency: int = Field(4, ge=1, description="containers created/set up at once")
-    prepare_timeout_s: float = Field(300.0, gt=0, description="a longer setup command is killed: failed")
-    exec_timeout_s: float = Field(600.0, gt=0, description="default and maximum exec timeout")
-    exec_output_limit_bytes: int = Field(1 << 20, gt=0)
-    idle_expiry_s: float | None = Field(3600.0, gt=0, description="released when unused this long")
-    maintenance_interval_s: float = Field(30.0, gt=0, description="reaper, warm check, disk check")
-    disk_high_watermark: str = Field("20g", description="per host: above it, evict images the pool pulled")
-    docker_timeout_s: float = Field(60.0, gt=0, description="per Docker API call")
-    max_threads: int = Field(64, ge=4, description="threads for blocking Docker calls and execs")
+    prepare_concurrency: int = Field(default=4, ge=1, description="containers created/set up at once")
+    prepare_timeout_s: float = Field(default=300.0, gt=0, description="a longer setup command is killed: failed")
+    exec_timeout_s: float = Field(default=600.0, gt=0, description="default and maximum exec timeout")
+    exec_output_limit_bytes: int = Field(default=1 << 20, gt=0)
+    idle_expiry_s: float | None = Field(default=3600.0, gt=0, description="released when unused this long")
+    maintenance_interval_s: float = Field(default=30.0, gt=0, description="reaper, warm check, disk check")
+    disk_high_watermark: str = Field(default="20g", description="per host: above it, evict images the pool pulled")
+    docker_timeout_s: float = Field(default=60.0, gt=0, description="per Docker API call")
+    max_threads: int = Field(default=64, ge=4, description="threads for blocking Docker calls and execs")
 
     @field_validator("memory", "disk_high_watermark")
     @classmethod

@@ -301,7 +301,9 @@ class SandboxPool:
 
     def _enqueue(self, sandbox: Sandbox) -> None:
         self._pending[sandbox.id] = sandbox
-        self._start_preparations()
+        # Dispatch on the loop's next turn, so that sandboxes asked for together (one scheduler
+        # tick's worth) start in priority order rather than in the order they were asked for.
+        asyncio.get_running_loop().call_soon(self._start_preparations)
 
     def _start_preparations(self) -> None:
         while self._preparing < self.config.prepare_concurrency and self._pending:

