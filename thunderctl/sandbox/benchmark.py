@@ -3,8 +3,9 @@
     python -m thunderctl.sandbox.benchmark --image IMAGE [--samples 20] [--programs 8]
 
 1. Acquire latency, warm vs cold: time from `acquire` until the sandbox is ready, and until a
-   first command (`true`) has run in it, one acquire at a time. Cold: no warm pool, so a container is created and started.
-   Warm: the pool is topped up before each acquire (the hit path), so a ready one is handed out.
+   first command (`true`) has run in it, one acquire at a time. Cold: no warm pool, so a
+   container is created and started. Warm: the pool is topped up before each acquire (the hit
+   path), so a ready one is handed out.
 2. Preparation overlapped with a paused program's wait. Programs arrive paused (waiting for GPU
    memory) and resume one every `--resume-every` seconds in the scheduler's order, the reverse
    of their arrival. Each needs a sandbox whose setup takes `--setup-s`. Measured: how long
