@@ -17,6 +17,7 @@ import pytest
 from docker.errors import NotFound
 
 from thunderctl.sandbox import SandboxConfig, SandboxPool
+from thunderctl.sandbox.metrics import render_sandbox_metrics
 
 pytestmark = pytest.mark.anyio
 
@@ -138,6 +139,7 @@ async def test_hundred_programs_leave_no_container_behind(start_pool, sandbox_cl
 CRASHING_DAEMON = """
 import asyncio, sys
 from thunderctl.sandbox import SandboxConfig, SandboxPool
+from thunderctl.sandbox.metrics import render_sandbox_metrics
 
 async def main(image, cluster):
     pool = SandboxPool(SandboxConfig(image=image, memory="64m", prepare_concurrency=6), cluster=cluster)
@@ -250,6 +252,10 @@ async def test_warm_pool_hands_out_at_once_and_refills(start_pool, serve_pool, s
     assert time.monotonic() - started < 1.0  # no container was made on the way
     await eventually(lambda: pool.stats()["warm"] == 2)
     assert pool.stats()["bound"] == 1
+    metrics = render_sandbox_metrics(pool.stats()).splitlines()
+    assert 'thunderctl_sandboxes{state="warm"} 2' in metrics
+    assert 'thunderctl_sandboxes{state="bound"} 1' in metrics
+    assert "thunderctl_sandbox_acquire_to_ready_seconds_count 1" in metrics
 
     # A warm container that died is replaced at the next maintenance.
     warm = [c for c in labelled(docker_client, sandbox_cluster) if c.id != created["container_id"]]
