@@ -7,6 +7,7 @@ from thunderctl.sandbox.docker_host import (
     ImageUnavailable,
     SandboxError,
 )
+from thunderctl.sandbox.metrics import render_sandbox_metrics
 from thunderctl.sandbox.pool import (
     PoolUnavailable,
     Sandbox,
@@ -29,5 +30,6 @@ __all__ = [
     "SandboxNotFound",
     "SandboxPool",
     "SandboxState",
+    "render_sandbox_metrics",
     "sandbox_routes",
 ]

@@ -4,10 +4,13 @@ it adopted (they carry no labels of ours) and images it pulled (so it may evict 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
+
+log = logging.getLogger(__name__)
 
 
 class AdoptedContainer(BaseModel):
@@ -23,7 +26,12 @@ class PoolState(BaseModel):
     def load(cls, path: Path | None) -> PoolState:
         if path is None or not path.exists():
             return cls()
-        return cls.model_validate_json(path.read_text())
+        try:
+            return cls.model_validate_json(path.read_text())
+        except ValidationError as exc:
+            # The daemon must start all the same; the reaper still finds every labelled container.
+            log.warning("ignoring unreadable sandbox state %s: %s", path, exc)
+            return cls()
 
     def save(self, path: Path | None) -> None:
         if path is None:
