@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from thunderctl.scheduler.policy import admission_step
 from thunderctl.scheduler import (
     Decay,
     EventKind,
@@ -399,3 +400,55 @@ def test_requeued_program_resumes_on_a_healthy_backend_first_in_line() -> None:
     program = sched.programs["victim"]
     assert program.status is Status.ACTIVE and program.backend == "b"
     assert program.phase is Phase.REASONING
+
+
+@pytest.mark.parametrize(
+    ("weight", "utilization", "waited", "after"),
+    [
+        (1.0, 0.50, True, 0.7),  # requests waited while the engine idled: honour less
+        (0.7, 0.50, True, 0.49),
+        (0.5, 0.90, True, 0.5),  # dead band: hold
+        (0.5, 0.97, True, 0.55),  # saturated: back towards full protection
+        (0.5, 0.30, False, 0.55),  # nobody waited: back towards full protection
+        (1.0, 0.97, True, 1.0),  # never above the configured ceiling
+    ],
+)
+def test_admission_control_law(weight, utilization, waited, after) -> None:
+    config = SchedulerConfig(**BASE)
+    assert admission_step(weight, utilization, waited, config) == pytest.approx(after)
+
+
+def test_idle_engine_with_waiting_requests_admits_more_programs() -> None:
+    sched, _, _ = make()
+    run_step(sched, "holder", 800)  # ACTING, holding most of the cache
+    assert sched.on_request("waiter", 300) is None
+    sched.adapt(utilization=0.2)
+    sched.adapt(utilization=0.2)  # weight 0.49: 0.49 x 800 + 300 fits under 900
+    sched.tick()
+    assert sched.programs["waiter"].status is Status.ACTIVE
+
+
+def test_reference_policy_does_not_adapt() -> None:
+    sched, _, _ = make(adaptive=False)
+    run_step(sched, "holder", 800)
+    sched.on_request("waiter", 300)
+    for _ in range(5):
+        sched.adapt(utilization=0.0)
+    sched.tick()
+    assert sched.acting_weight == 1.0 and sched.programs["waiter"].status is Status.PAUSED
+
+
+def test_overbooked_room_is_not_given_to_programs_without_a_request() -> None:
+    sched, clock, events = make(acting_overbook=0.5)
+    for i in range(4):
+        run_step(sched, f"p{i}", 300)  # 0.5-weighted: all four admitted
+    sched.tick()  # physically 1200 > 950: pauses down to 800
+    assert sched.paused()
+    clock.advance(1)
+    sched.tick()  # may refill physical room up to the resume band, no further
+    settled = len(events)
+    for _ in range(5):
+        clock.advance(1)
+        sched.tick()
+    assert len(events) == settled, "paused idle programs must not flap through overbooked room"
+    assert sched.reserved_tokens("a") <= 950

@@ -45,6 +45,12 @@ class SchedulerConfig(BaseModel):
     acting_overbook: float = Field(
         1.0, ge=0, le=1, description="weight of an ACTING reservation on the resume side"
     )
+    adaptive: bool = Field(True, description="adapt the ACTING weight to engine utilisation")
+    adapt_utilization_low: float = Field(0.80, gt=0, le=1)
+    adapt_utilization_high: float = Field(0.95, gt=0, le=1)
+    adapt_shrink: float = Field(0.7, gt=0, lt=1, description="weight factor when the engine idles")
+    adapt_grow: float = Field(0.05, gt=0, le=1, description="weight step back when it is busy")
+    acting_weight_min: float = Field(0.0, ge=0, le=1)
 
     @model_validator(mode="after")
     def _bands_are_ordered(self) -> SchedulerConfig:
@@ -53,12 +59,33 @@ class SchedulerConfig(BaseModel):
                 f"pause_target ({self.pause_target}) must be below pause_threshold "
                 f"({self.pause_threshold}), or pausing never gets usage back under the threshold"
             )
+        if not self.adapt_utilization_low < self.adapt_utilization_high:
+            raise ValueError(
+                f"adapt_utilization_low ({self.adapt_utilization_low}) must be below "
+                f"adapt_utilization_high ({self.adapt_utilization_high}): the gap is the dead band"
+            )
         if not self.resume_threshold < self.pause_threshold:
             raise ValueError(
                 f"resume_threshold ({self.resume_threshold}) must be below pause_threshold "
                 f"({self.pause_threshold}), or a resumed program is paused again at once"
             )
         return self
+
+
+def admission_step(weight: float, utilization: float, waited: bool, config: SchedulerConfig) -> float:
+    """One step of the admission control law (docs/admission.md).
+
+    ACTING reservations are honoured at `weight`. Requests waited for admission while the
+    engines idled: the reservations held idle capacity, so honour less of them
+    (multiplicative). The engines are saturated, or nobody waited: more admission cannot
+    help, so move back towards full protection of the cache (additive). In between: hold.
+    """
+    ceiling = config.acting_overbook
+    if waited and utilization < config.adapt_utilization_low:
+        return max(config.acting_weight_min, weight * config.adapt_shrink)
+    if utilization >= config.adapt_utilization_high or not waited:
+        return min(ceiling, weight + config.adapt_grow)
+    return weight
 
 
 class EventKind(StrEnum):
@@ -127,6 +154,8 @@ class Scheduler:
         self.programs: dict[str, Program] = {}
         self.backends: dict[str, Backend] = {}
         self.counters = Counters()
+        self.acting_weight = self.config.acting_overbook
+        self._waited = False  # a request waited for admission since the last adapt()
 
     # ---- backends -------------------------------------------------------------------------
 
@@ -193,7 +222,10 @@ class Scheduler:
             return program.backend
         program.waiting_since = now
         self._resume_waiting()
-        return program.backend if program.status is Status.ACTIVE else None
+        if program.status is not Status.ACTIVE:
+            self._waited = True
+            return None
+        return program.backend
 
     def on_response(self, program_id: str, prompt_tokens: int, completion_tokens: int) -> None:
         """A response ended: the engine's usage becomes the program's size; it now ACTs."""
@@ -234,6 +266,13 @@ class Scheduler:
 
     # ---- the tick -------------------------------------------------------------------------
 
+    def adapt(self, utilization: float) -> None:
+        """Feed the engines' utilisation over the last period (0-1) to the control law."""
+        waited = self._waited or any(p.waiting_since is not None for p in self.paused())
+        self._waited = False
+        if self.config.adaptive:
+            self.acting_weight = admission_step(self.acting_weight, utilization, waited, self.config)
+
     def tick(self) -> None:
         """Expire idle programs, then resume, then pause (so nothing resumes the tick it paused).
 
@@ -273,7 +312,7 @@ class Scheduler:
                 decay = max(0.0, 1.0 - idle / cfg.acting_decay_tau_s)
             case Decay.OFF:
                 decay = 1.0
-        return cfg.acting_overbook * decay
+        return self.acting_weight * decay
 
     def _load(self, backend: Backend, physical: bool) -> _Load:
         load = _Load()
@@ -303,15 +342,22 @@ class Scheduler:
 
     def _resume(self, force_overdue: bool = True) -> None:
         queue = sorted(self.paused(), key=self._resume_order)
-        if not queue:
-            return
         targets = [b for b in self.backends.values() if b.schedulable]
-        if not targets:
+        if not queue or not targets:
             return
+        waiting = [p for p in queue if p.waiting_since is not None]
+        idle = [p for p in queue if p.waiting_since is None]
         loads = {b.id: self._load(b, physical=False) for b in targets}
         if force_overdue:
-            queue = self._force_overdue(queue, targets, loads)
-        chosen = self._admit_in_order(queue, targets, loads)
+            waiting = self._force_overdue(waiting, targets, loads)
+        self._place_all(self._admit_in_order(waiting, targets, loads), targets, loads)
+        # A program with no request waiting only reserves ahead of need: it gets room the
+        # physical check leaves, never overbooked room, or the next pause pass takes it back.
+        if idle:
+            physical = {b.id: self._load(b, physical=True) for b in targets}
+            self._place_all(self._admit_in_order(idle, targets, physical), targets, physical)
+
+    def _place_all(self, chosen: list[Program], targets: list[Backend], loads: dict[str, _Load]) -> None:
         # Best fit decreasing: the largest chosen program first, onto the most headroom.
         for program in sorted(chosen, key=lambda p: p.tokens, reverse=True):
             backend = self._roomiest_fit(program, targets, loads)
