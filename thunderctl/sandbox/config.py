@@ -6,6 +6,9 @@ from docker.utils import parse_bytes
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 LOCAL_DOCKER = "unix:///var/run/docker.sock"
+# Threads for short Docker calls (create, start, remove, list), apart from the exec threads so
+# that long-running commands never hold up a release or a new sandbox.
+CONTROL_THREADS = 16
 
 
 class SandboxConfig(BaseModel):
@@ -39,7 +42,7 @@ class SandboxConfig(BaseModel):
     maintenance_interval_s: float = Field(default=30.0, gt=0, description="reaper, warm check, disk check")
     disk_high_watermark: str = Field(default="20g", description="per host: above it, evict images the pool pulled")
     docker_timeout_s: float = Field(default=60.0, gt=0, description="per Docker API call")
-    max_threads: int = Field(default=64, ge=4, description="threads for blocking Docker calls and execs")
+    max_execs: int = Field(default=64, ge=1, description="commands running at once over all sandboxes")
 
     @field_validator("memory", "disk_high_watermark")
     @classmethod
@@ -57,6 +60,11 @@ class SandboxConfig(BaseModel):
             if not url.startswith(("unix://", "tcp://", "ssh://", "http://", "https://")):
                 raise ValueError(f"not a Docker host URL (unix://, tcp://, ssh://): {url!r}")
         return hosts
+
+    @property
+    def docker_connections(self) -> int:
+        """Connections one host's client keeps: every exec holds one while it runs."""
+        return self.max_execs + CONTROL_THREADS
 
     @property
     def memory_bytes(self) -> int:

@@ -128,7 +128,7 @@ class DockerHost:
                 self._client = docker.DockerClient(
                     base_url=self.url,
                     timeout=int(self.config.docker_timeout_s),
-                    max_pool_size=self.config.max_threads,
+                    max_pool_size=self.config.docker_connections,
                     # ssh:// goes through the system ssh client, its config and keys.
                     use_ssh_client=self.url.startswith("ssh://"),
                 )

@@ -19,7 +19,7 @@ from pathlib import Path
 from string import hexdigits
 from typing import TypeVar
 
-from thunderctl.sandbox.config import SandboxConfig
+from thunderctl.sandbox.config import CONTROL_THREADS, SandboxConfig
 from thunderctl.sandbox.docker_host import (
     DOCKER_ERRORS,
     LABEL_CLUSTER,
@@ -119,7 +119,8 @@ class SandboxPool:
         self._queue_rank: dict[str, int] = {}
         self._tasks: set[asyncio.Task] = set()
         self._maintenance: asyncio.Task | None = None
-        self._executor = ThreadPoolExecutor(config.max_threads, thread_name_prefix="sandbox")
+        self._control = ThreadPoolExecutor(CONTROL_THREADS, thread_name_prefix="sandbox-docker")
+        self._execs = ThreadPoolExecutor(config.max_execs, thread_name_prefix="sandbox-exec")
         self._state = PoolState.load(state_path)
         self._acquire_to_ready_s: deque[float] = deque(maxlen=LATENCY_WINDOW)
         self._prepare_s: deque[float] = deque(maxlen=LATENCY_WINDOW)
@@ -154,7 +155,8 @@ class SandboxPool:
         self._state.save(self.state_path)
         for host in self.hosts:
             host.close()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        for executor in (self._control, self._execs):
+            executor.shutdown(wait=False, cancel_futures=True)
 
     # ---- what agents ask for ---------------------------------------------------------------
 
@@ -226,7 +228,7 @@ class SandboxPool:
         argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else cmd
         sandbox.last_used = time.monotonic()
         try:
-            result = await self._run(sandbox.host.exec, sandbox.container_id, argv, sandbox.env, timeout_s)
+            result = await self._run_exec(sandbox, argv, timeout_s)
         except DOCKER_ERRORS as exc:
             self._raise_unless_ready(sandbox)
             raise SandboxError(f"exec in sandbox {sandbox_id!r} on {sandbox.host.url} failed: {exc}") from exc
@@ -350,10 +352,7 @@ class SandboxPool:
         sandbox.container_id = await self._run(host.create, sandbox.image, sandbox.id, sandbox.program_id)
 
     async def _run_setup(self, sandbox: Sandbox, command: str) -> None:
-        result = await self._run(
-            sandbox.host.exec, sandbox.container_id, ["/bin/sh", "-c", command], sandbox.env,
-            self.config.prepare_timeout_s,
-        )
+        result = await self._run_exec(sandbox, ["/bin/sh", "-c", command], self.config.prepare_timeout_s)
         if result.exit_code != 0 and sandbox.state is not SandboxState.RELEASED:
             how = f"timed out after {self.config.prepare_timeout_s:g} s" if result.timed_out \
                 else f"exited {result.exit_code}"
@@ -574,5 +573,13 @@ class SandboxPool:
         task.add_done_callback(self._tasks.discard)
 
     async def _run(self, function: Callable[..., T], *args: object) -> T:
+        """A short blocking Docker call, off the event loop."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, functools.partial(function, *args))
+        return await loop.run_in_executor(self._control, functools.partial(function, *args))
+
+    async def _run_exec(self, sandbox: Sandbox, argv: list[str], timeout_s: float) -> ExecResult:
+        """A command in the sandbox: holds one exec thread for as long as it runs."""
+        assert sandbox.container_id is not None, "only a sandbox with a container runs commands"
+        loop = asyncio.get_running_loop()
+        run = functools.partial(sandbox.host.exec, sandbox.container_id, argv, sandbox.env, timeout_s)
+        return await loop.run_in_executor(self._execs, run)
