@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from thunderctl.gateway.requests import BadRequest, PromptShape, TokenEstimator, pop_program_id, prompt_shape
+from thunderctl.gateway.gateway import BusyMeter
 from thunderctl.gateway.server import parse_backend
 
 
@@ -84,3 +85,20 @@ def test_backend_spec(spec, backend_id, url) -> None:
 def test_backend_spec_without_scheme_is_rejected_with_the_fix() -> None:
     with pytest.raises(ValueError, match="expected http://HOST:PORT"):
         parse_backend("127.0.0.1:8000", 0)
+
+
+@pytest.mark.parametrize(
+    ("saturation", "timeline", "expected"),
+    [
+        (1, [(0, 1), (5, 0)], 0.5),  # busy half of a 10 s period
+        (4, [(0, 2), (10, 2)], 0.5),  # two of four slots for the whole period
+        (4, [(0, 8)], 1.0),  # beyond saturation counts as fully busy
+        (1, [], 0.0),
+    ],
+)
+def test_busy_meter_averages_utilisation_over_the_period(saturation, timeline, expected) -> None:
+    meter = BusyMeter(saturation)
+    meter.take(0.0)
+    for at, in_flight in timeline:
+        meter.set(in_flight, float(at))
+    assert meter.take(10.0) == pytest.approx(expected)

@@ -12,7 +12,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -47,12 +47,43 @@ class WorkerState(StrEnum):
 
 
 @dataclass
+class BusyMeter:
+    """Time-averaged utilisation of a worker: min(in flight, saturation) / saturation."""
+
+    saturation: int = 1
+    _level: float = 0.0
+    _since: float = 0.0
+    _integral: float = 0.0
+    _period_start: float | None = None
+
+    def set(self, in_flight: int, now: float) -> None:
+        self._accumulate(now)
+        self._level = min(in_flight, self.saturation) / self.saturation
+
+    def take(self, now: float) -> float:
+        """Utilisation since the last take (0-1); starts a new period."""
+        self._accumulate(now)
+        start = self._period_start if self._period_start is not None else now
+        value = self._integral / (now - start) if now > start else self._level
+        self._integral, self._period_start = 0.0, now
+        return value
+
+    def _accumulate(self, now: float) -> None:
+        if self._period_start is None:
+            self._period_start = now
+        else:
+            self._integral += self._level * (now - self._since)
+        self._since = now
+
+
+@dataclass
 class Upstream:
     """One vLLM worker as the gateway sees it."""
 
     id: str
     url: str
     in_flight: int = 0
+    meter: BusyMeter = field(default_factory=BusyMeter)
     metrics: EngineMetrics | None = None
     draining: bool = False
     healthy: bool = True
@@ -66,6 +97,10 @@ class Upstream:
     @property
     def usable(self) -> bool:
         return self.healthy and not self.draining and not self.stopped
+
+    def add_in_flight(self, delta: int, now: float) -> None:
+        self.in_flight += delta
+        self.meter.set(self.in_flight, now)
 
 
 @dataclass(frozen=True)
@@ -89,6 +124,9 @@ class Gateway:
             raise ValueError("the gateway needs at least one backend")
         self.upstreams = {u.id: u for u in upstreams}
         self.scheduler = Scheduler(config, clock, [self._on_program_event])
+        for upstream in upstreams:
+            upstream.meter.saturation = self.scheduler.config.adapt_saturation_in_flight
+        self.last_utilization = 0.0
         self.estimator = TokenEstimator()
         self.metrics_interval_s = metrics_interval_s
         self.started_at = clock()
@@ -135,10 +173,18 @@ class Gateway:
     async def _tick_loop(self) -> None:
         while True:
             await asyncio.sleep(self.scheduler.config.tick_interval_s)
+            self.scheduler.adapt(self.utilization())
             try:
                 self.scheduler.tick()
             except Exception:
                 pass  # logged by the scheduler, which has already let every paused program go
+
+    def utilization(self) -> float:
+        """Mean utilisation of the workers in service since the last call."""
+        now = self._clock()
+        values = [u.meter.take(now) for u in self.upstreams.values() if u.usable]
+        self.last_utilization = sum(values) / len(values) if values else 0.0
+        return self.last_utilization
 
     async def _metrics_loop(self) -> None:
         while True:
@@ -252,7 +298,7 @@ class Gateway:
             body["stream_options"] = {**options, "include_usage": True}
         for attempt in (1, 2):
             upstream = await self.admit(program_id, shape)
-            upstream.in_flight += 1
+            upstream.add_in_flight(1, self._clock())
             response = None
             try:
                 response = await self._client.send(
@@ -265,7 +311,7 @@ class Gateway:
                 content = await response.aread()
                 break
             except httpx.TransportError as exc:
-                upstream.in_flight -= 1
+                upstream.add_in_flight(-1, self._clock())
                 if attempt == 1 and self._fail_over(upstream, program_id):
                     log.warning("worker %s failed (%r); retrying on another worker", upstream.id, exc)
                     continue
@@ -324,7 +370,7 @@ class Gateway:
     def _finish(
         self, upstream: Upstream, program_id: str | None, shape: PromptShape, usage: dict | None
     ) -> None:
-        upstream.in_flight -= 1
+        upstream.add_in_flight(-1, self._clock())
         if usage and usage.get("prompt_tokens"):
             self.estimator.observe(shape, usage["prompt_tokens"])
         if program_id is not None and usage:

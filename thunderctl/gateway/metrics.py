@@ -36,6 +36,10 @@ def render_metrics(gateway: Gateway) -> str:
     ]:
         lines += [f"# TYPE {name} counter", _sample(name, value)]
     lines += [
+        "# TYPE thunderctl_acting_weight gauge",
+        _sample("thunderctl_acting_weight", round(sched.acting_weight, 4)),
+        "# TYPE thunderctl_worker_utilization gauge",
+        _sample("thunderctl_worker_utilization", round(gateway.last_utilization, 4)),
         "# TYPE thunderctl_backend_reserved_tokens gauge",
         "# TYPE thunderctl_backend_capacity_tokens gauge",
         "# TYPE thunderctl_backend_requests_in_flight gauge",

@@ -323,6 +323,8 @@ class SandboxPool:
             self._start_preparations()
 
     async def _prepare(self, sandbox: Sandbox) -> None:
+        if sandbox.state is SandboxState.RELEASED:
+            return  # released between its dispatch and now
         started = time.monotonic()
         try:
             if sandbox.container_id is None:
