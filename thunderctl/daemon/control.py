@@ -73,6 +73,8 @@ def status_view(daemon: Daemon) -> dict[str, Any]:
             "pauses_total": scheduler.counters.pauses,
             "resumes_total": scheduler.counters.resumes,
             "forced_resumes_total": scheduler.counters.forced_resumes,
+            "acting_weight": round(scheduler.acting_weight, 3),
+            "utilization": round(gateway.last_utilization, 3),
         },
         "sandboxes": {"available": False, "reason": "no sandbox pool in this cluster", "warm": 0, "bound": 0, "preparing": 0},
     }
