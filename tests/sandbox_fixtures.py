@@ -15,7 +15,6 @@ import json
 import re
 import secrets
 import shutil
-import socket
 import tarfile
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -29,6 +28,7 @@ import uvicorn
 from docker.errors import DockerException
 from starlette.applications import Starlette
 
+from thunderctl.engines.local import pick_free_port
 from thunderctl.sandbox import SandboxConfig, SandboxPool, sandbox_routes
 
 TEST_IMAGE = "thunderctl-test/busybox:latest"
@@ -110,16 +110,10 @@ async def start_pool(
         await pool.shutdown()
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture
 def unused_port() -> int:
     """A loopback port nothing listens on: connecting to it is refused at once."""
-    return free_port()
+    return pick_free_port()
 
 
 @pytest.fixture
@@ -128,7 +122,7 @@ async def serve_pool() -> AsyncIterator[Callable[[SandboxPool], Awaitable[httpx.
     servers: list[tuple[uvicorn.Server, asyncio.Task, httpx.AsyncClient]] = []
 
     async def serve(pool: SandboxPool) -> httpx.AsyncClient:
-        port = free_port()
+        port = pick_free_port()
         config = uvicorn.Config(Starlette(routes=sandbox_routes(pool)), host="127.0.0.1", port=port,
                                 log_level="warning", lifespan="off")
         server = uvicorn.Server(config)

@@ -134,6 +134,26 @@ def test_programs_through_the_endpoint_show_in_status(cluster) -> None:
     httpx.post(endpoint.removesuffix("/v1") + "/programs/release", json={"program_id": "visible"})
 
 
+def test_a_programs_sandbox_is_collected_when_it_is_released(cluster, sandbox_image) -> None:
+    cli, _, _ = cluster
+    gateway = cli.status()["endpoint"].removesuffix("/v1")
+    body = {"model": "tiny", "program_id": "boxed", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    assert httpx.post(f"{gateway}/v1/chat/completions", json=body, timeout=60).status_code == 200
+    box = httpx.post(f"{gateway}/v1/sandboxes", json={"program_id": "boxed", "image": sandbox_image}, timeout=60).json()
+    httpx.get(f"{gateway}/v1/sandboxes/{box['id']}", params={"wait": "ready"}, timeout=60).raise_for_status()
+    ran = httpx.post(f"{gateway}/v1/sandboxes/{box['id']}/exec", json={"cmd": "echo hello", "timeout": 10}, timeout=30)
+    assert ran.json()["output"].strip() == "hello"
+    assert cli.status()["sandboxes"]["bound"] == 1
+
+    httpx.post(f"{gateway}/programs/release", json={"program_id": "boxed"}).raise_for_status()
+    deadline = time.monotonic() + 30
+    while cli.status()["sandboxes"]["bound"] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert cli.status()["sandboxes"]["bound"] == 0
+    gone = httpx.post(f"{gateway}/v1/sandboxes/{box['id']}/exec", json={"cmd": "true"}, timeout=30)
+    assert gone.status_code == 404
+
+
 def test_drain_with_programs_in_flight_loses_no_request(cluster) -> None:
     cli, _, _ = cluster
     thread, results = run_load_in_background(cli.status()["endpoint"], programs=8)

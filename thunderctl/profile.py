@@ -9,6 +9,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from thunderctl.sandbox.config import SandboxConfig
 from thunderctl.scheduler import SchedulerConfig
 
 BUILTIN_TINY_MODEL = "builtin:tiny"
@@ -95,7 +96,7 @@ class Profile(Strict):
     nodes: list[NodeSpec] = Field(min_length=1)
     gateway: GatewaySpec = GatewaySpec()
     scheduler: SchedulerConfig = SchedulerConfig()
-    sandbox: dict[str, Any] | None = None
+    sandboxes: SandboxConfig | None = Field(None, description="the Docker sandbox pool; absent: none")
     state_dir: Path | None = Field(None, description="default: $THUNDERCTL_STATE_DIR or ~/.local/state/thunderctl")
 
     @model_validator(mode="after")

@@ -76,7 +76,7 @@ def status_view(daemon: Daemon) -> dict[str, Any]:
             "acting_weight": round(scheduler.acting_weight, 3),
             "utilization": round(gateway.last_utilization, 3),
         },
-        "sandboxes": {"available": False, "reason": "no sandbox pool in this cluster", "warm": 0, "bound": 0, "preparing": 0},
+        "sandboxes": daemon.sandbox_stats(),
     }
 
 

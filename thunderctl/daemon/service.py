@@ -16,6 +16,8 @@ from thunderctl.cluster.state import ClusterState
 from thunderctl.daemon.control import build_control_app
 from thunderctl.gateway import Gateway, Upstream, build_app
 from thunderctl.profile import load_profile
+from thunderctl.sandbox import SandboxPool, render_sandbox_metrics, sandbox_routes
+from thunderctl.scheduler import EventKind, ProgramEvent
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +50,14 @@ class Daemon:
         self.gateway = Gateway(upstreams, self.profile.scheduler)
         self.started_at = time.time()
         self.server: uvicorn.Server | None = None
-        gateway_app = build_app(self.gateway)
+        self.sandboxes = self._sandbox_pool()
+        self._background: set[asyncio.Task] = set()
+        gateway_app = build_app(
+            self.gateway,
+            extra_routes=sandbox_routes(self.sandboxes) if self.sandboxes else (),
+            extra_metrics=(lambda: render_sandbox_metrics(self.sandboxes.stats())) if self.sandboxes else None,
+            on_docker_ids=self._adopt if self.sandboxes else None,
+        )
         control_app = build_control_app(self)
 
         async def by_socket(scope: Scope, receive: Receive, send: Send) -> None:
@@ -60,6 +69,38 @@ class Daemon:
 
         self.app = by_socket
 
+    def _sandbox_pool(self) -> SandboxPool | None:
+        config = self.profile.sandboxes
+        if config is None or not config.enabled:
+            return None
+        pool = SandboxPool(config, cluster=self.state.cluster, state_path=self.state.dir / "sandboxes.json")
+        # The scheduler owns program lifecycles; the pool follows them (it never imports it).
+        self.gateway.scheduler.listeners.append(self._on_program_event)
+        return pool
+
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._background.add(task)  # keep a reference until done
+        task.add_done_callback(self._background.discard)
+
+    def _on_program_event(self, event: ProgramEvent) -> None:
+        if event.kind in (EventKind.RELEASED, EventKind.EXPIRED):
+            self._spawn(self.sandboxes.program_ended(event.program.id))
+
+    def _adopt(self, program_id: str, docker_ids: list[str]) -> None:
+        self._spawn(self.sandboxes.adopt(program_id, docker_ids))
+
+    async def _follow_resume_queue(self) -> None:
+        """Prepare sandboxes in the order programs will get GPU memory."""
+        while True:
+            await asyncio.sleep(self.gateway.scheduler.config.tick_interval_s)
+            self.sandboxes.program_queue([p.id for p in self.gateway.scheduler.resume_queue()])
+
+    def sandbox_stats(self) -> dict:
+        if self.sandboxes is None:
+            return {"available": False, "reason": "no sandboxes in this profile", "warm": 0, "bound": 0, "preparing": 0}
+        return self.sandboxes.stats()
+
     def request_exit(self) -> None:
         if self.server is not None:
             self.server.should_exit = True
@@ -67,6 +108,9 @@ class Daemon:
     async def run(self) -> None:
         for warning in await self.gateway.start():
             log.warning(warning)
+        if self.sandboxes is not None:
+            await self.sandboxes.start()  # reaps what a crashed daemon left
+            self._spawn(self._follow_resume_queue())
         gateway = self.profile.gateway
         sockets = [bind_tcp(gateway.host, gateway.port), bind_control_socket(self.state.socket_path)]
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off")
@@ -74,6 +118,10 @@ class Daemon:
         try:
             await self.server.serve(sockets=sockets)
         finally:
+            for task in self._background:
+                task.cancel()
+            if self.sandboxes is not None:
+                await self.sandboxes.shutdown()
             await self.gateway.stop()
             self.state.socket_path.unlink(missing_ok=True)
 

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 
 import httpx
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from thunderctl.gateway.gateway import BackendError, Gateway
 from thunderctl.gateway.metrics import render_metrics
-from thunderctl.gateway.requests import BadRequest, pop_program_id, prompt_shape
+from thunderctl.gateway.requests import BadRequest, pop_docker_ids, pop_program_id, prompt_shape
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
@@ -29,14 +30,23 @@ async def read_json_object(request: Request) -> dict:
     return body
 
 
-def build_app(gateway: Gateway) -> Starlette:
+def build_app(
+    gateway: Gateway,
+    extra_routes: Sequence[BaseRoute] = (),
+    extra_metrics: Callable[[], str] | None = None,
+    on_docker_ids: Callable[[str, list[str]], None] | None = None,
+) -> Starlette:
+    """The gateway's routes; the daemon adds the sandbox pool's routes, metrics and adoption."""
     async def completions(request: Request) -> Response:
         try:
             body = await read_json_object(request)
             program_id = pop_program_id(body, dict(request.headers))
+            docker_ids = pop_docker_ids(body)
             shape = prompt_shape(body)
         except BadRequest as exc:
             return error(400, str(exc))
+        if docker_ids and program_id is not None and on_docker_ids is not None:
+            on_docker_ids(program_id, docker_ids)
         try:
             relayed = await gateway.relay(request.url.path, body, program_id, shape)
         except (BackendError, httpx.HTTPError) as exc:
@@ -67,7 +77,8 @@ def build_app(gateway: Gateway) -> Starlette:
         return JSONResponse({"programs": gateway.programs_view()})
 
     async def metrics(_: Request) -> Response:
-        return PlainTextResponse(render_metrics(gateway), media_type="text/plain; version=0.0.4")
+        text = render_metrics(gateway) + (extra_metrics() if extra_metrics else "")
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def health(_: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -81,5 +92,6 @@ def build_app(gateway: Gateway) -> Starlette:
             Route("/programs", programs, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
+            *extra_routes,
         ]
     )

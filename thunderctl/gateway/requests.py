@@ -30,6 +30,17 @@ def pop_program_id(body: dict[str, Any], headers: dict[str, str]) -> str | None:
     return None if program_id in (None, "") else str(program_id)
 
 
+def pop_docker_ids(body: dict[str, Any]) -> list[str]:
+    """Containers an agent started itself (as the ThunderAgent reference's clients send them),
+    taken out of the body: they belong to the program, not to the engine."""
+    ids = body.pop("docker_ids", None)
+    if ids is None:
+        return []
+    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+        raise BadRequest("docker_ids must be a list of container ids")
+    return ids
+
+
 def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content

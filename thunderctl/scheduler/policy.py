@@ -301,6 +301,10 @@ class Scheduler:
     def paused(self) -> list[Program]:
         return [p for p in self.programs.values() if p.status is Status.PAUSED]
 
+    def resume_queue(self) -> list[Program]:
+        """Paused programs in the order they will resume."""
+        return sorted(self.paused(), key=self._resume_order)
+
     # ---- policy ---------------------------------------------------------------------------
 
     def _weight(self, program: Program, physical: bool) -> float:
@@ -344,7 +348,7 @@ class Scheduler:
         self._resume(force_overdue=False)
 
     def _resume(self, force_overdue: bool = True) -> None:
-        queue = sorted(self.paused(), key=self._resume_order)
+        queue = self.resume_queue()
         targets = [b for b in self.backends.values() if b.schedulable]
         if not queue or not targets:
             return
