@@ -2,7 +2,10 @@
 
 Each of `concurrency` slots runs one program at a time and starts the next when it ends.
 A program sends its whole history every step (a shared system prompt, its task, then the
-assistant turns and tool observations so far), waits out a tool call, and repeats. The same
+assistant turns and tool observations so far), waits out a tool call, and repeats. What the
+programs look like comes from a workload: `AgentShape` (uniform ranges), the `swe-lite`
+generator, or a recorded trace; each gives a program as a trace (prompt and answer sizes per
+step, tool times), which is rendered here as text of those sizes. The same
 load can go straight to vLLM servers ("direct", each program sticky to one server) or through
 the thunderctl gateway ("gateway", with `program_id` on every request and a release at the
 end), so the two can be compared on equal terms.
@@ -15,17 +18,20 @@ each; `calibrate_tokens_per_word` measures the ratio with the engine's `/tokeniz
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import random
 import secrets
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field, replace
+from enum import StrEnum
+from typing import Any, Protocol
 
 import httpx
 
+from thunderctl.bench.trace import TraceProgram, TraceStep
 from thunderctl.engines.vllm import EngineMetrics, fetch_metrics
 
 # Ordinary English words; each is a single token (with its leading space) in the tiny test
@@ -71,9 +77,25 @@ class Uniform:
         return rng.randint(low, high) if low <= high else round(self.low)
 
 
+class Workload(Protocol):
+    """The programs a load runs, each drawn (or looked up) by seed and index alone."""
+
+    @property
+    def system_prompt_tokens(self) -> int:
+        """The prefix every program of a run shares."""
+        ...
+
+    @property
+    def max_context_tokens(self) -> int | None:
+        """A program ends early rather than send a prompt the engine would reject."""
+        ...
+
+    def program(self, seed: int, index: int) -> TraceProgram: ...
+
+
 @dataclass(frozen=True)
 class AgentShape:
-    """How one agent program looks. Token counts are engine tokens (after calibration).
+    """Agent programs drawn from uniform ranges. Token counts are engine tokens.
 
     The first prompt is the shared system prompt plus the program's task; each step then
     adds the assistant's answer (`completion_tokens`) and a tool observation.
@@ -85,8 +107,19 @@ class AgentShape:
     completion_tokens: Uniform = Uniform(30, 100)
     steps: Uniform = Uniform(8, 16)
     tool_seconds: Uniform = Uniform(0.5, 3.0)
-    # A program ends early rather than send a prompt the engine would reject (max_model_len).
     max_context_tokens: int | None = None
+
+    def program(self, seed: int, index: int) -> TraceProgram:
+        rng = random.Random(f"{seed}/program/{index}")
+        n_steps = max(1, self.steps.draw_int(rng))
+        prompt = self.system_prompt_tokens + self.task_tokens.draw_int(rng) + 2 * MESSAGE_OVERHEAD_TOKENS
+        steps = []
+        for _ in range(n_steps):
+            completion = max(1, self.completion_tokens.draw_int(rng))
+            observation = self.observation_tokens.draw_int(rng)
+            steps.append(TraceStep(prompt_tokens=prompt, completion_tokens=completion, tool_s=self.tool_seconds.draw(rng)))
+            prompt += completion + observation + 2 * MESSAGE_OVERHEAD_TOKENS
+        return TraceProgram(id=f"shape-{seed}-{index}", steps=tuple(steps))
 
 
 @dataclass(frozen=True)
@@ -94,7 +127,7 @@ class LoadSpec:
     """How much load: `programs` in total and/or for `duration_s`, whichever ends first."""
 
     concurrency: int
-    shape: AgentShape = AgentShape()
+    shape: Workload = AgentShape()
     programs: int | None = None
     duration_s: float | None = None
     seed: int = 0
@@ -108,12 +141,23 @@ class LoadSpec:
     # history), so that a short run begins near steady state instead of all at step 0.
     age_initial_programs: bool = False
     request_timeout_s: float = 900.0
+    # Tool and environment-preparation times are slept this many times as long.
+    time_scale: float = 1.0
+    # How often the engines' counters are read during the run (for figures over time).
+    sample_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
             raise ValueError("concurrency must be at least 1")
         if self.programs is None and self.duration_s is None:
             raise ValueError("LoadSpec needs programs, duration_s or both")
+        if self.time_scale < 0:
+            raise ValueError("time_scale must not be negative")
+
+
+class Routing(StrEnum):
+    STICKY = "sticky"  # every step of a program to the same server, as agents do
+    ROUND_ROBIN = "round-robin"  # each request to the next server
 
 
 @dataclass
@@ -123,18 +167,21 @@ class Target:
     name: str
     urls: list[str]
     program_ids: bool
+    routing: Routing = Routing.STICKY
+    _turns: itertools.count[int] = field(default_factory=itertools.count, repr=False, compare=False)
 
     @classmethod
-    def direct(cls, urls: list[str]) -> Target:
-        return cls("direct", list(urls), program_ids=False)
+    def direct(cls, urls: list[str], routing: Routing = Routing.STICKY, name: str = "direct") -> Target:
+        return cls(name, list(urls), program_ids=False, routing=routing)
 
     @classmethod
-    def gateway(cls, url: str) -> Target:
-        return cls("gateway", [url], program_ids=True)
+    def gateway(cls, url: str, name: str = "gateway") -> Target:
+        return cls(name, [url], program_ids=True)
 
     def url_for(self, program_index: int) -> str:
-        # Sticky routing: all steps of a program go to the same server, as agents do.
-        return self.urls[program_index % len(self.urls)].rstrip("/")
+        """The server for the next request of program `program_index`."""
+        turn = next(self._turns) if self.routing is Routing.ROUND_ROBIN else program_index
+        return self.urls[turn % len(self.urls)].rstrip("/")
 
 
 # --- text and program plans (pure) ---------------------------------------------------
@@ -148,12 +195,12 @@ def word_text(rng: random.Random, n_words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n_words))
 
 
-def system_prompt(shape: AgentShape, seed: int, salt: str, tokens_per_word: float) -> str:
+def system_prompt(workload: Workload, seed: int, salt: str, tokens_per_word: float) -> str:
     """The prompt every program of a run shares; the salt comes first so that no cached
     block of another run (another arm of a comparison) can match it."""
     rng = random.Random(f"{seed}/system")
     head = f"run {salt}. You are a software agent."
-    return f"{head} {word_text(rng, words_for_tokens(shape.system_prompt_tokens, tokens_per_word))}"
+    return f"{head} {word_text(rng, words_for_tokens(workload.system_prompt_tokens, tokens_per_word))}"
 
 
 @dataclass(frozen=True)
@@ -171,17 +218,43 @@ class ProgramPlan:
     messages: tuple[dict[str, str], ...]
     first_step: int
     steps: tuple[StepPlan, ...]
+    prepare_s: float = 0.0
+    # Steps of the workload's program left out because the context would not fit.
+    steps_cut: int = 0
 
 
 @dataclass(frozen=True)
-class _DrawnStep:
+class StepSizes:
+    """A step as tokens: what it asks for, and what the observation after it adds."""
+
     completion_tokens: int
     observation_tokens: int
     tool_seconds: float
 
 
+def step_sizes(program: TraceProgram, system_prompt_tokens: int) -> tuple[int, list[StepSizes]]:
+    """The task's size and each step's sizes, so that each rendered prompt is the program's.
+
+    A prompt is the previous one plus the answer, the observation and two messages' template
+    tokens. Where the program's prompt grew by less than that (a short observation at a small
+    scale, or an agent that shortened its history) the observation is one token and the
+    rendered prompt runs ahead; later observations shrink until it is back on the program's.
+    """
+    overhead = 2 * MESSAGE_OVERHEAD_TOKENS
+    steps = program.steps
+    task_tokens = max(1, steps[0].prompt_tokens - system_prompt_tokens - overhead)
+    rendered = system_prompt_tokens + task_tokens + overhead
+    sizes = []
+    for step, later in zip(steps, [*steps[1:], None]):
+        completion = max(1, step.completion_tokens)
+        observation = 0 if later is None else max(1, later.prompt_tokens - rendered - completion - overhead)
+        sizes.append(StepSizes(completion, observation, step.tool_s))
+        rendered += completion + observation + overhead
+    return task_tokens, sizes
+
+
 def plan_program(
-    shape: AgentShape,
+    workload: Workload,
     *,
     seed: int,
     salt: str,
@@ -190,60 +263,53 @@ def plan_program(
     system_text: str,
     start_fraction: float = 0.0,
 ) -> ProgramPlan:
-    """Everything program `index` will send, drawn from its own seeded generator.
+    """Everything program `index` will send, as text of the workload's sizes.
 
-    The draws depend only on (seed, index), so two runs with the same seed offer the
-    same workload whatever the timing. `start_fraction` skips that share of the steps,
-    putting synthetic turns of the drawn sizes in the history instead.
+    The workload's program depends only on (seed, index), so two runs with the same seed
+    offer the same workload whatever the timing. `start_fraction` skips that share of the
+    steps, putting synthetic turns of the program's sizes in the history instead.
     """
-    rng = random.Random(f"{seed}/program/{index}")
-    n_steps = max(1, shape.steps.draw_int(rng))
-    task_tokens = shape.task_tokens.draw_int(rng)
-    drawn = [
-        _DrawnStep(
-            completion_tokens=max(1, shape.completion_tokens.draw_int(rng)),
-            observation_tokens=shape.observation_tokens.draw_int(rng),
-            tool_seconds=shape.tool_seconds.draw(rng),
-        )
-        for _ in range(n_steps)
-    ]
-    n_steps = steps_that_fit(shape, task_tokens, drawn)
-    drawn = drawn[:n_steps]
+    program = workload.program(seed, index)
+    task_tokens, sized = step_sizes(program, workload.system_prompt_tokens)
+    n_steps = steps_that_fit(workload, task_tokens, sized)
+    sized = sized[:n_steps]
     first_step = min(int(start_fraction * n_steps), n_steps - 1)
 
     text_rng = random.Random(f"{seed}/text/{index}")
     task = f"Task {index}: {word_text(text_rng, words_for_tokens(task_tokens, tokens_per_word))}"
     observations = [
-        word_text(text_rng, words_for_tokens(step.observation_tokens, tokens_per_word))
-        if k < n_steps - 1
-        else ""
-        for k, step in enumerate(drawn)
+        word_text(text_rng, words_for_tokens(step.observation_tokens, tokens_per_word)) if k < n_steps - 1 else ""
+        for k, step in enumerate(sized)
     ]
     messages: list[dict[str, str]] = [
         {"role": "system", "content": system_text},
         {"role": "user", "content": task},
     ]
     for k in range(first_step):
-        answer = word_text(text_rng, words_for_tokens(drawn[k].completion_tokens, tokens_per_word))
+        answer = word_text(text_rng, words_for_tokens(sized[k].completion_tokens, tokens_per_word))
         messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": observations[k]}]
     steps = tuple(
         StepPlan(step.completion_tokens, step.tool_seconds, observations[k])
-        for k, step in enumerate(drawn)
+        for k, step in enumerate(sized)
         if k >= first_step
     )
-    return ProgramPlan(index, f"{salt}-p{index}", tuple(messages), first_step, steps)
+    # A program that starts part-way has its environment already.
+    prepare_s = (program.env_prep_s or 0.0) if first_step == 0 else 0.0
+    return ProgramPlan(
+        index, f"{salt}-p{index}", tuple(messages), first_step, steps, prepare_s, len(program.steps) - n_steps
+    )
 
 
-def steps_that_fit(shape: AgentShape, task_tokens: int, drawn: Sequence[_DrawnStep]) -> int:
+def steps_that_fit(workload: Workload, task_tokens: int, sized: Sequence[StepSizes]) -> int:
     """How many steps run before prompt + answer would exceed max_context_tokens (at least 1)."""
-    if shape.max_context_tokens is None:
-        return len(drawn)
-    context = shape.system_prompt_tokens + task_tokens + 2 * MESSAGE_OVERHEAD_TOKENS
-    for k, step in enumerate(drawn):
-        if k > 0 and context + step.completion_tokens > shape.max_context_tokens:
+    if workload.max_context_tokens is None:
+        return len(sized)
+    context = workload.system_prompt_tokens + task_tokens + 2 * MESSAGE_OVERHEAD_TOKENS
+    for k, step in enumerate(sized):
+        if k > 0 and context + step.completion_tokens > workload.max_context_tokens:
             return k
         context += step.completion_tokens + step.observation_tokens + 2 * MESSAGE_OVERHEAD_TOKENS
-    return len(drawn)
+    return len(sized)
 
 
 # --- records and statistics (pure) ---------------------------------------------------
@@ -311,11 +377,26 @@ class CacheDelta:
             self.preemptions + other.preemptions,
         )
 
+    def __sub__(self, other: CacheDelta) -> CacheDelta:
+        return CacheDelta(
+            self.prefix_cache_queries - other.prefix_cache_queries,
+            self.prefix_cache_hits - other.prefix_cache_hits,
+            self.preemptions - other.preemptions,
+        )
+
     @property
     def hit_rate(self) -> float | None:
         if self.prefix_cache_queries <= 0:
             return None
         return self.prefix_cache_hits / self.prefix_cache_queries
+
+
+@dataclass(frozen=True)
+class CounterSample:
+    """The engines' counters over one sampling interval that ended at `t_s`."""
+
+    t_s: float
+    engines: CacheDelta
 
 
 @dataclass
@@ -335,6 +416,9 @@ class LoadResult:
     engines: CacheDelta
     release_failures: int = 0
     records: list[StepRecord] = field(default_factory=list)
+    steady_ttfts_s: list[float] = field(default_factory=list)  # streaming only
+    samples: list[CounterSample] = field(default_factory=list)
+    steps_cut: int = 0  # steps of started programs left out to fit the context limit
 
     @property
     def steady_steps(self) -> int:
@@ -355,6 +439,10 @@ class LoadResult:
     @property
     def p99_s(self) -> float | None:
         return percentile(self.steady_latencies_s, 99)
+
+    @property
+    def ttft_p50_s(self) -> float | None:
+        return percentile(self.steady_ttfts_s, 50)
 
     @property
     def prefix_cache_hit_rate(self) -> float | None:
@@ -379,11 +467,13 @@ class LoadResult:
             "p50_s": self.p50_s,
             "p90_s": self.p90_s,
             "p99_s": self.p99_s,
+            "ttft_p50_s": self.ttft_p50_s,
             "programs_started": self.programs_started,
             "programs_completed": self.programs_completed,
             "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
             "preemptions": self.preemptions,
             "release_failures": self.release_failures,
+            "steps_cut": self.steps_cut,
             **{f"engine_{key}": value for key, value in asdict(self.engines).items()},
             "tokens_per_word": self.tokens_per_word,
             "salt": self.salt,
@@ -391,13 +481,15 @@ class LoadResult:
 
 
 def combine_results(results: Sequence[LoadResult]) -> LoadResult:
-    """Pool the slices of one arm: windows and counts add up, latencies are pooled."""
+    """Pool the slices of one arm: windows and counts add up, latencies are pooled, and
+    records and samples follow each other in time as if the slices had run back to back."""
     if not results:
         raise ValueError("nothing to combine")
     first = results[0]
     engines = CacheDelta()
     for result in results:
         engines = engines + result.engines
+    offsets = list(itertools.accumulate((r.wall_s for r in results[:-1]), initial=0.0))
     return LoadResult(
         target=first.target,
         concurrency=first.concurrency,
@@ -413,7 +505,10 @@ def combine_results(results: Sequence[LoadResult]) -> LoadResult:
         programs_completed=sum(r.programs_completed for r in results),
         engines=engines,
         release_failures=sum(r.release_failures for r in results),
-        records=[rec for r in results for rec in r.records],
+        records=[replace(rec, start_s=rec.start_s + offset) for r, offset in zip(results, offsets) for rec in r.records],
+        steady_ttfts_s=[x for r in results for x in r.steady_ttfts_s],
+        samples=[replace(s, t_s=s.t_s + offset) for r, offset in zip(results, offsets) for s in r.samples],
+        steps_cut=sum(r.steps_cut for r in results),
     )
 
 
@@ -449,20 +544,38 @@ class _Reply:
     error: str | None = None
 
 
+class Observer(Protocol):
+    """Told about a run as it goes (a live progress display)."""
+
+    def step(self, record: StepRecord) -> None: ...
+
+    def sample(self, sample: CounterSample) -> None: ...
+
+
 class ClosedLoop:
     """One run: the slots, the programs they run, and what each step recorded."""
 
-    def __init__(self, client: httpx.AsyncClient, target: Target, spec: LoadSpec, salt: str, tokens_per_word: float):
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        target: Target,
+        spec: LoadSpec,
+        salt: str,
+        tokens_per_word: float,
+        observer: Observer | None = None,
+    ):
         self.client = client
         self.target = target
         self.spec = spec
         self.salt = salt
         self.tokens_per_word = tokens_per_word
+        self.observer = observer
         self.system_text = system_prompt(spec.shape, spec.seed, salt, tokens_per_word)
         self.records: list[StepRecord] = []
         self.programs_started = 0
         self.programs_completed = 0
         self.steps_cancelled = 0
+        self.steps_cut = 0
         self.release_failures = 0
         self.open_programs: set[str] = set()
         self._t0 = 0.0
@@ -471,9 +584,11 @@ class ClosedLoop:
     def now(self) -> float:
         return time.monotonic() - self._t0
 
+    def start_clock(self) -> None:
+        self._t0 = time.monotonic()
+
     async def execute(self) -> float:
         """Run until the programs are done or the time is up; returns the wall time."""
-        self._t0 = time.monotonic()
         slots = [asyncio.create_task(self.slot()) for _ in range(self.spec.concurrency)]
         try:
             done, pending = await asyncio.wait(slots, timeout=self.spec.duration_s)
@@ -517,22 +632,26 @@ class ClosedLoop:
             await self.run_program(self.plan(index))
 
     async def run_program(self, plan: ProgramPlan) -> None:
-        url = self.target.url_for(plan.index)
         messages = list(plan.messages)
         self.programs_started += 1
+        self.steps_cut += plan.steps_cut
+        await asyncio.sleep(plan.prepare_s * self.spec.time_scale)
         if self.target.program_ids:
             self.open_programs.add(plan.program_id)
         completed = True
         for offset, step in enumerate(plan.steps):
+            url = self.target.url_for(plan.index)
             record, text = await self.send_step(url, plan, plan.first_step + offset, messages, step)
             self.records.append(record)
+            if self.observer is not None:
+                self.observer.step(record)
             if not record.ok:
                 completed = False
                 break
             messages.append({"role": "assistant", "content": text})
             if offset < len(plan.steps) - 1:
                 messages.append({"role": "user", "content": step.observation})
-                await asyncio.sleep(step.tool_seconds)
+                await asyncio.sleep(step.tool_seconds * self.spec.time_scale)
         if completed:
             self.programs_completed += 1
         await self.release(plan.program_id)
@@ -640,7 +759,31 @@ def window_end(spec: LoadSpec, records: Sequence[StepRecord], wall_s: float) -> 
     return max((r.end_s for r in records), default=wall_s)
 
 
-async def run_load(target: Target, spec: LoadSpec, engine_urls: list[str]) -> LoadResult:
+async def sample_engines(
+    client: httpx.AsyncClient,
+    engine_urls: Sequence[str],
+    start: Sequence[EngineMetrics],
+    loop: ClosedLoop,
+    samples: list[CounterSample],
+) -> None:
+    """Read the engines' counters every sample interval until cancelled."""
+    previous = list(start)
+    while True:
+        await asyncio.sleep(loop.spec.sample_interval_s)
+        try:
+            current = await scrape_engines(client, engine_urls)
+        except httpx.HTTPError:
+            continue  # a busy engine answers late; the next interval covers this one
+        sample = CounterSample(loop.now(), CacheDelta.between(previous, current))
+        samples.append(sample)
+        if loop.observer is not None:
+            loop.observer.sample(sample)
+        previous = current
+
+
+async def run_load(
+    target: Target, spec: LoadSpec, engine_urls: list[str], observer: Observer | None = None
+) -> LoadResult:
     """Run closed-loop agent load against `target`; read cache counters from `engine_urls`.
 
     `engine_urls` are the vLLM servers behind the target (the same as `target.urls` for a
@@ -649,6 +792,7 @@ async def run_load(target: Target, spec: LoadSpec, engine_urls: list[str]) -> Lo
     salt = spec.salt or secrets.token_hex(4)
     limits = httpx.Limits(max_connections=spec.concurrency + 8, max_keepalive_connections=spec.concurrency + 8)
     timeout = httpx.Timeout(spec.request_timeout_s, connect=10.0)
+    samples: list[CounterSample] = []
     # trust_env=False: a proxy from the environment must never see loopback benchmark traffic.
     async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
         tokens_per_word = (
@@ -656,10 +800,22 @@ async def run_load(target: Target, spec: LoadSpec, engine_urls: list[str]) -> Lo
             if engine_urls
             else DEFAULT_TOKENS_PER_WORD
         )
+        loop = ClosedLoop(client, target, spec, salt, tokens_per_word, observer)
         before = await scrape_engines(client, engine_urls)
-        loop = ClosedLoop(client, target, spec, salt, tokens_per_word)
-        wall_s = await loop.execute()
+        loop.start_clock()
+        sampler = asyncio.create_task(sample_engines(client, engine_urls, before, loop, samples))
+        try:
+            wall_s = await loop.execute()
+        finally:
+            sampler.cancel()
+            await asyncio.gather(sampler, return_exceptions=True)
         after = await scrape_engines(client, engine_urls)
+    engines = CacheDelta.between(before, after)
+    sampled = CacheDelta()
+    for sample in samples:
+        sampled = sampled + sample.engines
+    # The last interval runs from the last sample to the end, so the samples add up to the run.
+    samples.append(CounterSample(wall_s, engines - sampled))
     end = window_end(spec, loop.records, wall_s)
     steady = steady_steps(loop.records, spec.warmup_s, end)
     return LoadResult(
@@ -675,7 +831,10 @@ async def run_load(target: Target, spec: LoadSpec, engine_urls: list[str]) -> Lo
         steady_latencies_s=[r.latency_s for r in steady],
         programs_started=loop.programs_started,
         programs_completed=loop.programs_completed,
-        engines=CacheDelta.between(before, after),
+        engines=engines,
         release_failures=loop.release_failures,
         records=loop.records,
+        steady_ttfts_s=[r.ttft_s for r in steady if r.ttft_s is not None],
+        samples=samples,
+        steps_cut=loop.steps_cut,
     )
