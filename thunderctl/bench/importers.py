@@ -7,6 +7,7 @@ so `tool_s` taken from it bounds the tool time from above; `--time-scale` shrink
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ class CallUsage:
 def program_from_calls(program_id: str, calls: Sequence[CallUsage], source: str) -> TraceProgram:
     if not calls:
         raise TraceFormatError(f"{program_id}: no LLM calls with usage")
-    gaps = [max(0.0, later.created - earlier.created) for earlier, later in zip(calls, calls[1:])]
+    gaps = [max(0.0, later.created - earlier.created) for earlier, later in itertools.pairwise(calls)]
     steps = tuple(
         TraceStep(prompt_tokens=call.prompt_tokens, completion_tokens=call.completion_tokens, tool_s=tool_s)
         for call, tool_s in zip(calls, [*gaps, 0.0])

@@ -109,7 +109,10 @@ def new_input_factor(n_steps: int) -> float:
     """(n / median) ** -b, normalised so that the mean growth over all steps stays the target:
     with n lognormal, E[n ** a] = exp(a mu + a^2 sigma^2 / 2)."""
     b, mu, sigma = STEPS_GROWTH_EXPONENT, math.log(STEPS.median), STEPS.sigma
-    moment = lambda a: math.exp(a * mu + a * a * sigma * sigma / 2)  # noqa: E731
+
+    def moment(a: float) -> float:
+        return math.exp(a * mu + a * a * sigma * sigma / 2)
+
     norm = moment(1) / (STEPS.median**b * moment(1 - b))
     return norm * (n_steps / STEPS.median) ** -b
 

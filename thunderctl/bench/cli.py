@@ -1,0 +1,228 @@
+"""`thunderctl bench`: replay agent workloads through the cluster and straight to its engines.
+
+Commands only: parse, find the endpoint, call the replayer, render the report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+
+import httpx
+import typer
+from rich.console import Console
+
+from thunderctl.bench.closed_loop import LoadSpec, Routing, Target
+from thunderctl.bench.importers import import_traces
+from thunderctl.bench.replay import Arm, ArmOutcome, TraceWorkload, run_arms
+from thunderctl.bench.report import (
+    LiveProgress,
+    build_report,
+    plot_report,
+    report_table,
+)
+from thunderctl.bench.swe_lite import (
+    SHARED_PREFIX_TOKENS,
+    TOOL_SECONDS,
+    LogNormal,
+    SweLite,
+)
+from thunderctl.bench.trace import TraceFormatError, read_trace, write_trace
+from thunderctl.cluster.lifecycle import control_client, daemon_answers
+from thunderctl.cluster.state import ClusterNotFound, find_cluster
+from thunderctl.profile import state_root
+
+bench_app = typer.Typer(
+    help="Benchmarks: replay agent workloads through thunderctl and straight to the engines.",
+    no_args_is_help=True,
+    rich_markup_mode="rich",
+)
+
+# The plan estimates the chat template's tokens; leave it room below max_model_len.
+CONTEXT_HEADROOM = 0.9
+
+
+class TargetArm(StrEnum):
+    CLUSTER = "cluster"
+    DIRECT = "direct"
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    endpoint: str  # OpenAI-compatible base URL, without /v1
+    engines: list[str]  # the vLLM servers behind it: the direct arm and the /metrics source
+
+
+@dataclass(frozen=True)
+class EndpointInfo:
+    model: str
+    max_model_len: int | None
+    thunderctl: bool  # answers GET /programs: program ids, releases and counters apply
+
+
+def fail(console: Console, message: str) -> typer.Exit:
+    console.print(f"[bold red]error:[/] {message}")
+    return typer.Exit(1)
+
+
+def base_url(url: str) -> str:
+    return url.rstrip("/").removesuffix("/v1")
+
+
+def cluster_endpoints(name: str | None) -> Endpoints:
+    """The running cluster's gateway and its workers in service, from its daemon."""
+    state = find_cluster(state_root(), name)
+    if not daemon_answers(state):
+        raise ClusterNotFound(
+            f"cluster {state.cluster!r} is not running (its daemon does not answer); "
+            "`thunderctl up` starts it, or give --endpoint URL"
+        )
+    with control_client(state) as client:
+        status = client.get("/status").json()
+    engines = [worker["url"] for worker in status["workers"] if worker["state"] == "ready"]
+    return Endpoints(base_url(status["endpoint"]), engines)
+
+
+def probe(endpoint: str) -> EndpointInfo:
+    with httpx.Client(timeout=10.0, trust_env=False) as client:
+        models = client.get(f"{endpoint}/v1/models")
+        models.raise_for_status()
+        first = models.json()["data"][0]
+        thunderctl = client.get(f"{endpoint}/programs").status_code == 200
+    return EndpointInfo(first["id"], first.get("max_model_len"), thunderctl)
+
+
+def build_arms(endpoints: Endpoints, info: EndpointInfo, arms: list[TargetArm], routing: Routing) -> list[Arm]:
+    built = []
+    for arm in arms:
+        if arm is TargetArm.DIRECT:
+            built.append(Arm("direct", Target.direct(endpoints.engines, routing)))
+        elif info.thunderctl:
+            built.append(Arm("cluster", Target.gateway(endpoints.endpoint, name="cluster"), endpoints.endpoint))
+        else:  # any OpenAI-compatible endpoint: no program ids to send, nothing to release
+            built.append(Arm("cluster", Target.direct([endpoints.endpoint], name="cluster")))
+    return built
+
+
+def load_workload(
+    trace: Path | None, scale: float, tool: LogNormal, shared_prefix: int, max_context: int | None
+) -> SweLite | TraceWorkload:
+    if trace is None:
+        return SweLite(scale, tool, shared_prefix, max_context)
+    return TraceWorkload(tuple(read_trace(trace)), scale, shared_prefix, max_context, str(trace))
+
+
+def write_outputs(report: dict[str, Any], out: Path | None, plot: Path | None, console: Console) -> None:
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        console.print(f"report: {out}")
+    plot = plot or (out.with_suffix(".png") if out is not None else None)
+    if plot is not None:
+        plot_report(report, plot)
+        console.print(f"plot: {plot}")
+
+
+@bench_app.command("swe-lite")
+def swe_lite(
+    cluster: Annotated[str | None, typer.Option("--cluster", "-c", help="The running cluster (default: the only one).")] = None,
+    endpoint: Annotated[str | None, typer.Option(help="Any OpenAI-compatible endpoint instead of a cluster.")] = None,
+    engine: Annotated[
+        list[str] | None, typer.Option(help="A vLLM server behind the endpoint (repeat): direct arm and /metrics.")
+    ] = None,
+    target: Annotated[TargetArm, typer.Option(help="Where the load goes, unless --compare.")] = TargetArm.CLUSTER,
+    compare: Annotated[bool, typer.Option(help="Run both arms, interleaved in slices, and print the ratios.")] = False,
+    concurrency: Annotated[int, typer.Option(min=1, help="Programs running at once (closed loop).")] = 16,
+    programs: Annotated[int | None, typer.Option(min=1, help="Programs per arm (ends the run).")] = None,
+    duration: Annotated[float | None, typer.Option(min=1, help="Seconds per arm (ends the run); default 120.")] = None,
+    warmup: Annotated[float, typer.Option(min=0, help="Seconds at the start of each slice not counted.")] = 15.0,
+    slices: Annotated[int | None, typer.Option(min=1, help="Slices per arm [default: 2 with --compare, else 1].")] = None,
+    scale: Annotated[float, typer.Option(min=0.001, help="Multiply every token count (fit a small engine).")] = 1.0,
+    time_scale: Annotated[float, typer.Option(min=0, help="Multiply tool and preparation times.")] = 1.0,
+    tool_median: Annotated[float, typer.Option(min=0.001, help="Tool seconds: lognormal median.")] = TOOL_SECONDS.median,
+    tool_sigma: Annotated[float, typer.Option(min=0.001, help="Tool seconds: lognormal sigma.")] = TOOL_SECONDS.sigma,
+    tool_cap: Annotated[float, typer.Option(min=0.001, help="Tool seconds: cap.")] = 60.0,
+    shared_prefix: Annotated[int, typer.Option(min=1, help="Prompt tokens all programs share (before --scale).")] = SHARED_PREFIX_TOKENS,
+    trace: Annotated[Path | None, typer.Option(help="Replay this trace (JSONL, docs/trace-format.md) instead.")] = None,
+    routing: Annotated[Routing, typer.Option(help="How the direct arm spreads requests over the engines.")] = Routing.STICKY,
+    stream: Annotated[bool, typer.Option(help="Stream responses (needed for time to first token).")] = True,
+    seed: Annotated[int, typer.Option(help="Which programs (the same seed replays the same ones).")] = 0,
+    out: Annotated[Path | None, typer.Option(help="Write the JSON report here (and the plot beside it).")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Write the PNG plot here [default: --out with .png].")] = None,
+) -> None:
+    """Replay SWE-bench Lite-shaped agents (closed loop) and report steps/min, hit rate, latency."""
+    console = Console() if sys.stdout.isatty() else Console(width=140)
+    arms = [TargetArm.CLUSTER, TargetArm.DIRECT] if compare else [target]
+    rounds = slices or (2 if compare else 1)
+    if programs is None and duration is None:
+        duration = 120.0
+    if duration is not None and warmup >= duration / rounds:
+        raise fail(console, f"--warmup {warmup:g} s leaves nothing of a {duration / rounds:g} s slice")
+    try:
+        endpoints = Endpoints(base_url(endpoint), engine or []) if endpoint else cluster_endpoints(cluster)
+    except ClusterNotFound as exc:
+        raise fail(console, str(exc)) from exc
+    if TargetArm.DIRECT in arms and not endpoints.engines:
+        raise fail(console, "the direct arm needs the engines' URLs: give --engine URL (repeat) with --endpoint")
+    try:
+        info = probe(endpoints.endpoint)
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        raise fail(console, f"{endpoints.endpoint} does not answer GET /v1/models with a model: {exc}") from exc
+    max_context = int(info.max_model_len * CONTEXT_HEADROOM) if info.max_model_len else None
+    try:
+        workload = load_workload(trace, scale, LogNormal(tool_median, tool_sigma, tool_cap), shared_prefix, max_context)
+    except (OSError, TraceFormatError) as exc:
+        raise fail(console, str(exc)) from exc
+    spec = LoadSpec(
+        concurrency=concurrency, shape=workload, programs=programs, duration_s=duration, seed=seed, model=info.model,
+        warmup_s=warmup, stream=stream, age_initial_programs=True, time_scale=time_scale,
+    )  # fmt: skip
+    console.print(
+        f"{' vs '.join(arms)}: {endpoints.endpoint} ({'thunderctl' if info.thunderctl else 'plain endpoint'}), "
+        f"engines {', '.join(endpoints.engines) or 'unknown (no hit rate)'}, model {info.model}"
+    )
+    started = time.monotonic()
+    with LiveProgress(rounds * len(arms), console) as live:
+        outcomes = asyncio.run(
+            run_arms(build_arms(endpoints, info, arms, routing), spec, endpoints.engines, rounds=rounds, observer=live)
+        )
+    parameters = {
+        "concurrency": concurrency, "programs": programs, "duration_s": duration, "warmup_s": warmup,
+        "slices": rounds, "seed": seed, "stream": stream, "arms": list(arms), "routing": routing,
+        "time_scale": time_scale, "endpoint": endpoints.endpoint, "engines": endpoints.engines,
+        "model": info.model, "max_model_len": info.max_model_len, "thunderctl": info.thunderctl,
+    }  # fmt: skip
+    report = build_report(workload.describe(), parameters, outcomes, time.monotonic() - started)
+    console.print(report_table(report))
+    write_outputs(report, out, plot, console)
+    check_served(outcomes, console)
+
+
+def check_served(outcomes: dict[str, ArmOutcome], console: Console) -> None:
+    """A run where an arm served nothing is a failure, whatever the table says."""
+    for name, outcome in outcomes.items():
+        combined = outcome.combined()
+        if combined.steps_ok == 0:
+            errors = {r.error for r in combined.records if r.error}
+            raise fail(console, f"the {name} arm served no step: {'; '.join(sorted(errors))[:500] or 'no program ran'}")
+
+
+@bench_app.command("import")
+def import_command(
+    sources: Annotated[list[Path], typer.Argument(help="mini-swe-agent .traj.json files and/or step tables (JSONL).")],
+    out: Annotated[Path, typer.Option(help="The trace to write (JSONL).")],
+    lite_only: Annotated[bool, typer.Option(help="From step tables, only runs marked lite.")] = False,
+) -> None:
+    """Convert agent logs into a trace that `swe-lite --trace` replays."""
+    console = Console()
+    try:
+        count = write_trace(import_traces(sources, lite_only=lite_only), out)
+    except (OSError, ValueError) as exc:
+        raise fail(console, str(exc)) from exc
+    console.print(f"{count} programs written to {out}")

@@ -1,0 +1,184 @@
+"""Replay a workload in arms: through the gateway and straight to the engines, interleaved.
+
+Arms run one at a time in slices, ABBA (the order flips every round), so slow drift of a
+shared machine falls on both alike; between slices the engines and the gateway are left to
+go quiet, so one slice's leftovers never load the next. Slice k of every arm replays the same
+programs (the same seed) under its own salt, so no arm hits a prefix another arm cached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+import httpx
+
+from thunderctl.bench.closed_loop import (
+    LoadResult,
+    LoadSpec,
+    Observer,
+    Target,
+    combine_results,
+    run_load,
+)
+from thunderctl.bench.swe_lite import SHARED_PREFIX_TOKENS
+from thunderctl.bench.trace import TraceProgram
+from thunderctl.engines.vllm import fetch_metrics, parse_samples
+
+GATEWAY_COUNTERS = (
+    "thunderctl_pauses_total",
+    "thunderctl_resumes_total",
+    "thunderctl_forced_resumes_total",
+    "thunderctl_programs_released_total",
+)
+QUIET_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class TraceWorkload:
+    """A recorded trace as a workload: program `index` of seed `seed` is the trace's program at
+    that position of a seeded shuffle, and the trace starts over (reshuffled) when used up."""
+
+    programs: tuple[TraceProgram, ...]
+    scale: float = 1.0
+    shared_prefix_tokens: int = SHARED_PREFIX_TOKENS
+    max_context_tokens: int | None = None
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.programs:
+            raise ValueError("a trace workload needs at least one program")
+        if self.scale <= 0:
+            raise ValueError(f"scale must be positive, got {self.scale}")
+
+    @property
+    def system_prompt_tokens(self) -> int:
+        return max(1, round(self.shared_prefix_tokens * self.scale))
+
+    def program(self, seed: int, index: int) -> TraceProgram:
+        count = len(self.programs)
+        cycle, position = divmod(index, count)
+        order = random.Random(f"trace/{seed}/{cycle}").sample(range(count), count)
+        return self.programs[order[position]].scaled(self.scale)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": "trace",
+            "source": self.source,
+            "programs": len(self.programs),
+            "scale": self.scale,
+            "shared_prefix_tokens": self.shared_prefix_tokens,
+            "max_context_tokens": self.max_context_tokens,
+        }
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One way of sending the load; `gateway_url` is set when a thunderctl gateway is in
+    the path, whose counters (pauses, resumes) and open programs are read around slices."""
+
+    name: str
+    target: Target
+    gateway_url: str | None = None
+
+
+@dataclass
+class ArmOutcome:
+    slices: list[LoadResult] = field(default_factory=list)
+    gateway_counters: dict[str, float] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    def combined(self) -> LoadResult:
+        return combine_results(self.slices)
+
+    def add_counters(self, before: dict[str, float], after: dict[str, float]) -> None:
+        for name in GATEWAY_COUNTERS:
+            delta = after.get(name, 0.0) - before.get(name, 0.0)
+            self.gateway_counters[name] = self.gateway_counters.get(name, 0.0) + delta
+
+
+class SliceObserver(Observer, Protocol):
+    def slice_started(self, arm: str, round_index: int, spec: LoadSpec) -> None: ...
+
+    def slice_finished(self, arm: str, result: LoadResult, warning: str) -> None: ...
+
+
+def slice_order(arms: Sequence[str], rounds: int, flip: int = 0) -> list[tuple[str, int]]:
+    """(arm, round) in ABBA order: each round reverses the previous round's order, so linear
+    drift cancels; `flip` starts with the reversed order (alternate it between runs)."""
+    order = []
+    for round_index in range(rounds):
+        names = list(arms)
+        if (round_index + flip) % 2:
+            names.reverse()
+        order += [(name, round_index) for name in names]
+    return order
+
+
+def slice_spec(spec: LoadSpec, rounds: int, round_index: int) -> LoadSpec:
+    """Round k's share of the run: its part of the duration and programs, its own seed."""
+    return replace(
+        spec,
+        seed=spec.seed * 1000 + round_index,
+        duration_s=None if spec.duration_s is None else spec.duration_s / rounds,
+        programs=None if spec.programs is None else math.ceil(spec.programs / rounds),
+    )
+
+
+async def gateway_counters(client: httpx.AsyncClient, gateway_url: str) -> dict[str, float]:
+    response = await client.get(f"{gateway_url}/metrics")
+    response.raise_for_status()
+    return {s.name: s.value for s in parse_samples(response.text) if s.name in GATEWAY_COUNTERS}
+
+
+async def wait_until_quiet(
+    client: httpx.AsyncClient, engine_urls: Sequence[str], gateway_url: str | None, timeout: float = QUIET_TIMEOUT_S
+) -> str:
+    """Let the engines drain what a slice left behind; returns a warning, or "" when quiet."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        metrics = await asyncio.gather(*(fetch_metrics(client, url) for url in engine_urls))
+        busy = sum(m.requests_running + m.requests_waiting for m in metrics)
+        programs = (await client.get(f"{gateway_url}/programs")).json()["programs"] if gateway_url else []
+        if busy == 0 and not programs:
+            return ""
+        await asyncio.sleep(0.5)
+    return f"engines or gateway still busy {timeout:.0f} s after a slice"
+
+
+async def run_arms(
+    arms: Sequence[Arm],
+    spec: LoadSpec,
+    engine_urls: list[str],
+    *,
+    rounds: int,
+    flip: int = 0,
+    observer: SliceObserver | None = None,
+) -> dict[str, ArmOutcome]:
+    """Every arm runs `rounds` slices of `spec`, interleaved; returns each arm's outcome."""
+    by_name = {arm.name: arm for arm in arms}
+    outcomes = {arm.name: ArmOutcome() for arm in arms}
+    gateways = {arm.gateway_url for arm in arms if arm.gateway_url}
+    async with httpx.AsyncClient(timeout=30.0, trust_env=False) as client:
+        for name, round_index in slice_order(list(by_name), rounds, flip):
+            arm = by_name[name]
+            sliced = slice_spec(spec, rounds, round_index)
+            if observer is not None:
+                observer.slice_started(name, round_index, sliced)
+            before = await gateway_counters(client, arm.gateway_url) if arm.gateway_url else {}
+            result = await run_load(arm.target, sliced, engine_urls, observer)
+            warnings = [await wait_until_quiet(client, engine_urls, gateway) for gateway in gateways or {None}]
+            warning = "; ".join(w for w in warnings if w)
+            if arm.gateway_url:
+                outcomes[name].add_counters(before, await gateway_counters(client, arm.gateway_url))
+            outcomes[name].slices.append(result)
+            if warning:
+                outcomes[name].warnings.append(warning)
+            if observer is not None:
+                observer.slice_finished(name, result, warning)
+    return outcomes

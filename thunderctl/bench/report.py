@@ -1,0 +1,216 @@
+"""What a benchmark run reports: per-arm figures, ratios, figures over time, a table and a plot.
+
+The JSON report is the source of the table and the plot, so a saved report can be drawn again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Self
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from thunderctl.bench.closed_loop import (
+    CacheDelta,
+    CounterSample,
+    LoadResult,
+    LoadSpec,
+    StepRecord,
+    per_minute,
+)
+from thunderctl.bench.replay import ArmOutcome
+
+# Compared between arms as cluster ÷ direct (above 1 is better for the first two only).
+RATIO_FIGURES = ("steps_per_min", "hit_rate", "p50_s", "p90_s", "p99_s", "ttft_p50_s")
+
+
+@dataclass(frozen=True)
+class TimelinePoint:
+    t_s: float  # end of the interval, in the arm's own time (its slices back to back)
+    steps_per_min: float
+    hit_rate: float | None
+
+
+def timeline(samples: Sequence[CounterSample], records: Sequence[StepRecord]) -> list[TimelinePoint]:
+    """Steps/min and hit rate over each sampling interval (steps counted where they end)."""
+    points = []
+    start = 0.0
+    for sample in samples:
+        ended = sum(1 for r in records if r.ok and start < r.end_s <= sample.t_s)
+        points.append(TimelinePoint(sample.t_s, per_minute(ended, sample.t_s - start), sample.engines.hit_rate))
+        start = sample.t_s
+    return points
+
+
+def arm_summary(outcome: ArmOutcome) -> dict[str, Any]:
+    combined = outcome.combined()
+    counters = outcome.gateway_counters
+    return {
+        "steps_per_min": combined.steps_per_min,
+        "hit_rate": combined.prefix_cache_hit_rate,
+        "p50_s": combined.p50_s,
+        "p90_s": combined.p90_s,
+        "p99_s": combined.p99_s,
+        "ttft_p50_s": combined.ttft_p50_s,
+        "preemptions": combined.preemptions,
+        "programs_completed": combined.programs_completed,
+        "programs_started": combined.programs_started,
+        "steady_steps": combined.steady_steps,
+        "steps_ok": combined.steps_ok,
+        "steps_failed": combined.steps_failed,
+        "steps_cancelled": combined.steps_cancelled,
+        "steps_cut": combined.steps_cut,
+        "release_failures": combined.release_failures,
+        "window_s": combined.window_s,
+        "wall_s": combined.wall_s,
+        "pauses": counters.get("thunderctl_pauses_total") if counters else None,
+        "resumes": counters.get("thunderctl_resumes_total") if counters else None,
+        "forced_resumes": counters.get("thunderctl_forced_resumes_total") if counters else None,
+        "programs_released": counters.get("thunderctl_programs_released_total") if counters else None,
+        "warnings": outcome.warnings,
+        "slices": [result.summary() for result in outcome.slices],
+        "timeline": [vars(point) for point in timeline(combined.samples, combined.records)],
+    }
+
+
+def ratios(arms: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    if "cluster" not in arms or "direct" not in arms:
+        return {}
+    cluster, direct = arms["cluster"], arms["direct"]
+    return {
+        figure: cluster[figure] / direct[figure] if cluster[figure] is not None and direct[figure] else None
+        for figure in RATIO_FIGURES
+    }
+
+
+def build_report(
+    workload: dict[str, Any], parameters: dict[str, Any], outcomes: dict[str, ArmOutcome], wall_s: float
+) -> dict[str, Any]:
+    arms = {name: arm_summary(outcome) for name, outcome in outcomes.items()}
+    return {
+        "benchmark": workload.get("name"),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "wall_s": wall_s,
+        "workload": workload,
+        "parameters": parameters,
+        "arms": arms,
+        "ratios": ratios(arms),
+    }
+
+
+# --- rendering -----------------------------------------------------------------------
+
+
+def fmt(value: float | None, unit: str = "", digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}{unit}"
+
+
+def report_table(report: dict[str, Any]) -> Table:
+    parameters = report["parameters"]
+    table = Table(title=f"{report['benchmark']} at concurrency {parameters['concurrency']}")
+    columns = ("arm", "steps/min", "hit rate", "p50", "p90", "p99", "TTFT p50", "preempt", "pauses/resumes", "programs", "failed")
+    for column in columns:
+        table.add_column(column, justify="left" if column == "arm" else "right")
+    for name, arm in report["arms"].items():
+        pauses = "" if arm["pauses"] is None else f"{arm['pauses']:.0f}/{arm['resumes']:.0f}"
+        table.add_row(
+            name, fmt(arm["steps_per_min"], digits=1), fmt(arm["hit_rate"]), fmt(arm["p50_s"], " s"),
+            fmt(arm["p90_s"], " s"), fmt(arm["p99_s"], " s"), fmt(arm["ttft_p50_s"], " s"), str(arm["preemptions"]),
+            pauses, str(arm["programs_completed"]), str(arm["steps_failed"]),
+        )  # fmt: skip
+    if report["ratios"]:
+        r = report["ratios"]
+        table.add_section()
+        table.add_row(
+            "cluster/direct", fmt(r["steps_per_min"], "x"), fmt(r["hit_rate"], "x"), fmt(r["p50_s"], "x"),
+            fmt(r["p90_s"], "x"), fmt(r["p99_s"], "x"), fmt(r["ttft_p50_s"], "x"), "", "", "", "",
+        )  # fmt: skip
+    return table
+
+
+def plot_report(report: dict[str, Any], path: Path) -> None:
+    """Steps/min and hit rate over each arm's time, one line per arm, as a PNG."""
+    import matplotlib  # imported here: only a finished run draws, and it is slow to import
+
+    matplotlib.use("Agg")  # no display: write files only
+    from matplotlib import pyplot
+
+    figure, (steps_axis, hit_axis) = pyplot.subplots(2, 1, sharex=True, figsize=(8, 6))
+    for name, arm in report["arms"].items():
+        points = arm["timeline"]
+        times = [p["t_s"] for p in points]
+        steps_axis.plot(times, [p["steps_per_min"] for p in points], marker=".", label=name)
+        hit_axis.plot(times, [p["hit_rate"] if p["hit_rate"] is not None else float("nan") for p in points], marker=".", label=name)
+    steps_axis.set_ylabel("steps/min")
+    hit_axis.set_ylabel("prefix-cache hit rate")
+    hit_axis.set_ylim(0, 1)
+    hit_axis.set_xlabel("time in arm (s; slices back to back)")
+    steps_axis.legend()
+    steps_axis.set_title(f"{report['benchmark']}, concurrency {report['parameters']['concurrency']}")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    pyplot.close(figure)
+
+
+class LiveProgress:
+    """A live rich display while slices run: the slice's time, steps, failures and hit rate
+    so far, and a line per finished slice. Use as a context manager around the run."""
+
+    def __init__(self, total_slices: int, console: Console) -> None:
+        self.bar = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[stats]}"),
+            console=console,
+        )
+        self.overall = self.bar.add_task("all slices", total=total_slices, stats="")
+        self.current = self.bar.add_task("starting", total=None, stats="")
+        self.timed = False
+        self.steps_ok = self.steps_failed = 0
+        self.cache = CacheDelta()
+
+    def __enter__(self) -> Self:
+        self.bar.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.bar.stop()
+
+    def slice_started(self, arm: str, round_index: int, spec: LoadSpec) -> None:
+        self.timed = spec.duration_s is not None
+        self.steps_ok = self.steps_failed = 0
+        self.cache = CacheDelta()
+        self.bar.reset(self.current, total=spec.duration_s, description=f"{arm} slice {round_index + 1}", stats="")
+
+    def step(self, record: StepRecord) -> None:
+        if record.ok:
+            self.steps_ok += 1
+        else:
+            self.steps_failed += 1
+        self.refresh(record.end_s)
+
+    def sample(self, sample: CounterSample) -> None:
+        self.cache = self.cache + sample.engines
+        self.refresh(sample.t_s)
+
+    def refresh(self, now_s: float) -> None:
+        stats = (
+            f"{self.steps_ok} steps ({per_minute(self.steps_ok, now_s):.0f}/min), "
+            f"{self.steps_failed} failed, hit rate {fmt(self.cache.hit_rate)}"
+        )
+        self.bar.update(self.current, completed=now_s if self.timed else None, stats=stats)
+
+    def slice_finished(self, arm: str, result: LoadResult, warning: str) -> None:
+        self.bar.advance(self.overall)
+        self.bar.console.print(
+            f"{time.strftime('%H:%M:%S')} {arm} slice done: {result.steps_per_min:.1f} steps/min, hit rate {fmt(result.prefix_cache_hit_rate)}, "
+            f"p90 {fmt(result.p90_s, ' s')}, {result.programs_completed} programs done, {result.steps_failed} failed"
+            + (f" [yellow]{warning}[/]" if warning else "")
+        )
