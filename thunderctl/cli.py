@@ -207,20 +207,31 @@ def cluster_or_exit(name: str | None) -> ClusterState:
 
 
 def render_checks(checks: list[Check]) -> None:
+    from rich.markup import escape
+
     table = Table(title="preflight", show_lines=False)
-    for column in ("node", "check", "", "detail", "fix"):
+    for column in ("node", "check", "", "detail"):
         table.add_column(column)
     for check in checks:
         mark = "[green]ok[/]" if check.ok else "[red]FAIL[/]"
-        table.add_row(check.node, check.name, mark, check.detail, "" if check.ok else check.fix)
+        table.add_row(escape(check.node), escape(check.name), mark, escape(check.detail))
     out.print(table)
+    # The fixes are sentences: below the table, one line each, they stay whole and readable.
+    for check in checks:
+        if not check.ok:
+            out.print(f"[red]FAIL[/] {escape(check.node)} {escape(check.name)}: {escape(check.detail)}\n"
+                      f"     fix: {escape(check.fix)}", soft_wrap=True, highlight=False)
 
 
 @app.command()
 def doctor(file: ProfileOption = None) -> None:
     """Validate a profile and run the preflight checks; nothing is started."""
+    # Imported here: the module's import block belongs to others (see docs/ssh.md).
+    from thunderctl.cluster.transport import Transports
+
     profile, _ = load_profile_or_exit(file)
-    checks = preflight(profile, plan_workers(profile))
+    with Transports() as transports, out.status("checking the controller and the nodes"):
+        checks = preflight(profile, plan_workers(profile), transports)
     render_checks(checks)
     if not all(c.ok for c in checks):
         raise fail("preflight failed: fix the rows marked FAIL")
@@ -238,42 +249,48 @@ def up(
 
     Idempotent: on a running cluster it changes nothing; a cluster whose daemon died gets a new one.
     """
+    from thunderctl.cluster.transport import TransportError, Transports
+
     profile, path = load_profile_or_exit(file)
     plans = plan_workers(profile)
     if dry_run:
         for plan in plans:
-            out.print(f"[bold]{plan.id}[/] on {plan.host}:{plan.port}\n  {plan.shell_line()}", soft_wrap=True)
+            where = f"{plan.host}:{plan.port}" + (" (through an SSH tunnel)" if plan.tunnel else "")
+            out.print(f"[bold]{plan.id}[/] on {where}\n  {plan.shell_line()}", soft_wrap=True)
         out.print(f"gateway on http://{profile.gateway.host}:{profile.gateway.port}/v1")
         return
     state = existing_state(profile)
     if state is not None and daemon_answers(state):
         out.print(f"cluster [bold]{state.cluster}[/] is already up at {state.endpoint}; nothing changed")
         return
-    if state is not None and any_worker_alive(state):
-        with out.status("the daemon had died: restarting it and any worker that died") as status:
-            try:
-                revived = recover(state, plans, timeout, lambda r, t, e: status.update(f"workers healthy: {r}/{t} ({e:.0f} s)"))
-            except LaunchError as exc:
-                raise fail(f"{exc}\n`thunderctl down` stops what is left") from exc
-        again = f"; restarted {', '.join(revived)}" if revived else ""
-        out.print(f"cluster [bold]{state.cluster}[/] recovered at [bold]{state.endpoint}[/]{again}")
-        return
-    if state is not None:
-        out.print(f"cleaning up what a crashed cluster {state.cluster} left behind")
-        tear_down(state, drain_timeout=0)
-    if not skip_preflight:
-        checks = preflight(profile, plans)
-        if not all(c.ok for c in checks):
-            render_checks(checks)
-            raise fail("preflight failed; nothing was started (fix the FAIL rows, or --skip-preflight)")
-    with out.status("starting workers") as status:
-        def progress(ready: int, total: int, elapsed: float) -> None:
-            status.update(f"workers healthy: {ready}/{total} ({elapsed:.0f} s)")
-
+    with Transports() as transports:
         try:
-            state = launch(profile, path, plans, timeout, progress)
-        except LaunchError as exc:
-            raise fail(f"{exc}\neverything this `up` started has been stopped") from exc
+            alive = state is not None and any_worker_alive(state, transports)
+        except TransportError as exc:
+            raise fail(f"{exc}\ncannot tell whether the workers still run; `thunderctl down` stops what it can reach") from exc
+        if state is not None and alive:
+            with out.status("the daemon had died: restarting it and any worker that died") as status:
+                try:
+                    revived = recover(state, plans, timeout, status.update, transports)
+                except (LaunchError, TransportError) as exc:
+                    raise fail(f"{exc}\n`thunderctl down` stops what is left") from exc
+            again = f"; restarted {', '.join(revived)}" if revived else ""
+            out.print(f"cluster [bold]{state.cluster}[/] recovered at [bold]{state.endpoint}[/]{again}")
+            return
+        if state is not None:
+            out.print(f"cleaning up what a crashed cluster {state.cluster} left behind")
+            tear_down(state, drain_timeout=0, transports=transports)
+        if not skip_preflight:
+            with out.status("preflight: checking the controller and the nodes"):
+                checks = preflight(profile, plans, transports)
+            if not all(c.ok for c in checks):
+                render_checks(checks)
+                raise fail("preflight failed; nothing was started (fix the FAIL rows, or --skip-preflight)")
+        with out.status("starting workers") as status:
+            try:
+                state = launch(profile, path, plans, timeout, status.update, transports)
+            except LaunchError as exc:
+                raise fail(str(exc)) from exc
     out.print(f"cluster [bold]{state.cluster}[/] up: {len(state.workers)} worker(s); endpoint [bold]{state.endpoint}[/]")
 
 
@@ -389,21 +406,27 @@ def down(
     timeout: Annotated[float, typer.Option(help="Seconds to let requests in flight finish.")] = 60.0,
 ) -> None:
     """Drain, release programs, stop workers and the daemon; leave nothing behind. Idempotent."""
+    from thunderctl.cluster.transport import Transports
+
     try:
         state = find_cluster(state_root(), cluster)
     except ClusterNotFound as exc:
         out.print(f"nothing to do: {exc}")
         return
-    with out.status(f"stopping cluster {state.cluster}"):
-        report, stops = tear_down(state, timeout)
+    with Transports() as transports, out.status(f"stopping cluster {state.cluster}"):
+        report, stops = tear_down(state, timeout, transports)
     if report is None:
         out.print("the daemon was not running; cleaned up from the state file")
     else:
         out.print(f"released {report['released']} program(s); " + ("drained" if report["drained"] else "drain timed out"))
+    nodes: dict[str, list[str]] = {}
     for stop_report in stops:
-        out.print(f"  {stop_report.worker_id}: {stop_report.outcome}")
-    if any(s.outcome not in ("stopped", "already stopped") for s in stops):
-        raise fail(f"some workers could not be stopped; state kept in {state.dir}")
+        mark = "" if stop_report.ok else "[red]FAIL[/] "
+        nodes.setdefault(stop_report.node, []).append(f"{mark}{stop_report.worker_id} {stop_report.outcome}")
+    for node, outcomes in nodes.items():
+        out.print(f"  node {node}: " + "; ".join(outcomes))
+    if not all(s.ok for s in stops):
+        raise fail(f"some workers could not be stopped; state kept in {state.dir}; `thunderctl down` retries")
     out.print(f"cluster [bold]{state.cluster}[/] is down")
 
 
@@ -415,21 +438,26 @@ def logs(
     lines: Annotated[int, typer.Option("--lines", "-n", help="Lines from the end.")] = 50,
 ) -> None:
     """Print a worker's or the daemon's log."""
+    from thunderctl.cluster.lifecycle import follow_lines
+    from thunderctl.cluster.transport import TransportError, Transports
+
     state = cluster_or_exit(cluster)
     if target == "daemon":
-        path = state.daemon_log
+        path, node = str(state.daemon_log), None
     else:
         try:
-            path = Path(state.worker(target).log_path)
+            worker = state.worker(target)
         except KeyError:
             raise fail(f"no worker {target!r}; workers: {', '.join(w.id for w in state.workers)}, or `daemon`") from None
-    print(tail_of_file(path, lines), end="" if not follow else "\n", flush=True)
-    if follow:
-        with contextlib.suppress(KeyboardInterrupt), path.open() as handle:
-            handle.seek(0, 2)
-            while True:
-                line = handle.readline()
-                if line:
-                    print(line, end="", flush=True)
-                else:
-                    time.sleep(0.3)
+        path, node = worker.log_path, worker.ssh
+    with Transports() as transports:
+        transport = transports.to(node)
+        try:
+            start = transport.line_count(path)
+            print(transport.tail(path, lines), end="", flush=True)
+            if follow:
+                with contextlib.suppress(KeyboardInterrupt):
+                    for line in follow_lines(transport, path, start):
+                        print(line, end="", flush=True)
+        except TransportError as exc:
+            raise fail(str(exc)) from exc

@@ -1,27 +1,57 @@
-"""Bringing a cluster up and down: workers, the daemon, and the state that lets `down` clean up."""
+"""Bringing a cluster up and down: workers on their nodes, the daemon, and the state that lets
+`down` clean up. A node is this machine or an SSH host; both go through a Transport, and nodes
+are handled in parallel (one thread each)."""
 
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 
+from thunderctl.cluster.gpus import GpuQueryError, wait_released
+from thunderctl.cluster.install import INSTALL_TIMEOUT_S, NODE_STATE_ROOT, InstallStep, install_step, node_cluster_dir
 from thunderctl.cluster.plan import WorkerPlan
 from thunderctl.cluster.state import ClusterState, WorkerRecord, pid_alive
-from thunderctl.engines.local import EngineStopError, spawn_detached, stop_process_group, tail_of_file
+from thunderctl.cluster.transport import Transport, TransportError, Transports, in_parallel
+from thunderctl.cluster.tunnel import tunnel_command
+from thunderctl.engines.local import (
+    EngineStopError,
+    pick_free_port,
+    probe_health,
+    spawn_detached,
+    stop_process_group,
+    tail_of_file,
+)
 from thunderctl.profile import Profile, state_root
 
 DAEMON_START_TIMEOUT_S = 30.0
+WORKER_STOP_TIMEOUT_S = 15.0
+LOG_TAIL_LINES = 30
+HEALTH_POLL_S = 0.5
+FOLLOW_POLL_S = 0.5
+
+Report = Callable[[str], None]
+T = TypeVar("T")
 
 
 class LaunchError(RuntimeError):
-    """Something `up` started did not come up; what it started has been stopped."""
+    """Something `up` started did not come up; the message says what of it could be stopped."""
+
+
+def by_node(workers: list[T], node_of: Callable[[T], str]) -> list[list[T]]:
+    groups: dict[str, list[T]] = {}
+    for worker in workers:
+        groups.setdefault(node_of(worker), []).append(worker)
+    return list(groups.values())
 
 
 def control_client(state: ClusterState, timeout: float = 30.0) -> httpx.Client:
@@ -49,40 +79,100 @@ def new_state(profile: Profile, profile_path: Path) -> ClusterState:
     )
 
 
-def start_workers(state: ClusterState, plans: list[WorkerPlan]) -> None:
-    """Spawn every worker detached; each is recorded before the next starts, so a crash of
-    `up` itself still leaves a state that `down` can clean up."""
-    for plan in plans:
-        log_path = state.worker_log(plan.id)
-        process = spawn_detached(plan.command, {**os.environ, **plan.env}, log_path)
-        state.workers.append(WorkerRecord(plan.id, plan.node, plan.url, process.pid, str(log_path)))
-        state.save()
+# ---- install and start ------------------------------------------------------------------
 
 
-def wait_workers_healthy(
-    state: ClusterState, timeout: float, on_progress: Callable[[int, int, float], None]
-) -> None:
+def install_engines(state: ClusterState, plans: list[WorkerPlan], step: InstallStep, transports: Transports,
+                    report: Report) -> None:
+    """Run the install step on every node that still needs it, all nodes at once."""
+    log = f"{node_cluster_dir(state.cluster)}/install.log"
+
+    def install(node_plans: list[WorkerPlan]) -> None:
+        transport = transports.to(node_plans[0].ssh)
+        if transport.run(step.done_check).ok:
+            return
+        report(f"{node_plans[0].node}: installing {step.what} (log {transport.description}:~/{log})")
+        command = f"mkdir -p {node_cluster_dir(state.cluster)} && {{ {step.command} ; }} >> {log} 2>&1"
+        if not transport.run(command, timeout=INSTALL_TIMEOUT_S).ok:
+            raise LaunchError(f"installing {step.what} on node {node_plans[0].node} failed; log tail:\n"
+                              f"{transport.tail(log, LOG_TAIL_LINES)}")
+
+    in_parallel(install, by_node(plans, lambda p: p.node))
+
+
+def worker_log(state: ClusterState, plan: WorkerPlan) -> str:
+    """In the state directory on this machine; under the node's own state root on an SSH node."""
+    local = state.worker_log(plan.id)
+    return str(local) if plan.ssh is None else f"{node_cluster_dir(state.cluster)}/logs/{local.name}"
+
+
+def open_tunnel(state: ClusterState, worker: WorkerRecord, remote_port: int, local_port: int) -> None:
+    assert worker.ssh is not None, "a tunnel leads to an SSH node"
+    command = tunnel_command(worker.ssh, local_port, remote_port)
+    worker.tunnel_pid = spawn_detached(command, dict(os.environ), state.tunnel_log(worker.id)).pid
+    worker.url = f"http://127.0.0.1:{local_port}"
+
+
+def start_workers(state: ClusterState, plans: list[WorkerPlan], transports: Transports) -> None:
+    """Spawn every worker detached, nodes in parallel; each is recorded as soon as it runs, so a
+    crash of `up` itself still leaves a state that `down` can clean up."""
+    lock = threading.Lock()
+
+    def save(new: WorkerRecord | None = None) -> None:
+        with lock:
+            if new is not None:
+                state.workers.append(new)
+            state.save()
+
+    def start_node(node_plans: list[WorkerPlan]) -> None:
+        transport = transports.to(node_plans[0].ssh)
+        for plan in node_plans:
+            log_path = worker_log(state, plan)
+            pid = transport.start_detached(plan.command, plan.env, log_path)
+            worker = WorkerRecord(plan.id, plan.node, plan.url, pid, log_path, ssh=plan.ssh,
+                                  gpus=list(plan.gpus), container=plan.container)
+            save(worker)
+            if plan.tunnel:
+                open_tunnel(state, worker, plan.port, pick_free_port())
+                save()
+
+    in_parallel(start_node, by_node(plans, lambda p: p.node))
+    order = {plan.id: i for i, plan in enumerate(plans)}
+    state.workers.sort(key=lambda w: order[w.id])
+    state.save()
+
+
+def start_failure(worker: WorkerRecord, state: ClusterState, transport: Transport) -> str | None:
+    """Why a starting worker can no longer come up, with the log that says so; None while it may."""
+    if not transport.group_alive(worker.pid):
+        return (f"worker {worker.id} exited during start-up on {transport.description}; log tail:\n"
+                f"{transport.tail(worker.log_path, LOG_TAIL_LINES)}")
+    if worker.tunnel_pid and not pid_alive(worker.tunnel_pid):
+        return (f"the SSH tunnel to worker {worker.id} ended; its log:\n"
+                f"{tail_of_file(state.tunnel_log(worker.id), LOG_TAIL_LINES)}")
+    return None
+
+
+def wait_workers_healthy(state: ClusterState, timeout: float, report: Report, transports: Transports) -> None:
     started = time.monotonic()
     pending = {w.id: w for w in state.workers if not w.stopped}
     with httpx.Client(timeout=2.0) as client:
         while pending:
             elapsed = time.monotonic() - started
             for worker in list(pending.values()):
-                if not pid_alive(worker.pid):
-                    raise LaunchError(f"worker {worker.id} exited during start-up; log tail:\n"
-                                      f"{tail_of_file(Path(worker.log_path), 30)}")
-                try:
-                    if client.get(f"{worker.url}/health").status_code == 200:
-                        del pending[worker.id]
-                except httpx.HTTPError:
-                    pass
-            on_progress(len(state.workers) - len(pending), len(state.workers), elapsed)
+                transport = transports.to(worker.ssh)
+                failure = start_failure(worker, state, transport)
+                if failure:
+                    raise LaunchError(failure)
+                if probe_health(client, worker.url):
+                    del pending[worker.id]
+            report(f"workers healthy: {len(state.workers) - len(pending)}/{len(state.workers)} ({elapsed:.0f} s)")
             if pending and elapsed > timeout:
                 first = next(iter(pending.values()))
                 raise LaunchError(f"worker {first.id} not healthy after {timeout:.0f} s; log tail:\n"
-                                  f"{tail_of_file(Path(first.log_path), 30)}")
+                                  f"{transports.to(first.ssh).tail(first.log_path, LOG_TAIL_LINES)}")
             if pending:
-                time.sleep(0.5)
+                time.sleep(HEALTH_POLL_S)
 
 
 def start_daemon(state: ClusterState) -> None:
@@ -92,31 +182,69 @@ def start_daemon(state: ClusterState) -> None:
     deadline = time.monotonic() + DAEMON_START_TIMEOUT_S
     while not daemon_answers(state):
         if process.poll() is not None or time.monotonic() > deadline:
-            raise LaunchError(f"the daemon did not start; log tail:\n{tail_of_file(state.daemon_log, 30)}")
+            raise LaunchError(f"the daemon did not start; log tail:\n{tail_of_file(state.daemon_log, LOG_TAIL_LINES)}")
         time.sleep(0.2)
+
+
+# ---- stop -------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class StopReport:
     worker_id: str
+    node: str
+    ok: bool  # nothing of it is left running
     outcome: str  # "stopped", "already stopped", or what went wrong
 
 
-def stop_workers(state: ClusterState) -> list[StopReport]:
-    reports = []
+def stop_worker(worker: WorkerRecord, transports: Transports) -> StopReport:
+    """Stop a worker's process group on its node, its container and tunnel, and check that its
+    GPUs were given back (a child that escaped the group would still hold them)."""
+    transport = transports.to(worker.ssh)
+    try:
+        if worker.stopped and not transport.group_alive(worker.pid):
+            return StopReport(worker.id, worker.node, True, "already stopped")
+        transport.stop_group(worker.pid, WORKER_STOP_TIMEOUT_S)
+        if worker.container:
+            remove_container(transport, worker.container)
+        if worker.tunnel_pid:
+            stop_process_group(worker.tunnel_pid)
+        held = wait_released(transport, worker.gpus) if worker.gpus else []
+    except (EngineStopError, TransportError, GpuQueryError) as error:
+        return StopReport(worker.id, worker.node, False, str(error))
+    if held:
+        memory = "; ".join(gpu.memory_text() for gpu in held)
+        return StopReport(worker.id, worker.node, False,
+                          f"stopped, but its GPUs are still in use ({memory}): see nvidia-smi on the node")
+    return StopReport(worker.id, worker.node, True, "stopped; GPU memory freed" if worker.gpus else "stopped")
+
+
+def remove_container(transport: Transport, name: str) -> None:
+    """`docker run --rm` removes its container when it stops on a signal; a SIGKILLed docker
+    client leaves it running, so remove it by name and check it is gone."""
+    quoted = shlex.quote(name)
+    left = transport.run(f"docker rm -f {quoted} > /dev/null 2>&1; docker ps -aq --filter name=^{quoted}$").stdout
+    if left.strip():
+        raise EngineStopError(f"container {name} is still there: docker rm -f {name}")
+
+
+def stop_workers(state: ClusterState, transports: Transports) -> list[StopReport]:
+    """Every worker, nodes in parallel; then, on SSH nodes left with nothing, their state directory."""
+    reports = [r for node in in_parallel(lambda ws: [stop_worker(w, transports) for w in ws],
+                                          by_node(state.workers, lambda w: w.node)) for r in node]
+    outcome = {report.worker_id: report for report in reports}
     for worker in state.workers:
-        if worker.stopped and not pid_alive(worker.pid):
-            reports.append(StopReport(worker.id, "already stopped"))
-            continue
-        try:
-            stop_process_group(worker.pid)
-            outcome = "stopped"
-        except EngineStopError as exc:
-            outcome = str(exc)
-        worker.stopped = outcome == "stopped"
-        reports.append(StopReport(worker.id, outcome))
+        worker.stopped = outcome[worker.id].ok
     state.save()
-    return reports
+    for node in by_node(state.workers, lambda w: w.node):
+        if node[0].ssh is not None and all(outcome[w.id].ok for w in node):
+            remove_node_dir(transports.to(node[0].ssh), state.cluster)
+    return [outcome[w.id] for w in state.workers]
+
+
+def remove_node_dir(transport: Transport, cluster: str) -> None:
+    # rmdir leaves the root if another cluster still uses it.
+    transport.run(f"rm -rf {shlex.quote(node_cluster_dir(cluster))}; rmdir {NODE_STATE_ROOT} 2> /dev/null; true")
 
 
 def stop_daemon(state: ClusterState, drain_timeout: float) -> dict | None:
@@ -137,13 +265,16 @@ def stop_daemon(state: ClusterState, drain_timeout: float) -> dict | None:
     return report
 
 
-def tear_down(state: ClusterState, drain_timeout: float) -> tuple[dict | None, list[StopReport]]:
+def tear_down(state: ClusterState, drain_timeout: float, transports: Transports) -> tuple[dict | None, list[StopReport]]:
     """Daemon first (it drains and releases), then the workers, then the state itself."""
     report = stop_daemon(state, drain_timeout)
-    stops = stop_workers(state)
-    if all(s.outcome in ("stopped", "already stopped") for s in stops):
+    stops = stop_workers(state, transports)
+    if all(s.ok for s in stops):
         shutil.rmtree(state.dir, ignore_errors=True)
     return report, stops
+
+
+# ---- an existing cluster ----------------------------------------------------------------
 
 
 def existing_state(profile: Profile) -> ClusterState | None:
@@ -151,43 +282,68 @@ def existing_state(profile: Profile) -> ClusterState | None:
     return ClusterState.load(directory) if (directory / "state.json").is_file() else None
 
 
-def any_worker_alive(state: ClusterState) -> bool:
-    return any(pid_alive(w.pid) for w in state.workers if not w.stopped)
+def any_worker_alive(state: ClusterState, transports: Transports) -> bool:
+    return any(transports.to(w.ssh).group_alive(w.pid) for w in state.workers if not w.stopped)
 
 
-def recover(state: ClusterState, plans: list[WorkerPlan], timeout: float,
-            on_progress: Callable[[int, int, float], None]) -> list[str]:
+def recover(state: ClusterState, plans: list[WorkerPlan], timeout: float, report: Report,
+            transports: Transports) -> list[str]:
     """A cluster whose daemon died: restart the workers that died with it (not those a drain
-    stopped on purpose), then a new daemon. Returns the ids of the workers restarted."""
+    stopped on purpose) and their tunnels, then a new daemon. Returns the ids of the workers restarted."""
     by_id = {plan.id: plan for plan in plans}
     revived = []
     for worker in state.workers:
-        if worker.stopped or pid_alive(worker.pid) or worker.id not in by_id:
+        if worker.stopped or worker.id not in by_id:
             continue
         plan = by_id[worker.id]
-        worker.pid = spawn_detached(plan.command, {**os.environ, **plan.env}, Path(worker.log_path)).pid
-        revived.append(worker.id)
+        transport = transports.to(worker.ssh)
+        if not transport.group_alive(worker.pid):
+            worker.pid = transport.start_detached(plan.command, plan.env, worker.log_path)
+            revived.append(worker.id)
+        if worker.tunnel_pid and not pid_alive(worker.tunnel_pid):
+            # The same local end, so the URL the daemon knows stays right.
+            open_tunnel(state, worker, plan.port, httpx.URL(worker.url).port or pick_free_port())
     state.save()
-    wait_workers_healthy(state, timeout, on_progress)
+    wait_workers_healthy(state, timeout, report, transports)
     start_daemon(state)
     return revived
 
 
-def launch(
-    profile: Profile,
-    profile_path: Path,
-    plans: list[WorkerPlan],
-    timeout: float,
-    on_progress: Callable[[int, int, float], None],
-) -> ClusterState:
-    """Start workers, wait for their health, start the daemon; on any failure stop all of it."""
+def launch(profile: Profile, profile_path: Path, plans: list[WorkerPlan], timeout: float, report: Report,
+           transports: Transports) -> ClusterState:
+    """Install where needed, start workers, wait for their health, start the daemon; on any
+    failure stop all of it, and say whether that worked."""
     state = new_state(profile, profile_path)
     state.save()
     try:
-        start_workers(state, plans)
-        wait_workers_healthy(state, timeout, on_progress)
+        step = install_step(profile.engine)
+        if step is not None:
+            install_engines(state, plans, step, transports, report)
+        start_workers(state, plans, transports)
+        wait_workers_healthy(state, timeout, report, transports)
         start_daemon(state)
-    except BaseException:
-        tear_down(state, drain_timeout=0)
-        raise
+    except BaseException as error:
+        _, stops = tear_down(state, drain_timeout=0, transports=transports)
+        if not isinstance(error, LaunchError | TransportError):
+            raise
+        raise LaunchError(f"{error}\n{rollback_note(stops, state)}") from error
     return state
+
+
+def rollback_note(stops: list[StopReport], state: ClusterState) -> str:
+    left = [s for s in stops if not s.ok]
+    if not left:
+        return "everything this `up` started has been stopped"
+    reasons = "\n".join(f"  {s.worker_id}: {s.outcome}" for s in left)
+    return f"these could not be stopped (state kept in {state.dir}; `thunderctl down` retries):\n{reasons}"
+
+
+def follow_lines(transport: Transport, path: str, start: int) -> Iterator[str]:
+    """New complete lines of a file from line `start` on, polled (each read has its timeout, and
+    nothing is left running on the node when the reader stops)."""
+    while True:
+        lines = transport.lines_from(path, start)
+        start += len(lines)
+        yield from lines
+        if not lines:
+            time.sleep(FOLLOW_POLL_S)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import ipaddress
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from thunderctl.cluster.install import container_name, docker_command, venv_python
+from thunderctl.cluster.transport import SshTarget
 from thunderctl.engines.local import EngineHome, LocalEngineConfig, vllm_server_command, vllm_server_env
 from thunderctl.profile import BUILTIN_TINY_MODEL, NodeSpec, Profile
 
@@ -19,20 +23,62 @@ class WorkerPlan:
     port: int
     command: list[str]
     env: dict[str, str] = field(default_factory=dict)  # on top of the node's environment
+    ssh: SshTarget | None = None  # None: this machine
+    gpus: tuple[int, ...] = ()
+    container: str | None = None  # install: docker; removed after the worker stops
+    tunnel: bool = False  # reached through an SSH tunnel from this machine
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
     def shell_line(self) -> str:
-        env = " ".join(f"{k}={v}" for k, v in self.env.items())
-        return f"{env} {' '.join(self.command)}".strip()
+        """The command as one could paste it into a shell on the node."""
+        return shlex.join([*(f"{k}={v}" for k, v in self.env.items()), *self.command])
 
 
 def gpu_partition(node: NodeSpec, replica: int) -> list[int]:
     """GPUs of one replica: TP8×1 → [0..7]; TP4×2 → [0..3], [4..7]; TP1×8 → [i]."""
     first = replica * node.tensor_parallel
     return list(range(first, first + node.tensor_parallel))
+
+
+def ssh_target(node: NodeSpec) -> SshTarget | None:
+    if node.transport == "local":
+        return None
+    return SshTarget(node.host, node.port, node.user, node.key, node.jump_host)
+
+
+def bind_host(node: NodeSpec) -> str:
+    """Where a worker listens on its node."""
+    if node.transport == "local":
+        return node.host
+    if node.tunnel:
+        return "127.0.0.1"  # only the tunnel reaches it
+    # A loopback node is this machine under another address (the test nodes): stay there.
+    # Elsewhere the address we dial may not be the node's own (NAT), so listen on all.
+    return node.host if is_loopback(node.host) else "0.0.0.0"
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def worker_python(profile: Profile, home: EngineHome) -> str | None:
+    """The python that runs vllm on the node; None when a container brings its own."""
+    engine = profile.engine
+    if engine.kind == "vllm-cpu":  # only install: existing (preflight says so)
+        return cpu_python(profile, home)
+    if engine.install == "docker":
+        return None
+    return venv_python(engine.version) if engine.install == "pip" else engine.python or "python3"
+
+
+def cpu_python(profile: Profile, home: EngineHome) -> str:
+    return profile.engine.python or str(home.python)
 
 
 def model_path(profile: Profile, home: EngineHome) -> str:
@@ -43,37 +89,46 @@ def cpu_worker(profile: Profile, node: NodeSpec, port: int, home: EngineHome) ->
     engine = profile.engine
     config = LocalEngineConfig(
         port=port,
-        host=node.host,
+        host=bind_host(node),
         served_model_name=profile.model.served_name,
         num_gpu_blocks=engine.kv_blocks or 256,
         block_size=engine.block_size or 128,
         max_model_len=engine.max_model_len or 16384,
         extra_args=tuple(engine.args),
     )
-    python = Path(engine.python) if engine.python else home.python
-    command = vllm_server_command(python, Path(model_path(profile, home)), config)
+    command = vllm_server_command(Path(cpu_python(profile, home)), Path(model_path(profile, home)), config)
     return command, vllm_server_env(config, {})
 
 
-def gpu_worker(profile: Profile, node: NodeSpec, replica: int, port: int, home: EngineHome) -> tuple[list[str], dict[str, str]]:
+def gpu_args(profile: Profile, node: NodeSpec, host: str, port: int, home: EngineHome) -> list[str]:
     engine = profile.engine
-    command = [
-        engine.python or "python3", "-m", VLLM_SERVER_MODULE,
+    args = [
         "--model", model_path(profile, home),
         "--served-model-name", profile.model.served_name,
-        "--host", node.host if node.transport == "local" else "0.0.0.0",
+        "--host", host,
         "--port", str(port),
         "--tensor-parallel-size", str(node.tensor_parallel),
         "--enable-prefix-caching",
     ]  # fmt: skip
     if engine.block_size:
-        command += ["--block-size", str(engine.block_size)]
+        args += ["--block-size", str(engine.block_size)]
     if engine.kv_blocks:
-        command += ["--num-gpu-blocks-override", str(engine.kv_blocks)]
+        args += ["--num-gpu-blocks-override", str(engine.kv_blocks)]
     if engine.max_model_len:
-        command += ["--max-model-len", str(engine.max_model_len)]
-    devices = ",".join(map(str, gpu_partition(node, replica)))
-    return [*command, *engine.args], {"CUDA_VISIBLE_DEVICES": devices}
+        args += ["--max-model-len", str(engine.max_model_len)]
+    return [*args, *engine.args]
+
+
+def gpu_worker(profile: Profile, node: NodeSpec, replica: int, port: int, home: EngineHome) -> tuple[list[str], dict[str, str]]:
+    gpus = gpu_partition(node, replica)
+    python = worker_python(profile, home)
+    if python is None:  # docker: the container sees only its GPUs, and listens on all its addresses
+        args = gpu_args(profile, node, "0.0.0.0", port, home)
+        worker_id = f"{node.name}/{replica}"
+        bind = (bind_host(node), port)
+        return docker_command(profile.engine, profile.cluster, worker_id, gpus, bind, model_path(profile, home), args), {}
+    command = [python, "-m", VLLM_SERVER_MODULE, *gpu_args(profile, node, bind_host(node), port, home)]
+    return command, {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
 
 
 def plan_workers(profile: Profile, home: EngineHome | None = None) -> list[WorkerPlan]:
@@ -82,9 +137,13 @@ def plan_workers(profile: Profile, home: EngineHome | None = None) -> list[Worke
     for node in profile.nodes:
         for replica in range(node.replicas):
             port = node.base_port + replica
+            worker_id = f"{node.name}/{replica}"
             if profile.engine.kind == "vllm-cpu":
                 command, env = cpu_worker(profile, node, port, home)
             else:
                 command, env = gpu_worker(profile, node, replica, port, home)
-            plans.append(WorkerPlan(f"{node.name}/{replica}", node.name, node.host, port, command, env))
+            container = container_name(profile.cluster, worker_id) if profile.engine.install == "docker" else None
+            gpus = tuple(gpu_partition(node, replica)) if node.gpus else ()
+            plans.append(WorkerPlan(worker_id, node.name, node.host, port, command, env, ssh_target(node), gpus,
+                                    container, node.tunnel))
     return plans

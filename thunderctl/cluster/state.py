@@ -8,6 +8,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from thunderctl.cluster.transport import SshTarget
+
 
 class ClusterNotFound(LookupError):
     pass
@@ -17,10 +19,19 @@ class ClusterNotFound(LookupError):
 class WorkerRecord:
     id: str
     node: str
-    url: str
-    pid: int  # leader of its own process group
-    log_path: str
+    url: str  # where the gateway reaches it: the node's address, or a tunnel's local end
+    pid: int  # leader of its own process group, on its node
+    log_path: str  # on its node
     stopped: bool = False
+    ssh: SshTarget | None = None  # the node; None: this machine
+    gpus: list[int] = field(default_factory=list)
+    container: str | None = None  # install: docker
+    tunnel_pid: int | None = None  # the local process holding its SSH tunnel
+
+    @classmethod
+    def from_dict(cls, data: dict) -> WorkerRecord:
+        ssh = data.pop("ssh", None)
+        return cls(**data, ssh=SshTarget(**ssh) if ssh else None)
 
 
 @dataclass
@@ -48,6 +59,9 @@ class ClusterState:
     def worker_log(self, worker_id: str) -> Path:
         return self.dir / "logs" / f"{worker_id.replace('/', '-')}.log"
 
+    def tunnel_log(self, worker_id: str) -> Path:
+        return self.dir / "logs" / f"{worker_id.replace('/', '-')}.tunnel.log"
+
     def worker(self, worker_id: str) -> WorkerRecord:
         for worker in self.workers:
             if worker.id == worker_id:
@@ -66,7 +80,7 @@ class ClusterState:
     def load(cls, directory: Path) -> ClusterState:
         data = json.loads((directory / "state.json").read_text())
         data["dir"] = Path(data["dir"])
-        data["workers"] = [WorkerRecord(**w) for w in data["workers"]]
+        data["workers"] = [WorkerRecord.from_dict(w) for w in data["workers"]]
         return cls(**data)
 
 
