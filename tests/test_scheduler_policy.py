@@ -376,11 +376,13 @@ def test_drain_pauses_acting_programs_and_lets_reasoning_ones_finish() -> None:
     sched.on_request("decode", 200)
     sched.set_schedulable("b", True)
     sched.drain("a")
-    assert sched.programs["tool"].backend == "b"  # paused and resumed elsewhere at once
+    assert sched.programs["tool"].status is Status.PAUSED
     assert sched.programs["decode"].backend == "a" and sched.programs["decode"].pause_at_boundary
     sched.on_response("decode", 200, 10)
-    assert sched.programs["decode"].backend == "b"  # paused at its boundary, resumed elsewhere
+    assert sched.programs["decode"].status is Status.PAUSED  # at its tool boundary
     assert not sched.backends["a"].programs
+    sched.tick()  # both resume elsewhere
+    assert {sched.programs[p].backend for p in ("tool", "decode")} == {"b"}
 
 
 def test_draining_backend_takes_no_new_program_until_undrained() -> None:
@@ -452,3 +454,32 @@ def test_overbooked_room_is_not_given_to_programs_without_a_request() -> None:
         sched.tick()
     assert len(events) == settled, "paused idle programs must not flap through overbooked room"
     assert sched.reserved_tokens("a") <= 950
+
+
+def test_ledger_and_queue_match_a_full_recount_after_any_history() -> None:
+    """The incrementally kept charges and queue equal a recount from scratch, whatever happened."""
+    import random
+
+    rng = random.Random(3)
+    sched, clock, _ = make({"a": 3000, "b": 3000}, buffer_tokens=16, acting_overbook=0.6)
+    for _ in range(2000):
+        pid = f"p{rng.randrange(40)}"
+        action = rng.random()
+        if action < 0.45:
+            sched.on_request(pid, rng.randrange(50, 900), prefix_key=rng.choice([None, "s1", "s2"]), prefix_tokens=40)
+        elif action < 0.85 and pid in sched.programs:
+            sched.on_response(pid, rng.randrange(50, 900), rng.randrange(1, 50))
+        elif action < 0.9:
+            sched.release(pid)
+        else:
+            clock.advance(1)
+            sched.adapt(rng.random())
+            sched.tick()
+        for backend in sched.backends.values():
+            fast = sched._load(backend, physical=False).tokens
+            recount = sum(
+                (sched._weight(p, False) * p.private_tokens + 16) for p in map(sched.programs.get, backend.programs)
+            ) + sum({p.prefix_key: p.prefix_tokens for p in map(sched.programs.get, backend.programs) if p.prefix_key}.values())
+            assert fast == pytest.approx(recount, abs=1e-6)
+        waiting = [p for p in sched.resume_queue() if p.waiting_since is not None]
+        assert [pid for _, pid in sched._waiting] == [p.id for p in waiting]

@@ -7,11 +7,13 @@ I/O: decisions reach the outside world through the listeners it is given.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -142,6 +144,39 @@ class _Load:
         self.tokens -= self.need(program, weight, buffer)
 
 
+@dataclass
+class _Ledger:
+    """A backend's charges, kept up to date as programs come, go and change, so that a
+    resume pass costs O(backends) rather than O(programs)."""
+
+    private: int = 0  # Σ private tokens + buffer over its programs
+    acting_private: int = 0  # Σ private tokens of its ACTING programs
+    holders: Counter[str] = field(default_factory=Counter)
+    prefix_tokens: dict[str, int] = field(default_factory=dict)
+
+    def add(self, program: Program, buffer: int) -> None:
+        self.private += program.private_tokens + buffer
+        if program.phase is Phase.ACTING:
+            self.acting_private += program.private_tokens
+        if program.prefix_key is not None:
+            self.prefix_tokens.setdefault(program.prefix_key, program.prefix_tokens)
+            self.holders[program.prefix_key] += 1
+
+    def remove(self, program: Program, buffer: int) -> None:
+        self.private -= program.private_tokens + buffer
+        if program.phase is Phase.ACTING:
+            self.acting_private -= program.private_tokens
+        key = program.prefix_key
+        if key is not None:
+            self.holders[key] -= 1
+            if self.holders[key] <= 0:
+                del self.holders[key], self.prefix_tokens[key]
+
+    def load(self, acting_weight: float) -> _Load:
+        tokens = self.private - (1.0 - acting_weight) * self.acting_private
+        return _Load(tokens + sum(self.prefix_tokens.values()), Counter(self.holders))
+
+
 class Scheduler:
     """Programs, backends and the policy over them."""
 
@@ -156,6 +191,10 @@ class Scheduler:
         self.listeners = list(listeners)
         self.programs: dict[str, Program] = {}
         self.backends: dict[str, Backend] = {}
+        self._ledgers: dict[str, _Ledger] = {}
+        # Paused programs whose request waits, kept in resume order: a waiting program's
+        # order key does not change until it resumes, so insertion keeps the list sorted.
+        self._waiting: list[tuple[tuple[int, int, float], str]] = []
         self.counters = Counters()
         self.acting_weight = self.config.acting_overbook
         self._waited = False  # a request waited for admission since the last adapt()
@@ -164,6 +203,7 @@ class Scheduler:
 
     def add_backend(self, backend_id: str, capacity: int | None) -> Backend:
         backend = self.backends.setdefault(backend_id, Backend(backend_id, capacity))
+        self._ledgers.setdefault(backend_id, _Ledger())
         backend.capacity = capacity
         return backend
 
@@ -192,7 +232,7 @@ class Scheduler:
             return
         self._pause(program)
         program.phase = Phase.REASONING
-        program.waiting_since = program.paused_at
+        self._enqueue(program, program.paused_at)
         self._resume_waiting()
 
     # ---- what the gateway reports ---------------------------------------------------------
@@ -215,15 +255,17 @@ class Scheduler:
             program = Program(program_id, created_at=now, paused_at=now)
             self.programs[program_id] = program
             self._emit(EventKind.CREATED, program)
-        program.tokens = max(program.tokens, prompt_tokens)
-        if prefix_key is not None:
-            program.prefix_key = prefix_key
-            program.prefix_tokens = min(prefix_tokens, program.tokens)
-        program.phase = Phase.REASONING
+        waiting_since = program.waiting_since or now
+        with self._recharged(program):
+            program.tokens = max(program.tokens, prompt_tokens)
+            if prefix_key is not None:
+                program.prefix_key = prefix_key
+                program.prefix_tokens = min(prefix_tokens, program.tokens)
+            program.phase = Phase.REASONING
         program.last_activity = now
         if program.status is Status.ACTIVE:
             return program.backend
-        program.waiting_since = now
+        self._enqueue(program, waiting_since)
         self._resume_waiting()
         if program.status is not Status.ACTIVE:
             self._waited = True
@@ -236,13 +278,13 @@ class Scheduler:
         if program is None or program.status is Status.TERMINATED:
             return
         now = self.clock()
-        program.tokens = prompt_tokens + completion_tokens
-        if program.prefix_tokens > program.tokens:
-            program.prefix_tokens = program.tokens
-        program.phase = Phase.ACTING
+        with self._recharged(program):
+            program.tokens = prompt_tokens + completion_tokens
+            program.prefix_tokens = min(program.prefix_tokens, program.tokens)
+            program.phase = Phase.ACTING
+            program.steps += 1
         program.acting_since = now
         program.last_activity = now
-        program.steps += 1
         if program.pause_at_boundary:
             self._pause(program)
             self._resume_waiting()
@@ -252,7 +294,8 @@ class Scheduler:
         program = self.programs.get(program_id)
         if program is None or program.status is Status.TERMINATED:
             return
-        program.phase = Phase.ACTING
+        with self._recharged(program):
+            program.phase = Phase.ACTING
         program.acting_since = program.last_activity = self.clock()
         if program.pause_at_boundary:
             self._pause(program)
@@ -322,6 +365,8 @@ class Scheduler:
         return self.acting_weight * decay
 
     def _load(self, backend: Backend, physical: bool) -> _Load:
+        if physical or self.config.acting_decay is Decay.OFF:
+            return self._ledgers[backend.id].load(1.0 if physical else self.acting_weight)
         load = _Load()
         for program_id in backend.programs:
             program = self.programs[program_id]
@@ -344,16 +389,17 @@ class Scheduler:
         return group, program.tokens, program.paused_at or 0.0
 
     def _resume_waiting(self) -> None:
-        """The event-driven resume: as the tick's, without forcing anyone."""
-        self._resume(force_overdue=False)
+        """The event-driven resume: only programs whose request waits, nobody forced."""
+        self._resume(force_overdue=False, waiting_only=True)
 
-    def _resume(self, force_overdue: bool = True) -> None:
-        queue = self.resume_queue()
+    def _resume(self, force_overdue: bool = True, waiting_only: bool = False) -> None:
         targets = [b for b in self.backends.values() if b.schedulable]
-        if not queue or not targets:
+        if not targets:
             return
-        waiting = [p for p in queue if p.waiting_since is not None]
-        idle = [p for p in queue if p.waiting_since is None]
+        waiting = [self.programs[program_id] for _, program_id in self._waiting]
+        idle = [] if waiting_only else [p for p in self.resume_queue() if p.waiting_since is None]
+        if not waiting and not idle:
+            return
         loads = {b.id: self._load(b, physical=False) for b in targets}
         if force_overdue:
             waiting = self._force_overdue(waiting, targets, loads)
@@ -426,10 +472,11 @@ class Scheduler:
         backend.programs.add(program.id)
         program.backend = backend.id
         program.status = Status.ACTIVE
+        self._ledgers[backend.id].add(program, self.config.buffer_tokens)
+        self._dequeue(program)
         if program.paused_at is not None:
             program.paused_total_s += now - program.paused_at
         program.paused_at = None
-        program.waiting_since = None
         program.pause_at_boundary = False
         if program.phase is Phase.ACTING:
             program.acting_since = now  # its tool time so far is not evidence of idleness here
@@ -470,12 +517,42 @@ class Scheduler:
         self.counters.pauses += 1
         self._emit(EventKind.PAUSED, program)
 
+    def _enqueue(self, program: Program, since: float) -> None:
+        if program.waiting_since is None:
+            program.waiting_since = since
+            bisect.insort(self._waiting, (self._resume_order(program), program.id))
+
+    def _dequeue(self, program: Program) -> None:
+        if program.waiting_since is not None:
+            self._waiting.remove((self._resume_order(program), program.id))
+            program.waiting_since = None
+
     def _detach(self, program: Program) -> None:
         if program.status is Status.ACTIVE and program.backend in self.backends:
             self.backends[program.backend].programs.discard(program.id)
+            self._ledgers[program.backend].remove(program, self.config.buffer_tokens)
+
+    @contextmanager
+    def _recharged(self, program: Program) -> Iterator[None]:
+        """Around a change of a program's size or phase: its backend's ledger is debited
+        before and credited after, and a waiting program takes its place in the queue
+        again, so ledgers and queue always match the programs."""
+        ledger = self._ledgers.get(program.backend) if program.status is Status.ACTIVE else None
+        if ledger is not None:
+            ledger.remove(program, self.config.buffer_tokens)
+        waiting_since = program.waiting_since
+        self._dequeue(program)
+        try:
+            yield
+        finally:
+            if ledger is not None:
+                ledger.add(program, self.config.buffer_tokens)
+            if waiting_since is not None:
+                self._enqueue(program, waiting_since)
 
     def _terminate(self, program: Program, kind: EventKind) -> None:
         self._detach(program)
+        self._dequeue(program)
         program.status = Status.TERMINATED
         del self.programs[program.id]
         self._emit(kind, program)
