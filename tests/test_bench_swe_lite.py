@@ -164,7 +164,7 @@ def test_a_program_longer_than_the_context_limit_is_cut_and_counted() -> None:
 
 def test_a_trace_replays_in_a_seeded_order_and_starts_over_when_used_up() -> None:
     steps = (TraceStep(prompt_tokens=500, completion_tokens=20),)
-    trace = TraceWorkload(tuple(TraceProgram(id=f"t{i}", steps=steps) for i in range(5)), scale=0.5)
+    trace = TraceWorkload(scale=0.5, programs=tuple(TraceProgram(id=f"t{i}", steps=steps) for i in range(5)))
     first_pass = [trace.program(3, i).id for i in range(5)]
     assert sorted(first_pass) == ["t0", "t1", "t2", "t3", "t4"]
     assert [trace.program(3, i).id for i in range(5)] == first_pass

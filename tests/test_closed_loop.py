@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 from dataclasses import replace
 
@@ -15,6 +16,7 @@ from thunderctl.bench.closed_loop import (
     CacheDelta,
     LoadResult,
     LoadSpec,
+    Routing,
     StepRecord,
     Target,
     Uniform,
@@ -31,6 +33,8 @@ from thunderctl.bench.closed_loop import (
     window_end,
     words_for_tokens,
 )
+from thunderctl.bench.replay import TraceWorkload
+from thunderctl.bench.trace import TraceProgram, TraceStep
 from thunderctl.engines.local import LocalEngine
 from thunderctl.engines.vllm import EngineMetrics, parse_samples
 
@@ -135,7 +139,21 @@ def test_a_load_needs_an_end_and_a_slot() -> None:
 def test_direct_routing_is_sticky_per_program() -> None:
     target = Target.direct(["http://a/", "http://b"])
     assert [target.url_for(i) for i in range(4)] == ["http://a", "http://b", "http://a", "http://b"]
+    assert [target.url_for(0) for _ in range(3)] == ["http://a"] * 3
     assert not target.program_ids and Target.gateway("http://g").program_ids
+
+
+def test_round_robin_routing_sends_each_request_to_the_next_server() -> None:
+    target = Target.direct(["http://a", "http://b", "http://c"], Routing.ROUND_ROBIN)
+    assert [target.url_for(0) for _ in range(4)] == ["http://a", "http://b", "http://c", "http://a"]
+
+
+def test_environment_preparation_comes_before_a_fresh_program_only() -> None:
+    program = TraceProgram(id="t", env_prep_s=30.0, steps=(TraceStep(prompt_tokens=300, completion_tokens=5),) * 4)
+    workload = TraceWorkload(programs=(program,))
+    fresh = plan_program(workload, seed=0, salt="s", index=0, tokens_per_word=1.0, system_text="x")
+    aged = plan_program(workload, seed=0, salt="s", index=0, tokens_per_word=1.0, system_text="x", start_fraction=0.5)
+    assert fresh.prepare_s == 30.0 and aged.prepare_s == 0.0  # an aged program has its sandbox
 
 
 # --- statistics ----------------------------------------------------------------------
@@ -252,7 +270,7 @@ def test_a_small_direct_run_is_served_and_measured(engine: LocalEngine, stream: 
     assert 0.8 <= outcome.tokens_per_word <= 1.3
     steps = sorted(outcome.records, key=lambda r: (r.program_index, r.step))
     assert [r.step for r in steps] == [0, 1, 2] * 3
-    for earlier, later in zip(steps, steps[1:]):
+    for earlier, later in itertools.pairwise(steps):
         if earlier.program_index == later.program_index:
             assert later.prompt_tokens > earlier.prompt_tokens + earlier.completion_tokens  # history grows
     if stream:

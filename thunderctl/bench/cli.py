@@ -114,8 +114,8 @@ def load_workload(
     trace: Path | None, scale: float, tool: LogNormal, shared_prefix: int, max_context: int | None
 ) -> SweLite | TraceWorkload:
     if trace is None:
-        return SweLite(scale, tool, shared_prefix, max_context)
-    return TraceWorkload(tuple(read_trace(trace)), scale, shared_prefix, max_context, str(trace))
+        return SweLite(scale, shared_prefix, max_context, tool_seconds=tool)
+    return TraceWorkload(scale, shared_prefix, max_context, programs=tuple(read_trace(trace)), source=str(trace))
 
 
 def write_outputs(report: dict[str, Any], out: Path | None, plot: Path | None, console: Console) -> None:

@@ -26,7 +26,7 @@ from thunderctl.bench.closed_loop import (
     combine_results,
     run_load,
 )
-from thunderctl.bench.swe_lite import SHARED_PREFIX_TOKENS
+from thunderctl.bench.swe_lite import ScaledWorkload
 from thunderctl.bench.trace import TraceProgram
 from thunderctl.engines.vllm import fetch_metrics, parse_samples
 
@@ -40,25 +40,17 @@ QUIET_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
-class TraceWorkload:
+class TraceWorkload(ScaledWorkload):
     """A recorded trace as a workload: program `index` of seed `seed` is the trace's program at
     that position of a seeded shuffle, and the trace starts over (reshuffled) when used up."""
 
-    programs: tuple[TraceProgram, ...]
-    scale: float = 1.0
-    shared_prefix_tokens: int = SHARED_PREFIX_TOKENS
-    max_context_tokens: int | None = None
+    programs: tuple[TraceProgram, ...] = field(default=(), kw_only=True)
     source: str = ""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.programs:
             raise ValueError("a trace workload needs at least one program")
-        if self.scale <= 0:
-            raise ValueError(f"scale must be positive, got {self.scale}")
-
-    @property
-    def system_prompt_tokens(self) -> int:
-        return max(1, round(self.shared_prefix_tokens * self.scale))
 
     def program(self, seed: int, index: int) -> TraceProgram:
         count = len(self.programs)

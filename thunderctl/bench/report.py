@@ -5,6 +5,7 @@ The JSON report is the source of the table and the plot, so a saved report can b
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -144,8 +145,14 @@ def plot_report(report: dict[str, Any], path: Path) -> None:
     for name, arm in report["arms"].items():
         points = arm["timeline"]
         times = [p["t_s"] for p in points]
+        hit_rates = [p["hit_rate"] if p["hit_rate"] is not None else float("nan") for p in points]
         steps_axis.plot(times, [p["steps_per_min"] for p in points], marker=".", label=name)
-        hit_axis.plot(times, [p["hit_rate"] if p["hit_rate"] is not None else float("nan") for p in points], marker=".", label=name)
+        hit_axis.plot(times, hit_rates, marker=".", label=name)
+    # Where a slice ends and the next (with its warm-up) begins.
+    first_arm = next(iter(report["arms"].values()), {"slices": []})
+    for boundary in itertools.accumulate(s["wall_s"] for s in first_arm["slices"][:-1]):
+        for axis in (steps_axis, hit_axis):
+            axis.axvline(boundary, color="grey", linestyle=":", linewidth=1)
     steps_axis.set_ylabel("steps/min")
     hit_axis.set_ylabel("prefix-cache hit rate")
     hit_axis.set_ylim(0, 1)

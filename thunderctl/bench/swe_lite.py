@@ -80,11 +80,11 @@ STEPS_GROWTH_EXPONENT = 0.3
 
 
 @dataclass(frozen=True)
-class SweLite:
-    """The workload: programs by (seed, index); satisfies closed_loop's Workload."""
+class ScaledWorkload:
+    """What every replayed workload shares: token counts times `scale`, a shared prefix,
+    and the context limit of the engine it runs on."""
 
     scale: float = 1.0
-    tool_seconds: LogNormal = TOOL_SECONDS
     shared_prefix_tokens: int = SHARED_PREFIX_TOKENS
     # Set from the engine's max_model_len: a program ends before a prompt it would reject.
     max_context_tokens: int | None = None
@@ -96,6 +96,13 @@ class SweLite:
     @property
     def system_prompt_tokens(self) -> int:
         return max(1, round(self.shared_prefix_tokens * self.scale))
+
+
+@dataclass(frozen=True)
+class SweLite(ScaledWorkload):
+    """The workload: programs by (seed, index); satisfies closed_loop's Workload."""
+
+    tool_seconds: LogNormal = TOOL_SECONDS
 
     def program(self, seed: int, index: int) -> TraceProgram:
         rng = random.Random(f"swe-lite/{seed}/{index}")
