@@ -135,7 +135,7 @@ def serve(
     acting_decay_tau: Annotated[float, typer.Option(help="Time constant of the decay, seconds.")] = 30.0,
     acting_overbook: Annotated[float, typer.Option(help="Weight of an ACTING reservation, 0-1 (the adaptive ceiling).")] = 1.0,
     adaptive: Annotated[bool, typer.Option(help="Adapt the ACTING weight to worker utilisation (off: the reference policy).")] = True,
-    saturation_in_flight: Annotated[int, typer.Option(help="Requests in flight at which a worker counts as fully busy.")] = 4,
+    saturation_in_flight: Annotated[int, typer.Option(help="Requests in flight at which a worker counts as fully busy.")] = 1,
     kv_blocks: Annotated[int, typer.Option(help="With --local-engine: KV cache blocks.")] = 256,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log scheduler decisions.")] = False,
 ) -> None:

@@ -54,7 +54,7 @@ class SchedulerConfig(BaseModel):
     adapt_grow: float = Field(0.05, gt=0, le=1, description="weight step back when it is busy")
     acting_weight_min: float = Field(0.0, ge=0, le=1)
     adapt_saturation_in_flight: int = Field(
-        4, ge=1, description="requests in flight at which a worker counts as fully busy"
+        1, ge=1, description="requests in flight at which a worker counts as fully busy"
     )
 
     @model_validator(mode="after")
