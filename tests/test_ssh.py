@@ -7,11 +7,11 @@ One cluster serves the module, and its tests run in the order of its life: up, u
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -66,10 +66,12 @@ def ssh_cluster(ssh_nodes: SshNodes, tmp_path_factory: pytest.TempPathFactory, e
     nodes = [ssh_nodes.node("node-1", NODE_1, base_port=port),
              ssh_nodes.node("node-2", NODE_2, base_port=port, tunnel=True)]
     profile, cluster = ssh_profile(directory, nodes)
-    up = cli("up", "-f", str(profile))
-    state_file = Path(cli.env["THUNDERCTL_STATE_DIR"]) / cluster / "state.json"
-    yield cli, cluster, up, json.loads(state_file.read_text())
-    cli("down", check=False)  # whatever the tests left, leave nothing
+    try:
+        up = cli("up", "-f", str(profile))
+        state_file = Path(cli.env["THUNDERCTL_STATE_DIR"]) / cluster / "state.json"
+        yield cli, cluster, up, json.loads(state_file.read_text())
+    finally:
+        cli("down", check=False)  # whatever the tests (or a failed up) left, leave nothing
 
 
 def test_up_over_ssh_starts_a_worker_on_each_node(ssh_cluster) -> None:
@@ -127,16 +129,17 @@ def test_logs_of_a_remote_worker_stream_over_ssh(ssh_cluster) -> None:
 
 
 def wait_for_line(process: subprocess.Popen[str], text: str, timeout: float) -> bool:
-    assert process.stdout is not None
-    os.set_blocking(process.stdout.fileno(), False)
-    deadline = time.monotonic() + timeout
-    seen = ""
-    while time.monotonic() < deadline:
-        seen += process.stdout.read() or ""
-        if text in seen:
-            return True
-        time.sleep(0.2)
-    return False
+    found = threading.Event()
+
+    def read() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            if text in line:
+                found.set()
+                return
+
+    threading.Thread(target=read, daemon=True).start()
+    return found.wait(timeout)
 
 
 def test_down_stops_both_nodes_and_leaves_nothing(ssh_cluster) -> None:

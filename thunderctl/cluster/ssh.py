@@ -117,11 +117,12 @@ class SshTransport(Transport):
         return group_pids(self.run("ps -e -o pid=,pgid=,stat=").stdout, pgid)
 
     def stop_group(self, pgid: int, timeout: float) -> None:
-        if not self.run(f"kill -TERM -- -{pgid}").ok and not self.group_alive(pgid):
+        # `kill -SIG -PGID` signals the group; dash's kill knows no `--`.
+        if not self.run(f"kill -TERM -{pgid}").ok and not self.group_alive(pgid):
             return  # no such group: it had already ended
         if self._wait_gone(pgid, timeout):
             return
-        self.run(f"kill -KILL -- -{pgid}")
+        self.run(f"kill -KILL -{pgid}")
         if self._wait_gone(pgid, KILL_WAIT_S):
             return
         raise EngineStopError(f"processes {self._members(pgid)} of group {pgid} on {self.target.host} survived SIGKILL")
