@@ -18,13 +18,16 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from ssh_fixtures import SshNodes, free_node_port, ssh_nodes  # noqa: F401  (the fixture)
+from ssh_fixtures import SshNodes, free_node_port
 from test_cluster import Cli, processes_mentioning, write_profile
+
 from thunderctl.cluster.install import node_cluster_dir
 from thunderctl.cluster.state import pid_alive
 from thunderctl.cluster.transport import port_free
 from thunderctl.engines.local import EngineHome, group_members, pick_free_port
+
+# The sshd fixture; conftest.py does not register this plugin (yet).
+pytest_plugins = ["ssh_fixtures"]
 
 NODE_1, NODE_2 = "127.0.0.2", "127.0.0.3"
 TINY_MODEL_DIR = EngineHome.default().model_dir

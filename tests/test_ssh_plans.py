@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from thunderctl.cluster.gpus import RELEASED_FREE_SHARE, START_FREE_SHARE, GpuQueryError, describe, parse_gpus, short_of_memory
+from thunderctl.cluster.gpus import (
+    RELEASED_FREE_SHARE,
+    START_FREE_SHARE,
+    GpuQueryError,
+    describe,
+    parse_gpus,
+    short_of_memory,
+)
 from thunderctl.cluster.install import install_step
 from thunderctl.cluster.plan import plan_workers
 from thunderctl.cluster.ssh import group_pids, parse_listeners, port_taken

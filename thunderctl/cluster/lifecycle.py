@@ -18,10 +18,21 @@ from typing import TypeVar
 import httpx
 
 from thunderctl.cluster.gpus import GpuQueryError, wait_released
-from thunderctl.cluster.install import INSTALL_TIMEOUT_S, NODE_STATE_ROOT, InstallStep, install_step, node_cluster_dir
+from thunderctl.cluster.install import (
+    INSTALL_TIMEOUT_S,
+    NODE_STATE_ROOT,
+    InstallStep,
+    install_step,
+    node_cluster_dir,
+)
 from thunderctl.cluster.plan import WorkerPlan
 from thunderctl.cluster.state import ClusterState, WorkerRecord, pid_alive
-from thunderctl.cluster.transport import Transport, TransportError, Transports, in_parallel
+from thunderctl.cluster.transport import (
+    Transport,
+    TransportError,
+    Transports,
+    in_parallel,
+)
 from thunderctl.cluster.tunnel import tunnel_command
 from thunderctl.engines.local import (
     EngineStopError,

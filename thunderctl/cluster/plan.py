@@ -9,7 +9,12 @@ from pathlib import Path
 
 from thunderctl.cluster.install import container_name, docker_command, venv_python
 from thunderctl.cluster.transport import SshTarget
-from thunderctl.engines.local import EngineHome, LocalEngineConfig, vllm_server_command, vllm_server_env
+from thunderctl.engines.local import (
+    EngineHome,
+    LocalEngineConfig,
+    vllm_server_command,
+    vllm_server_env,
+)
 from thunderctl.profile import BUILTIN_TINY_MODEL, NodeSpec, Profile
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"

@@ -8,10 +8,29 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from thunderctl.cluster.gpus import START_FREE_SHARE, GpuQueryError, describe, query_gpus, short_of_memory
+from thunderctl.cluster.gpus import (
+    START_FREE_SHARE,
+    GpuQueryError,
+    describe,
+    query_gpus,
+    short_of_memory,
+)
 from thunderctl.cluster.install import HF_CACHE, image, venv_dir, vllm_probe
-from thunderctl.cluster.plan import WorkerPlan, bind_host, model_path, ssh_target, worker_python
-from thunderctl.cluster.transport import Transport, TransportError, Transports, free_gib, in_parallel, port_free
+from thunderctl.cluster.plan import (
+    WorkerPlan,
+    bind_host,
+    model_path,
+    ssh_target,
+    worker_python,
+)
+from thunderctl.cluster.transport import (
+    Transport,
+    TransportError,
+    Transports,
+    free_gib,
+    in_parallel,
+    port_free,
+)
 from thunderctl.engines.local import EngineHome
 from thunderctl.profile import BUILTIN_TINY_MODEL, NodeSpec, Profile, state_root
 

@@ -14,7 +14,11 @@ from pathlib import Path
 
 from fabric import Connection
 from invoke.exceptions import CommandTimedOut
-from paramiko.ssh_exception import AuthenticationException, BadHostKeyException, SSHException
+from paramiko.ssh_exception import (
+    AuthenticationException,
+    BadHostKeyException,
+    SSHException,
+)
 
 from thunderctl.cluster.transport import (
     COMMAND_TIMEOUT_S,

@@ -17,9 +17,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TypeVar
+from typing import Self, TypeVar
 
-from thunderctl.engines.local import group_members, spawn_detached, stop_process_group, tail_of_file
+from thunderctl.engines.local import (
+    group_members,
+    spawn_detached,
+    stop_process_group,
+    tail_of_file,
+)
 
 COMMAND_TIMEOUT_S = 30.0
 # `timeout` sends SIGTERM at the limit and SIGKILL this much later, so a hung command on a
@@ -133,7 +138,7 @@ class LocalTransport(Transport):
     def run(self, command: str, timeout: float = COMMAND_TIMEOUT_S) -> CommandResult:
         try:
             done = subprocess.run(
-                ["sh", "-c", bounded(command, timeout)], stdin=subprocess.DEVNULL, capture_output=True,
+                ["sh", "-c", bounded(command, timeout)], check=False, stdin=subprocess.DEVNULL, capture_output=True,
                 text=True, timeout=timeout + 2 * KILL_GRACE_S,
             )  # fmt: skip
         except subprocess.TimeoutExpired:
@@ -221,7 +226,7 @@ class Transports:
                 transport.close()
             self._open.clear()
 
-    def __enter__(self) -> Transports:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
