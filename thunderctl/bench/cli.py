@@ -164,16 +164,7 @@ def swe_lite(
         duration = 120.0
     if duration is not None and warmup >= duration / rounds:
         raise fail(console, f"--warmup {warmup:g} s leaves nothing of a {duration / rounds:g} s slice")
-    try:
-        endpoints = Endpoints(base_url(endpoint), engine or []) if endpoint else cluster_endpoints(cluster)
-    except ClusterNotFound as exc:
-        raise fail(console, str(exc)) from exc
-    if TargetArm.DIRECT in arms and not endpoints.engines:
-        raise fail(console, "the direct arm needs the engines' URLs: give --engine URL (repeat) with --endpoint")
-    try:
-        info = probe(endpoints.endpoint)
-    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
-        raise fail(console, f"{endpoints.endpoint} does not answer GET /v1/models with a model: {exc}") from exc
+    endpoints, info = find_endpoints(cluster, endpoint, engine or [], TargetArm.DIRECT in arms, console)
     max_context = int(info.max_model_len * CONTEXT_HEADROOM) if info.max_model_len else None
     try:
         workload = load_workload(trace, scale, LogNormal(tool_median, tool_sigma, tool_cap), shared_prefix, max_context)
@@ -189,12 +180,11 @@ def swe_lite(
     )
     started = time.monotonic()
     with LiveProgress(rounds * len(arms), console) as live:
-        outcomes = asyncio.run(
-            run_arms(build_arms(endpoints, info, arms, routing), spec, endpoints.engines, rounds=rounds, observer=live)
-        )
+        arm_list = build_arms(endpoints, info, arms, routing)
+        outcomes = asyncio.run(run_arms(arm_list, spec, endpoints.engines, rounds=rounds, observer=live))
     parameters = {
         "concurrency": concurrency, "programs": programs, "duration_s": duration, "warmup_s": warmup,
-        "slices": rounds, "seed": seed, "stream": stream, "arms": list(arms), "routing": routing,
+        "slices": rounds, "seed": seed, "stream": stream, "arms": arms, "routing": routing,
         "time_scale": time_scale, "endpoint": endpoints.endpoint, "engines": endpoints.engines,
         "model": info.model, "max_model_len": info.max_model_len, "thunderctl": info.thunderctl,
     }  # fmt: skip
@@ -202,6 +192,22 @@ def swe_lite(
     console.print(report_table(report))
     write_outputs(report, out, plot, console)
     check_served(outcomes, console)
+
+
+def find_endpoints(
+    cluster: str | None, endpoint: str | None, engines: list[str], need_engines: bool, console: Console
+) -> tuple[Endpoints, EndpointInfo]:
+    """The endpoint and engines to use (the cluster's unless --endpoint) and what serves there."""
+    try:
+        endpoints = Endpoints(base_url(endpoint), engines) if endpoint else cluster_endpoints(cluster)
+    except ClusterNotFound as exc:
+        raise fail(console, str(exc)) from exc
+    if need_engines and not endpoints.engines:
+        raise fail(console, "the direct arm needs the engines' URLs: give --engine URL (repeat) with --endpoint")
+    try:
+        return endpoints, probe(endpoints.endpoint)
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        raise fail(console, f"{endpoints.endpoint} does not answer GET /v1/models with a model: {exc}") from exc
 
 
 def check_served(outcomes: dict[str, ArmOutcome], console: Console) -> None:
