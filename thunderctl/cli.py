@@ -20,6 +20,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
+from thunderctl.bench.cli import bench_app
 from thunderctl.cluster.lifecycle import (
     LaunchError,
     control_client,
@@ -55,6 +56,7 @@ app = typer.Typer(
 )
 engine_app = typer.Typer(help="The local vLLM-CPU engine and its tiny offline model.", no_args_is_help=True)
 app.add_typer(engine_app, name="engine")
+app.add_typer(bench_app, name="bench")
 
 out = Console()
 err = Console(stderr=True)
