@@ -45,20 +45,17 @@ class SshNodes:
         return {"name": name, "transport": "ssh", "host": address, "port": self.port, "user": self.user,
                 "key": str(self.key), **fields}
 
+    @staticmethod
+    def free_port() -> int:
+        """A port free on both node addresses."""
+        while True:
+            port = pick_free_port(NODE_ADDRESSES[0])
+            if all(port_free(address, port) for address in NODE_ADDRESSES):
+                return port
+
     def record_gpus(self, recording: str) -> None:
         """What the nodes' nvidia-smi prints from now on: a file of tests/data."""
         shutil.copy(DATA / recording, self.directory / "nvidia-smi.csv")
-
-
-def port_free_on_all(port: int) -> bool:
-    return all(port_free(address, port) for address in NODE_ADDRESSES)
-
-
-def free_node_port() -> int:
-    while True:
-        port = pick_free_port(NODE_ADDRESSES[0])
-        if port_free_on_all(port):
-            return port
 
 
 def keygen(path: Path) -> Path:
@@ -135,7 +132,7 @@ def ssh_nodes(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureR
     wrong_key = keygen(directory / "unknown_key")
     authorized = directory / "authorized_keys"
     authorized.write_text(key.with_suffix(".pub").read_text())
-    port = free_node_port()
+    port = SshNodes.free_port()
     config = write_config(directory, port, keygen(directory / "host_key"), authorized, fake_nvidia_smi(directory))
     nodes = SshNodes(directory, port, getpass.getuser(), key, wrong_key, directory / "sshd.log")
     nodes.record_gpus("nvidia-smi-8xh100.csv")

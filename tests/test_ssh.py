@@ -15,16 +15,19 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
-from ssh_fixtures import SshNodes, free_node_port
 from test_cluster import Cli, processes_mentioning, write_profile
 
 from thunderctl.cluster.install import node_cluster_dir
 from thunderctl.cluster.state import pid_alive
 from thunderctl.cluster.transport import port_free
 from thunderctl.engines.local import EngineHome, group_members, pick_free_port
+
+if TYPE_CHECKING:
+    from ssh_fixtures import SshNodes
 
 # The sshd fixture; conftest.py does not register this plugin (yet).
 pytest_plugins = ["ssh_fixtures"]
@@ -53,10 +56,10 @@ def node_dir(cluster: str) -> Path:
     return Path.home() / node_cluster_dir(cluster)
 
 
-def port_for_both() -> int:
+def port_for_both(ssh_nodes: SshNodes) -> int:
     """A port free on the nodes' addresses and on 127.0.0.1, where a tunnelled worker listens."""
     while True:
-        port = free_node_port()
+        port = ssh_nodes.free_port()
         if port_free("127.0.0.1", port):
             return port
 
@@ -65,7 +68,7 @@ def port_for_both() -> int:
 def ssh_cluster(ssh_nodes: SshNodes, tmp_path_factory: pytest.TempPathFactory, engine_home):
     directory = tmp_path_factory.mktemp("ssh-cluster")
     cli = Cli(directory / "state")
-    port = port_for_both()
+    port = port_for_both(ssh_nodes)
     nodes = [ssh_nodes.node("node-1", NODE_1, base_port=port),
              ssh_nodes.node("node-2", NODE_2, base_port=port, tunnel=True)]
     profile, cluster = ssh_profile(directory, nodes)
@@ -165,7 +168,7 @@ def test_wrong_key_and_busy_port_fail_preflight_and_start_nothing(ssh_nodes: Ssh
         busy.bind((NODE_2, 0))
         busy.listen()
         taken = busy.getsockname()[1]
-        nodes = [ssh_nodes.node("node-1", NODE_1, key=str(ssh_nodes.wrong_key), base_port=free_node_port()),
+        nodes = [ssh_nodes.node("node-1", NODE_1, key=str(ssh_nodes.wrong_key), base_port=ssh_nodes.free_port()),
                  ssh_nodes.node("node-2", NODE_2, base_port=taken)]
         profile, _ = ssh_profile(tmp_path, nodes)
         doctor = cli("doctor", "-f", str(profile), check=False)
@@ -189,7 +192,7 @@ def test_gpu_node_preflight_reads_nvidia_smi_through_a_jump_host(ssh_nodes: SshN
     cli = Cli(tmp_path / "state")
     jump = f"{ssh_nodes.user}@{NODE_1}:{ssh_nodes.port}"
     node = ssh_nodes.node("gpu-1", NODE_2, jump_host=jump, gpus=8, replicas=2, tensor_parallel=4,
-                          base_port=free_node_port())
+                          base_port=ssh_nodes.free_port())
     engine = {"kind": "vllm", "install": "pip", "version": "0.11.0"}
     profile, _ = ssh_profile(tmp_path, [node], engine=engine, model={"path": str(TINY_MODEL_DIR), "served_name": "tiny"})
     try:
@@ -211,7 +214,7 @@ def test_gpu_node_preflight_reads_nvidia_smi_through_a_jump_host(ssh_nodes: SshN
 
 def test_a_worker_that_exits_at_start_rolls_back_every_node(ssh_nodes: SshNodes, tmp_path: Path) -> None:
     cli = Cli(tmp_path / "state")
-    port = port_for_both()
+    port = port_for_both(ssh_nodes)
     nodes = [ssh_nodes.node("node-1", NODE_1, base_port=port), ssh_nodes.node("node-2", NODE_2, base_port=port)]
     profile, cluster = ssh_profile(tmp_path, nodes, engine=cpu_engine(args=["--no-such-flag"]))
     result = cli("up", "-f", str(profile), check=False, timeout=300)
