@@ -118,7 +118,16 @@ class SshTransport(Transport):
         return bool(self._members(pgid))
 
     def _members(self, pgid: int) -> list[int]:
-        return group_pids(self.run("ps -e -o pid=,pgid=,stat=").stdout, pgid)
+        return group_pids(self._tool("ps -e -o pid=,pgid=,stat=", "procps"), pgid)
+
+    def _tool(self, command: str, package: str) -> str:
+        """The output of a standard tool; an empty answer from a missing tool would read as
+        "nothing runs" or "no port is taken", so its absence is an error."""
+        result = self.run(command)
+        if not result.ok:
+            raise TransportError(f"`{command}` failed on {self.target.host}: {result.stderr.strip()}",
+                                 f"install {package} on the node")
+        return result.stdout
 
     def stop_group(self, pgid: int, timeout: float) -> None:
         # `kill -SIG -PGID` signals the group; dash's kill knows no `--`.
@@ -153,13 +162,13 @@ class SshTransport(Transport):
         return result.stdout if result.ok else f"(no log at {self.target.host}:{path})\n"
 
     def busy_ports(self, host: str, ports: list[int]) -> list[int]:
-        listeners = parse_listeners(self.run("ss -Hltn").stdout)
+        listeners = parse_listeners(self._tool("ss -Hltn", "iproute2"))
         return [port for port in ports if port_taken(host, port, listeners)]
 
     def free_gib(self, path: str) -> float:
         # df needs an existing path: walk up to the nearest parent that exists.
         script = f'p={shlex.quote(path)}; while [ ! -e "$p" ]; do p=$(dirname "$p"); done; df -Pk "$p" | tail -n 1'
-        return int(self.run(script).stdout.split()[3]) / 2**20
+        return int(self._tool(script, "coreutils").split()[3]) / 2**20
 
     def close(self) -> None:
         self._connection.close()
