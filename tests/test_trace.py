@@ -167,6 +167,7 @@ def test_the_recorder_writes_a_released_program_as_a_trace_line(tmp_path: Path) 
     recorder.on_request("agent-2")  # another program, still open at the end
     clock.now += 0.5
     recorder.on_usage("agent-1", prompt_tokens=1500, completion_tokens=40)
+    recorder.on_usage("agent-1", prompt_tokens=0, completion_tokens=0)  # no usage: no step
     recorder.on_end("agent-1")
     recorder.on_end("agent-1")  # release is idempotent
     recorder.on_end("never-seen")

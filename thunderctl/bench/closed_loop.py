@@ -6,7 +6,8 @@ assistant turns and tool observations so far), waits out a tool call, and repeat
 programs look like comes from a workload: `AgentShape` (uniform ranges), the `swe-lite`
 generator, or a recorded trace; each gives a program as a trace (prompt and answer sizes per
 step, tool times), which is rendered here as text of those sizes. The same
-load can go straight to vLLM servers ("direct", each program sticky to one server) or through
+load can go straight to vLLM servers ("direct", each program sticky to one server, or each
+request to the next server) or through
 the thunderctl gateway ("gateway", with `program_id` on every request and a release at the
 end), so the two can be compared on equal terms.
 

@@ -41,6 +41,8 @@ class TraceRecorder:
 
     def on_usage(self, program_id: str, prompt_tokens: int, completion_tokens: int) -> None:
         """The engine's usage of a finished request of the program."""
+        if prompt_tokens < 1:
+            return  # not a served step (a trace step needs a prompt)
         program = self._open.setdefault(program_id, _Open())
         now = self._clock()
         if program.steps and program.answered_at is not None and program.asked_at is not None:
