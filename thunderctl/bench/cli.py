@@ -142,7 +142,7 @@ def swe_lite(
     programs: Annotated[int | None, typer.Option(min=1, help="Programs per arm (ends the run).")] = None,
     duration: Annotated[float | None, typer.Option(min=1, help="Seconds per arm (ends the run); default 120.")] = None,
     warmup: Annotated[float, typer.Option(min=0, help="Seconds at the start of each slice not counted.")] = 15.0,
-    slices: Annotated[int | None, typer.Option(min=1, help="Slices per arm [default: 2 with --compare, else 1].")] = None,
+    slices: Annotated[int | None, typer.Option(min=1, help="Slices per arm (default: 2 with --compare, else 1).")] = None,
     scale: Annotated[float, typer.Option(min=0.001, help="Multiply every token count (fit a small engine).")] = 1.0,
     time_scale: Annotated[float, typer.Option(min=0, help="Multiply tool and preparation times.")] = 1.0,
     tool_median: Annotated[float, typer.Option(min=0.001, help="Tool seconds: lognormal median.")] = TOOL_SECONDS.median,
@@ -154,7 +154,7 @@ def swe_lite(
     stream: Annotated[bool, typer.Option(help="Stream responses (needed for time to first token).")] = True,
     seed: Annotated[int, typer.Option(help="Which programs (the same seed replays the same ones).")] = 0,
     out: Annotated[Path | None, typer.Option(help="Write the JSON report here (and the plot beside it).")] = None,
-    plot: Annotated[Path | None, typer.Option(help="Write the PNG plot here [default: --out with .png].")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Write the PNG plot here (default: --out with .png).")] = None,
 ) -> None:
     """Replay SWE-bench Lite-shaped agents (closed loop) and report steps/min, hit rate, latency."""
     console = Console() if sys.stdout.isatty() else Console(width=140)
