@@ -13,7 +13,7 @@ import pytest
 
 from thunderctl.engines.local import pick_free_port
 
-pytest_plugins = ["engine_fixtures", "sandbox_fixtures"]
+pytest_plugins = ["engine_fixtures", "sandbox_fixtures", "ssh_fixtures"]
 
 
 class GatewayProcess:

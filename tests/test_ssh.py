@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     from ssh_fixtures import SshNodes
 
 # The sshd fixture; conftest.py does not register this plugin (yet).
-pytest_plugins = ["ssh_fixtures"]
 
 NODE_1, NODE_2 = "127.0.0.2", "127.0.0.3"
 TINY_MODEL_DIR = EngineHome.default().model_dir

@@ -18,10 +18,12 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from thunderctl.bench.cli import bench_app
 from thunderctl.cluster.lifecycle import (
+    follow_lines,
     LaunchError,
     control_client,
     daemon_answers,
@@ -33,6 +35,7 @@ from thunderctl.cluster.lifecycle import (
 )
 from thunderctl.cluster.plan import plan_workers
 from thunderctl.cluster.preflight import Check, preflight
+from thunderctl.cluster.transport import TransportError, Transports
 from thunderctl.cluster.state import ClusterNotFound, ClusterState, find_cluster
 
 from thunderctl.engines.local import (
@@ -43,7 +46,6 @@ from thunderctl.engines.local import (
     LocalEngineConfig,
     install_engine,
     pick_free_port,
-    tail_of_file,
 )
 from thunderctl.gateway import BackendUnreachable, Gateway, parse_backend, serve_gateway
 from thunderctl.profile import DEFAULT_PROFILE, Profile, ProfileError, load_profile, state_root
@@ -209,7 +211,6 @@ def cluster_or_exit(name: str | None) -> ClusterState:
 
 
 def render_checks(checks: list[Check]) -> None:
-    from rich.markup import escape
 
     table = Table(title="preflight", show_lines=False)
     for column in ("node", "check", "", "detail"):
@@ -229,7 +230,6 @@ def render_checks(checks: list[Check]) -> None:
 def doctor(file: ProfileOption = None) -> None:
     """Validate a profile and run the preflight checks; nothing is started."""
     # Imported here: the module's import block belongs to others (see docs/ssh.md).
-    from thunderctl.cluster.transport import Transports
 
     profile, _ = load_profile_or_exit(file)
     with Transports() as transports, out.status("checking the controller and the nodes"):
@@ -251,7 +251,6 @@ def up(
 
     Idempotent: on a running cluster it changes nothing; a cluster whose daemon died gets a new one.
     """
-    from thunderctl.cluster.transport import TransportError, Transports
 
     profile, path = load_profile_or_exit(file)
     plans = plan_workers(profile)
@@ -408,7 +407,6 @@ def down(
     timeout: Annotated[float, typer.Option(help="Seconds to let requests in flight finish.")] = 60.0,
 ) -> None:
     """Drain, release programs, stop workers and the daemon; leave nothing behind. Idempotent."""
-    from thunderctl.cluster.transport import Transports
 
     try:
         state = find_cluster(state_root(), cluster)
@@ -440,8 +438,6 @@ def logs(
     lines: Annotated[int, typer.Option("--lines", "-n", help="Lines from the end.")] = 50,
 ) -> None:
     """Print a worker's or the daemon's log."""
-    from thunderctl.cluster.lifecycle import follow_lines
-    from thunderctl.cluster.transport import TransportError, Transports
 
     state = cluster_or_exit(cluster)
     if target == "daemon":

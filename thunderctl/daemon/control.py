@@ -13,7 +13,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from thunderctl.engines.local import stop_process_group
+from thunderctl.cluster.lifecycle import stop_worker
+from thunderctl.cluster.state import WorkerRecord
+from thunderctl.cluster.transport import Transports
 from thunderctl.gateway.app import error, read_json_object
 from thunderctl.gateway.requests import BadRequest
 from thunderctl.scheduler import Phase, Status
@@ -24,6 +26,15 @@ if TYPE_CHECKING:
 
 class UnknownTarget(LookupError):
     pass
+
+
+def stop_one_worker(record: WorkerRecord) -> None:
+    """On its own node, by its process group there (a remote pid means nothing here)."""
+    with Transports() as transports:
+        report = stop_worker(record, transports)
+    record.stopped = report.ok
+    if not report.ok:
+        raise RuntimeError(f"worker {record.id}: {report.outcome}")
 
 
 def resolve_target(daemon: Daemon, target: str) -> list[str]:
@@ -120,8 +131,7 @@ def build_control_app(daemon: Daemon) -> Starlette:
         async def act(worker_id: str) -> None:
             gateway.mark_stopped(worker_id)
             record = daemon.state.worker(worker_id)
-            await asyncio.to_thread(stop_process_group, record.pid)
-            record.stopped = True
+            await asyncio.to_thread(stop_one_worker, record)
             daemon.state.save()
 
         return await with_targets(request, act)
