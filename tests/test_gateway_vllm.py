@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from thunderctl.bench.closed_loop import AgentShape, LoadSpec, Target, Uniform, run_load
+from thunderctl.bench.trace import read_trace
 
 pytestmark = pytest.mark.engine
 
@@ -166,7 +167,9 @@ def test_more_programs_than_fit_are_paused_not_failed_and_keep_their_cache(vllm_
     """Eight agents whose contexts outgrow a 4,096-token KV cache: straight to vLLM they
     evict each other's prefixes; through the gateway they take turns and keep them."""
     engine = vllm_pair[0]
-    gateway = start_gateway([engine.url], "--tick-interval", "0.2", "--buffer-tokens", "64")
+    # The reference policy: cache retention is what this test is about (the adaptive law may
+    # trade it for throughput on this cheap-recompute engine; docs/admission.md).
+    gateway = start_gateway([engine.url], "--tick-interval", "0.2", "--buffer-tokens", "64", "--no-adaptive")
     shape = AgentShape(
         system_prompt_tokens=150, task_tokens=Uniform(150, 250), observation_tokens=Uniform(120, 220),
         completion_tokens=Uniform(16, 32), steps=Uniform(6, 8), tool_seconds=Uniform(0.3, 1.0),
@@ -187,3 +190,18 @@ def test_more_programs_than_fit_are_paused_not_failed_and_keep_their_cache(vllm_
         f"hit rate through the gateway {through.prefix_cache_hit_rate:.2f} vs direct "
         f"{direct.prefix_cache_hit_rate:.2f}"
     )
+
+
+def test_served_programs_are_recorded_as_a_replayable_trace(vllm_pair, start_gateway, tmp_path) -> None:
+    trace = tmp_path / "recorded.jsonl"
+    gateway = start_gateway([vllm_pair[0].url], "--record-trace", str(trace))
+    messages = [{"role": "user", "content": "first turn"}]
+    usages = []
+    for _ in range(2):
+        reply = chat(gateway, "recorded", messages, max_tokens=5)
+        usages.append((reply["usage"]["prompt_tokens"], reply["usage"]["completion_tokens"]))
+        messages += [reply["choices"][0]["message"], {"role": "user", "content": "tool output"}]
+    gateway.http.post("/programs/release", json={"program_id": "recorded"}).raise_for_status()
+    (program,) = read_trace(trace)
+    assert program.id == "recorded"
+    assert [(s.prompt_tokens, s.completion_tokens) for s in program.steps] == usages

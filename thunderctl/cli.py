@@ -48,6 +48,7 @@ from thunderctl.engines.local import (
     pick_free_port,
 )
 from thunderctl.gateway import BackendUnreachable, Gateway, parse_backend, serve_gateway
+from thunderctl.gateway.recorder import TraceRecorder
 from thunderctl.profile import DEFAULT_PROFILE, Profile, ProfileError, load_profile, state_root
 from thunderctl.scheduler import Decay, SchedulerConfig
 
@@ -141,6 +142,7 @@ def serve(
     adaptive: Annotated[bool, typer.Option(help="Adapt the ACTING weight to worker utilisation (off: the reference policy).")] = True,
     saturation_in_flight: Annotated[int, typer.Option(help="Requests in flight at which a worker counts as fully busy.")] = 1,
     kv_blocks: Annotated[int, typer.Option(help="With --local-engine: KV cache blocks.")] = 256,
+    record_trace: Annotated[Path | None, typer.Option(help="Record the programs served as a trace (JSONL) for `thunderctl bench swe-lite --trace`.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log scheduler decisions.")] = False,
 ) -> None:
     """Run the program-aware gateway in the foreground in front of running vLLM servers.
@@ -183,7 +185,8 @@ def serve(
         # unwinds through the ExitStack, so a local engine is stopped rather than orphaned.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         try:
-            asyncio.run(serve_gateway(Gateway(upstreams, config), host, port, ready))
+            recorder = TraceRecorder(record_trace) if record_trace else None
+            asyncio.run(serve_gateway(Gateway(upstreams, config, recorder=recorder), host, port, ready))
         except BackendUnreachable as exc:
             raise fail(str(exc)) from exc
         except KeyboardInterrupt:

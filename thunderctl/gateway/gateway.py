@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 
 from thunderctl.engines.vllm import EngineMetrics, fetch_metrics, is_healthy
+from thunderctl.gateway.recorder import TraceRecorder
 from thunderctl.gateway.requests import PromptShape, TokenEstimator
 from thunderctl.scheduler import EventKind, ProgramEvent, Scheduler, SchedulerConfig, Status
 
@@ -119,6 +120,7 @@ class Gateway:
         config: SchedulerConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         metrics_interval_s: float = 2.0,
+        recorder: TraceRecorder | None = None,
     ) -> None:
         if not upstreams:
             raise ValueError("the gateway needs at least one backend")
@@ -128,6 +130,7 @@ class Gateway:
             upstream.meter.saturation = self.scheduler.config.adapt_saturation_in_flight
         self.last_utilization = 0.0
         self.estimator = TokenEstimator()
+        self.recorder = recorder
         self.metrics_interval_s = metrics_interval_s
         self.started_at = clock()
         self._clock = clock
@@ -169,6 +172,8 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self._client.aclose()
+        if self.recorder is not None:
+            self.recorder.close()
 
     async def _tick_loop(self) -> None:
         while True:
@@ -250,6 +255,8 @@ class Gateway:
     # ---- admission ------------------------------------------------------------------------
 
     def _on_program_event(self, event: ProgramEvent) -> None:
+        if self.recorder is not None and event.kind in (EventKind.RELEASED, EventKind.EXPIRED):
+            self.recorder.on_end(event.program.id)
         if event.kind in (EventKind.RESUMED, EventKind.RELEASED, EventKind.EXPIRED):
             waiter = self._resumed.pop(event.program.id, None)
             if waiter is not None:
@@ -296,6 +303,8 @@ class Gateway:
             options = body.get("stream_options") or {}
             client_wants_usage = bool(options.get("include_usage"))
             body["stream_options"] = {**options, "include_usage": True}
+        if self.recorder is not None and program_id is not None:
+            self.recorder.on_request(program_id)
         for attempt in (1, 2):
             upstream = await self.admit(program_id, shape)
             upstream.add_in_flight(1, self._clock())
@@ -374,6 +383,8 @@ class Gateway:
         if usage and usage.get("prompt_tokens"):
             self.estimator.observe(shape, usage["prompt_tokens"])
         if program_id is not None and usage:
+            if self.recorder is not None:
+                self.recorder.on_usage(program_id, usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0))
             self.scheduler.on_response(
                 program_id, usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
             )
