@@ -16,8 +16,7 @@ from starlette.routing import Route
 from thunderctl.cluster.lifecycle import stop_worker
 from thunderctl.cluster.state import WorkerRecord
 from thunderctl.cluster.transport import Transports
-from thunderctl.gateway.app import error, read_json_object
-from thunderctl.gateway.requests import BadRequest
+from thunderctl.jsonapi import BadRequest, error, read_json_object
 from thunderctl.scheduler import Phase, Status
 
 if TYPE_CHECKING:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 
 import httpx
@@ -13,21 +12,8 @@ from starlette.routing import BaseRoute, Route
 
 from thunderctl.gateway.gateway import BackendError, Gateway
 from thunderctl.gateway.metrics import render_metrics
-from thunderctl.gateway.requests import BadRequest, pop_docker_ids, pop_program_id, prompt_shape
-
-
-def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status)
-
-
-async def read_json_object(request: Request) -> dict:
-    try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    return body
+from thunderctl.gateway.requests import pop_docker_ids, pop_program_id, prompt_shape
+from thunderctl.jsonapi import BadRequest, error, read_json_object
 
 
 def build_app(

@@ -6,11 +6,9 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
+from thunderctl.jsonapi import BadRequest
+
 PROGRAM_HEADER = "x-program-id"
-
-
-class BadRequest(ValueError):
-    """The client's request cannot be served as sent; the message says why."""
 
 
 def pop_program_id(body: dict[str, Any], headers: dict[str, str]) -> str | None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from typing import Annotated, TypeVar
@@ -12,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from thunderctl.jsonapi import BadRequest, error, read_json_object
 from thunderctl.sandbox.docker_host import HostUnavailable, ImageUnavailable, SandboxError
 from thunderctl.sandbox.pool import (
     PoolUnavailable,
@@ -29,15 +29,6 @@ DEFAULT_WAIT_S = 60.0
 MAX_WAIT_S = 600.0
 
 
-class BadRequest(Exception):
-    pass
-
-
-def error(status: int, message: str, kind: str) -> JSONResponse:
-    # The same error shape as the gateway's OpenAI-compatible endpoints.
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status)
-
-
 def error_response(exc: Exception) -> JSONResponse:
     match exc:
         case BadRequest():
@@ -50,16 +41,6 @@ def error_response(exc: Exception) -> JSONResponse:
             return error(503, str(exc), "sandboxes_unavailable")
         case _:
             return error(502, str(exc), "docker_error")
-
-
-async def json_object(request: Request) -> dict:
-    try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    return body
 
 
 class CreateBody(BaseModel):
@@ -97,12 +78,12 @@ def wait_seconds(request: Request) -> float:
 
 def sandbox_routes(pool: SandboxPool) -> list[Route]:
     async def create(request: Request) -> Response:
-        body = parse(CreateBody, await json_object(request))
+        body = parse(CreateBody, await read_json_object(request))
         sandbox = await pool.acquire(str(body.program_id), image=body.image, env=body.env, setup=body.setup)
         return JSONResponse(sandbox.view(), 201)
 
     async def adopt(request: Request) -> Response:
-        body = parse(AdoptBody, await json_object(request))
+        body = parse(AdoptBody, await read_json_object(request))
         adopted = await pool.adopt(str(body.program_id), body.docker_ids)
         return JSONResponse({"program_id": str(body.program_id), "sandboxes": [sb.view() for sb in adopted]})
 
@@ -125,7 +106,7 @@ def sandbox_routes(pool: SandboxPool) -> list[Route]:
         return JSONResponse(sandbox.view())
 
     async def run(request: Request) -> Response:
-        body = parse(ExecBody, await json_object(request))
+        body = parse(ExecBody, await read_json_object(request))
         result = await pool.exec(request.path_params["sandbox_id"], body.cmd, body.timeout)
         return JSONResponse(asdict(result))
 
