@@ -181,7 +181,7 @@ def test_worker_killed_mid_run_loses_no_request(cluster) -> None:
     assert cli.status()["workers"][1]["state"] == "unhealthy"
 
 
-def test_daemon_killed_then_up_recovers_it_and_down_leaves_nothing(cluster) -> None:
+def test_daemon_killed_then_up_recovers_it_and_down_leaves_nothing(cluster, sandbox_image, docker_client) -> None:
     cli, profile, _ = cluster
     state_dir = Path(cli.env["THUNDERCTL_STATE_DIR"]) / "local"
     first_daemon = cli.status()["daemon_pid"]
@@ -192,10 +192,15 @@ def test_daemon_killed_then_up_recovers_it_and_down_leaves_nothing(cluster) -> N
     assert status["daemon_pid"] != first_daemon
     assert [w["state"] for w in status["workers"]] == ["ready", "ready"]
 
+    gateway = status["endpoint"].removesuffix("/v1")
+    box = httpx.post(f"{gateway}/v1/sandboxes", json={"program_id": "orphan", "image": sandbox_image}, timeout=60)
+    httpx.get(f"{gateway}/v1/sandboxes/{box.json()['id']}", params={"wait": "ready"}, timeout=60).raise_for_status()
+
     state = json.loads((state_dir / "state.json").read_text())
     os.kill(state["daemon_pid"], signal.SIGKILL)  # and again: now down must clean up alone
     down = cli("down")
-    assert "cleaned up from the state file" in down.stdout
+    assert "cleaned up from the state file (1 sandbox(es) removed)" in down.stdout
+    assert docker_client.containers.list(all=True, filters={"label": "thunderctl.cluster=local"}) == []
     assert not state_dir.exists()
     for pid in [state["daemon_pid"], *(w["pid"] for w in state["workers"])]:
         assert not pid_alive(pid)

@@ -47,6 +47,7 @@ from thunderctl.engines.local import (
     install_engine,
     pick_free_port,
 )
+from thunderctl.daemon.service import collect_orphaned_sandboxes
 from thunderctl.gateway import BackendUnreachable, Gateway, parse_backend, serve_gateway
 from thunderctl.gateway.recorder import TraceRecorder
 from thunderctl.profile import DEFAULT_PROFILE, Profile, ProfileError, load_profile, state_root
@@ -416,10 +417,13 @@ def down(
     except ClusterNotFound as exc:
         out.print(f"nothing to do: {exc}")
         return
+    orphans = 0
     with Transports() as transports, out.status(f"stopping cluster {state.cluster}"):
+        if not daemon_answers(state):
+            orphans = asyncio.run(collect_orphaned_sandboxes(state))
         report, stops = tear_down(state, timeout, transports)
     if report is None:
-        out.print("the daemon was not running; cleaned up from the state file")
+        out.print(f"the daemon was not running; cleaned up from the state file ({orphans} sandbox(es) removed)")
     else:
         out.print(f"released {report['released']} program(s); " + ("drained" if report["drained"] else "drain timed out"))
     nodes: dict[str, list[str]] = {}

@@ -15,7 +15,7 @@ from starlette.types import Receive, Scope, Send
 from thunderctl.cluster.state import ClusterState
 from thunderctl.daemon.control import build_control_app
 from thunderctl.gateway import Gateway, Upstream, build_app
-from thunderctl.profile import load_profile
+from thunderctl.profile import ProfileError, load_profile
 from thunderctl.sandbox import SandboxPool, render_sandbox_metrics, sandbox_routes
 from thunderctl.scheduler import EventKind, ProgramEvent
 
@@ -133,3 +133,19 @@ def main(state_dir: Path) -> None:
     log.info("daemon of cluster %s starting (pid %d)", state.cluster, os.getpid())
     asyncio.run(Daemon(state).run())
     log.info("daemon of cluster %s stopped", state.cluster)
+
+
+async def collect_orphaned_sandboxes(state: ClusterState) -> int:
+    """`down` of a cluster whose daemon is dead: remove its sandboxes, which the daemon's pool
+    would have reaped at its next start. Returns how many were removed."""
+    try:
+        config = load_profile(Path(state.profile_path)).sandboxes
+    except ProfileError:
+        return 0  # the profile is gone; nothing says which Docker hosts to clean
+    if config is None or not config.enabled:
+        return 0
+    pool = SandboxPool(config.model_copy(update={"warm": 0, "warm_images": {}}), cluster=state.cluster,
+                       state_path=state.dir / "sandboxes.json")
+    await pool.start()  # its reaper removes every container of this cluster no live program owns
+    await pool.shutdown()
+    return pool.stats().get("reaped", 0)
