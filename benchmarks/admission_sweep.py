@@ -51,18 +51,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def workload() -> AgentShape:
+def workload(max_context_tokens: int) -> AgentShape:
     """Contexts growing to several thousand tokens, 0.5-3 s tools: the testbed of the issue."""
     return AgentShape(
         system_prompt_tokens=1000, task_tokens=Uniform(300, 800), observation_tokens=Uniform(150, 500),
         completion_tokens=Uniform(30, 100), steps=Uniform(8, 16), tool_seconds=Uniform(0.5, 3.0),
-        max_context_tokens=14_000,
+        max_context_tokens=max_context_tokens,
     )  # fmt: skip
 
 
 async def sweep_point(args: argparse.Namespace, concurrency: int, index: int, urls: dict[str, str], console: Console) -> dict[str, LoadResult]:
+    max_context = int(min(16384, (args.kv_blocks - 1) * args.block_size) * 0.85)
     spec = LoadSpec(
-        concurrency=concurrency, shape=workload(), duration_s=args.slice_s * args.slices,
+        concurrency=concurrency, shape=workload(max_context), duration_s=args.slice_s * args.slices,
         seed=concurrency, warmup_s=args.warmup_s, age_initial_programs=True,
     )  # fmt: skip
     arms = [
@@ -99,8 +100,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     console = Console() if sys.stdout.isatty() else Console(width=140)
     started = time.monotonic()
+    # vLLM refuses to start unless one request of max_model_len fits (one block is kept back).
+    max_model_len = min(16384, (args.kv_blocks - 1) * args.block_size)
     engines = [
-        start_engine(EngineSettings(blocks, args.block_size, 16384), args.log_dir, console)
+        start_engine(EngineSettings(blocks, args.block_size, max_model_len), args.log_dir, console)
         for blocks in (args.kv_blocks, args.limit_kv_blocks)
     ]
     gateways = {
