@@ -314,7 +314,7 @@ class Scheduler:
 
     def adapt(self, utilization: float) -> None:
         """Feed the engines' utilisation over the last period (0-1) to the control law."""
-        waited = self._waited or any(p.waiting_since is not None for p in self.paused())
+        waited = self._waited or bool(self._waiting)
         self._waited = False
         if self.config.adaptive:
             self.acting_weight = admission_step(self.acting_weight, utilization, waited, self.config)
