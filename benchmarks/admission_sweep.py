@@ -42,6 +42,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--slice-s", type=float, default=60.0)
     parser.add_argument("--warmup-s", type=float, default=15.0)
     parser.add_argument("--tick-interval", type=float, default=1.0)
+    parser.add_argument("--adapt-window", type=float, default=10.0, help="The adaptive arm's seconds per move.")
     parser.add_argument("--out", type=Path, default=Path("results/admission_sweep.json"))
     parser.add_argument("--log-dir", type=Path, default=Path("results/logs-sweep"))
     parser.add_argument("--quick", action="store_true")
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     ]
     gateways = {
         name: ServeProcess([engines[0].url], ["--tick-interval", str(args.tick_interval), *extra], args.log_dir / f"{name}.log")
-        for name, extra in (("reference", ["--no-adaptive"]), ("adaptive", []))
+        for name, extra in (("reference", ["--no-adaptive"]), ("adaptive", ["--adapt-window", str(args.adapt_window)]))
     }
     points: dict[int, dict[str, LoadResult]] = {}
     try:

@@ -88,16 +88,15 @@ def test_backend_spec_without_scheme_is_rejected_with_the_fix() -> None:
 
 
 @pytest.mark.parametrize(
-    ("saturation", "timeline", "expected"),
+    ("timeline", "expected"),
     [
-        (1, [(0, 1), (5, 0)], 0.5),  # busy half of a 10 s period
-        (4, [(0, 2), (10, 2)], 0.5),  # two of four slots for the whole period
-        (4, [(0, 8)], 1.0),  # beyond saturation counts as fully busy
-        (1, [], 0.0),
+        ([(0, 1), (5, 0)], 0.5),  # busy half of a 10 s period
+        ([(0, 3), (2, 1), (8, 0)], 0.8),  # any request in flight counts as busy
+        ([], 0.0),
     ],
 )
-def test_busy_meter_averages_utilisation_over_the_period(saturation, timeline, expected) -> None:
-    meter = BusyMeter(saturation)
+def test_busy_meter_averages_utilisation_over_the_period(timeline, expected) -> None:
+    meter = BusyMeter()
     meter.take(0.0)
     for at, in_flight in timeline:
         meter.set(in_flight, float(at))

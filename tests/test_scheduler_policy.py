@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from thunderctl.scheduler.policy import admission_step
 from thunderctl.scheduler import (
     Decay,
     EventKind,
@@ -409,22 +408,6 @@ def test_requeued_program_resumes_on_a_healthy_backend_first_in_line() -> None:
     assert program.phase is Phase.REASONING
 
 
-@pytest.mark.parametrize(
-    ("weight", "utilization", "waited", "after"),
-    [
-        (1.0, 0.50, True, 0.7),  # requests waited while the engine idled: honour less
-        (0.7, 0.50, True, 0.49),
-        (0.5, 0.90, True, 0.5),  # dead band: hold
-        (0.5, 0.97, True, 0.55),  # saturated: back towards full protection
-        (0.5, 0.30, False, 0.55),  # nobody waited: back towards full protection
-        (1.0, 0.97, True, 1.0),  # never above the configured ceiling
-    ],
-)
-def test_admission_control_law(weight, utilization, waited, after) -> None:
-    config = SchedulerConfig(**BASE)
-    assert admission_step(weight, utilization, waited, config) == pytest.approx(after)
-
-
 def test_idle_engine_with_waiting_requests_admits_more_programs() -> None:
     sched, _, _ = make()
     run_step(sched, "holder", 800)  # ACTING, holding most of the cache
@@ -433,6 +416,26 @@ def test_idle_engine_with_waiting_requests_admits_more_programs() -> None:
     sched.adapt(utilization=0.2)  # weight 0.49: 0.49 x 800 + 300 fits under 900
     sched.tick()
     assert sched.programs["waiter"].status is Status.ACTIVE
+
+
+def test_room_left_by_a_response_goes_to_the_waiting_queue_at_once() -> None:
+    sched, _, _ = make(adaptive=False, acting_overbook=0.5)
+    assert sched.on_request("holder", 800) == "a"
+    assert sched.on_request("waiter", 300) is None  # 800 + 300 > 900 while the holder decodes
+    sched.on_response("holder", 800, 0)  # ACTING at weight 0.5: 400 + 300 fits, no tick needed
+    assert sched.programs["waiter"].status is Status.ACTIVE
+
+
+def test_busy_engine_keeps_lowering_the_weight_while_steps_per_second_rise() -> None:
+    sched, clock, _ = make(adapt_window_s=10)
+    run_step(sched, "holder", 800)
+    sched.on_request("waiter", 850)  # fits only at a weight under 0.25
+    for responses in (10, 20, 30, 40):  # each window more steps than the one before (the first starts the count)
+        for i in range(responses):
+            run_step(sched, f"worker-{i}", 1)
+        clock.advance(10)
+        sched.adapt(utilization=1.0)
+    assert sched.acting_weight == pytest.approx(0.25)
 
 
 def test_reference_policy_does_not_adapt() -> None:

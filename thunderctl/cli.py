@@ -140,8 +140,8 @@ def serve(
     acting_decay: Annotated[Decay, typer.Option(help="Decay of ACTING reservations (resume side).")] = Decay.OFF,
     acting_decay_tau: Annotated[float, typer.Option(help="Time constant of the decay, seconds.")] = 30.0,
     acting_overbook: Annotated[float, typer.Option(help="Weight of an ACTING reservation, 0-1 (the adaptive ceiling).")] = 1.0,
-    adaptive: Annotated[bool, typer.Option(help="Adapt the ACTING weight to worker utilisation (off: the reference policy).")] = True,
-    saturation_in_flight: Annotated[int, typer.Option(help="Requests in flight at which a worker counts as fully busy.")] = 1,
+    adaptive: Annotated[bool, typer.Option(help="Seek the ACTING weight that gives the most steps/min (off: the reference policy).")] = True,
+    adapt_window: Annotated[float, typer.Option(help="Seconds of steps/min measured per move of the adaptive weight.")] = 15.0,
     kv_blocks: Annotated[int, typer.Option(help="With --local-engine: KV cache blocks.")] = 256,
     record_trace: Annotated[Path | None, typer.Option(help="Record the programs served as a trace (JSONL) for `thunderctl bench swe-lite --trace`.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log scheduler decisions.")] = False,
@@ -158,7 +158,7 @@ def serve(
             tick_interval_s=tick_interval, pause_threshold=pause_threshold, pause_target=pause_target,
             resume_threshold=resume_threshold, buffer_tokens=buffer_tokens, resume_timeout_s=resume_timeout,
             idle_ttl_s=idle_ttl, acting_decay=acting_decay, acting_decay_tau_s=acting_decay_tau,
-            acting_overbook=acting_overbook, adaptive=adaptive, adapt_saturation_in_flight=saturation_in_flight,
+            acting_overbook=acting_overbook, adaptive=adaptive, adapt_window_s=adapt_window,
         )
     except ValidationError as exc:
         raise fail(f"invalid scheduler options:\n{exc}") from exc

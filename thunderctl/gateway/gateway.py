@@ -49,23 +49,22 @@ class WorkerState(StrEnum):
 
 @dataclass
 class BusyMeter:
-    """Time-averaged utilisation of a worker: min(in flight, saturation) / saturation."""
+    """The fraction of time a worker had at least one request in flight."""
 
-    saturation: int = 1
-    _level: float = 0.0
+    _busy: bool = False
     _since: float = 0.0
     _integral: float = 0.0
     _period_start: float | None = None
 
     def set(self, in_flight: int, now: float) -> None:
         self._accumulate(now)
-        self._level = min(in_flight, self.saturation) / self.saturation
+        self._busy = in_flight > 0
 
     def take(self, now: float) -> float:
         """Utilisation since the last take (0-1); starts a new period."""
         self._accumulate(now)
         start = self._period_start if self._period_start is not None else now
-        value = self._integral / (now - start) if now > start else self._level
+        value = self._integral / (now - start) if now > start else float(self._busy)
         self._integral, self._period_start = 0.0, now
         return value
 
@@ -73,7 +72,7 @@ class BusyMeter:
         if self._period_start is None:
             self._period_start = now
         else:
-            self._integral += self._level * (now - self._since)
+            self._integral += self._busy * (now - self._since)
         self._since = now
 
 
@@ -126,8 +125,6 @@ class Gateway:
             raise ValueError("the gateway needs at least one backend")
         self.upstreams = {u.id: u for u in upstreams}
         self.scheduler = Scheduler(config, clock, [self._on_program_event])
-        for upstream in upstreams:
-            upstream.meter.saturation = self.scheduler.config.adapt_saturation_in_flight
         self.last_utilization = 0.0
         self.estimator = TokenEstimator()
         self.recorder = recorder

@@ -19,6 +19,7 @@ from enum import StrEnum
 
 from pydantic import BaseModel, Field, model_validator
 
+from thunderctl.scheduler.admission import AdmissionTuner
 from thunderctl.scheduler.program import Backend, Phase, Program, Status
 
 log = logging.getLogger(__name__)
@@ -47,15 +48,14 @@ class SchedulerConfig(BaseModel):
     acting_overbook: float = Field(
         1.0, ge=0, le=1, description="weight of an ACTING reservation on the resume side"
     )
-    adaptive: bool = Field(True, description="adapt the ACTING weight to engine utilisation")
-    adapt_utilization_low: float = Field(0.80, gt=0, le=1)
-    adapt_utilization_high: float = Field(0.95, gt=0, le=1)
-    adapt_shrink: float = Field(0.7, gt=0, lt=1, description="weight factor when the engine idles")
-    adapt_grow: float = Field(0.05, gt=0, le=1, description="weight step back when it is busy")
+    adaptive: bool = Field(True, description="seek the ACTING weight that gives the most steps/s")
     acting_weight_min: float = Field(0.0, ge=0, le=1)
-    adapt_saturation_in_flight: int = Field(
-        1, ge=1, description="requests in flight at which a worker counts as fully busy"
+    adapt_utilization_low: float = Field(
+        0.80, gt=0, le=1, description="workers busy less than this while requests wait: admit more"
     )
+    adapt_step: float = Field(0.25, gt=0, le=1, description="change of the ACTING weight per move")
+    adapt_window_s: float = Field(15.0, gt=0, description="seconds of steps/s measured per move")
+    adapt_tolerance: float = Field(0.1, ge=0, lt=1, description="change of steps/s taken as level")
 
     @model_validator(mode="after")
     def _bands_are_ordered(self) -> SchedulerConfig:
@@ -64,33 +64,12 @@ class SchedulerConfig(BaseModel):
                 f"pause_target ({self.pause_target}) must be below pause_threshold "
                 f"({self.pause_threshold}), or pausing never gets usage back under the threshold"
             )
-        if not self.adapt_utilization_low < self.adapt_utilization_high:
-            raise ValueError(
-                f"adapt_utilization_low ({self.adapt_utilization_low}) must be below "
-                f"adapt_utilization_high ({self.adapt_utilization_high}): the gap is the dead band"
-            )
         if not self.resume_threshold < self.pause_threshold:
             raise ValueError(
                 f"resume_threshold ({self.resume_threshold}) must be below pause_threshold "
                 f"({self.pause_threshold}), or a resumed program is paused again at once"
             )
         return self
-
-
-def admission_step(weight: float, utilization: float, waited: bool, config: SchedulerConfig) -> float:
-    """One step of the admission control law (docs/admission.md).
-
-    ACTING reservations are honoured at `weight`. Requests waited for admission while the
-    engines idled: the reservations held idle capacity, so honour less of them
-    (multiplicative). The engines are saturated, or nobody waited: more admission cannot
-    help, so move back towards full protection of the cache (additive). In between: hold.
-    """
-    ceiling = config.acting_overbook
-    if waited and utilization < config.adapt_utilization_low:
-        return max(config.acting_weight_min, weight * config.adapt_shrink)
-    if utilization >= config.adapt_utilization_high or not waited:
-        return min(ceiling, weight + config.adapt_grow)
-    return weight
 
 
 class EventKind(StrEnum):
@@ -119,6 +98,7 @@ class Counters:
     released: int = 0
     expired: int = 0
     tick_failures: int = 0
+    steps: int = 0  # responses with usage: the throughput the admission law seeks
 
 
 @dataclass
@@ -196,7 +176,7 @@ class Scheduler:
         # order key does not change until it resumes, so insertion keeps the list sorted.
         self._waiting: list[tuple[tuple[int, int, float], str]] = []
         self.counters = Counters()
-        self.acting_weight = self.config.acting_overbook
+        self.tuner = AdmissionTuner(self.config, weight=self.config.acting_overbook)
         self._waited = False  # a request waited for admission since the last adapt()
 
     # ---- backends -------------------------------------------------------------------------
@@ -283,11 +263,14 @@ class Scheduler:
             program.prefix_tokens = min(program.prefix_tokens, program.tokens)
             program.phase = Phase.ACTING
             program.steps += 1
+        self.counters.steps += 1
         program.acting_since = now
         program.last_activity = now
         if program.pause_at_boundary:
             self._pause(program)
-            self._resume_waiting()
+        # An ACTING program is charged less than a REASONING one below full weight: the
+        # room it left is for the queue now, not at the next tick.
+        self._resume_waiting()
 
     def on_request_failed(self, program_id: str) -> None:
         """The request ended without usage (backend error, client gone): the program ACTs."""
@@ -299,6 +282,7 @@ class Scheduler:
         program.acting_since = program.last_activity = self.clock()
         if program.pause_at_boundary:
             self._pause(program)
+        self._resume_waiting()
 
     def release(self, program_id: str) -> bool:
         """The program ended; idempotent. Returns whether it was known."""
@@ -312,12 +296,17 @@ class Scheduler:
 
     # ---- the tick -------------------------------------------------------------------------
 
+    @property
+    def acting_weight(self) -> float:
+        """The share of an ACTING program's private tokens charged on the resume side."""
+        return self.tuner.weight
+
     def adapt(self, utilization: float) -> None:
-        """Feed the engines' utilisation over the last period (0-1) to the control law."""
+        """Feed the workers' busy fraction over the last period (0-1) to the admission law."""
         waited = self._waited or bool(self._waiting)
         self._waited = False
         if self.config.adaptive:
-            self.acting_weight = admission_step(self.acting_weight, utilization, waited, self.config)
+            self.tuner.observe(self.clock(), self.counters.steps, utilization, waited)
 
     def tick(self) -> None:
         """Expire idle programs, then resume, then pause (so nothing resumes the tick it paused).
