@@ -5,58 +5,81 @@ from __future__ import annotations
 import pytest
 
 from thunderctl.scheduler import SchedulerConfig
-from thunderctl.scheduler.admission import AdmissionTuner
+from thunderctl.scheduler.admission import OPEN, AdmissionTuner, admission_levels
 
 WINDOW_S = 10.0
+BUSY, IDLE = 1.0, 0.3
 
 
 def tuner(**overrides) -> AdmissionTuner:
-    config = SchedulerConfig(adapt_window_s=WINDOW_S, adapt_step=0.25, adapt_tolerance=0.1, **overrides)
-    return AdmissionTuner(config, weight=config.acting_overbook)
+    settings = dict(adapt_window_s=WINDOW_S, adapt_step=0.25, adapt_tolerance=0.1, adapt_probe_windows=8)
+    return AdmissionTuner(SchedulerConfig(**(settings | overrides)))
 
 
-def weights_after(law: AdmissionTuner, windows: list[tuple[float, float, bool]]) -> list[float]:
-    """Each window: (steps per second, utilisation, whether requests waited)."""
-    now, steps, weights = 0.0, 0, []
-    law.observe(now, steps, 1.0, False)
-    for rate, utilization, waited in windows:
+def levels_after(law: AdmissionTuner, windows: list[tuple[float, float, bool]]) -> list[float | None]:
+    """Each window: (steps per second, utilisation, whether requests waited); returns the
+    level after each (an ACTING weight, or OPEN)."""
+    now, steps, levels = 0.0, 0, []
+    law.observe(now, steps, BUSY, False)
+    for steps_per_s, utilization, waited in windows:
         now += WINDOW_S
-        steps += round(rate * WINDOW_S)
-        weights.append(law.observe(now, steps, utilization, waited))
-    return weights
+        steps += round(steps_per_s * WINDOW_S)
+        law.observe(now, steps, utilization, waited)
+        levels.append(law.levels[law.rung])
+    return levels
 
 
-BUSY, IDLE = 1.0, 0.3
+def busy(*rates: float) -> list[tuple[float, float, bool]]:
+    return [(rate, BUSY, True) for rate in rates]
 
 
 @pytest.mark.parametrize(
     ("windows", "expected"),
     [
-        pytest.param([(10, BUSY, False)] * 3, [1.0, 1.0, 1.0], id="nobody waits: held at full protection"),
-        pytest.param([(10, IDLE, True)] * 2, [0.75, 0.5], id="engines idle while requests wait: admit more"),
-        pytest.param([(10, BUSY, True)], [0.75], id="first busy window with waiting: try more admission"),
-        pytest.param([(10, BUSY, True), (12, BUSY, True), (14, BUSY, True)], [0.75, 0.5, 0.25], id="steps/s rise: go on"),
-        pytest.param([(10, BUSY, True), (8, BUSY, True)], [0.75, 1.0], id="steps/s fall: turn back"),
-        pytest.param([(10, BUSY, True), (10.5, BUSY, True)], [0.75, 1.0], id="steps/s level: back to protection"),
-        pytest.param([(10, BUSY, True), (8, BUSY, True), (8, BUSY, True), (8.2, BUSY, True)], [0.75, 1.0, 1.0, 1.0], id="full protection holds while level"),
-        pytest.param([(10, BUSY, True), (10, BUSY, False), (5, BUSY, True)], [0.75, 0.75, 0.5], id="a window without waiting restarts the comparison"),
-        pytest.param([(10, IDLE, True), (12, BUSY, True), (10, BUSY, True)], [0.75, 0.5, 0.75], id="after an idle cut the next busy window compares afresh"),
+        pytest.param([(10, BUSY, False)] * 3, [1.0, 1.0, 1.0], id="nobody waits: full protection holds"),
+        pytest.param([(10, IDLE, True)] * 2, [0.75, 0.5], id="engines idle while requests wait: a rung down at once"),
+        pytest.param(busy(10), [0.75], id="first measured window: probe the next rung"),
+        pytest.param(busy(10, 12), [0.75, 0.5], id="more admission measured better: go on"),
+        pytest.param(busy(10, 8), [0.75, 1.0], id="measured worse: back"),
+        pytest.param(busy(10, 10.5), [0.75, 1.0], id="measured level: back to protection"),
+        pytest.param(busy(10, 8, 10, 10), [0.75, 1.0, 1.0, 1.0], id="the best known rung holds"),
+        pytest.param(busy(10, 12, 11), [0.75, 0.5, 0.75], id="an interior best rung is found"),
+        pytest.param(busy(10, 12, 15, 19, 24, 30), [0.75, 0.5, 0.25, 0.0, OPEN, OPEN], id="down to the open gate"),
+        pytest.param(busy(10, 12, 15, 19, 24) + [(30, BUSY, False)], [0.75, 0.5, 0.25, 0.0, OPEN, OPEN], id="open gate measures without waiting"),
+        pytest.param([(10, BUSY, True), (10, BUSY, False), (12, BUSY, True)], [0.75, 0.75, 0.5], id="a window without waiting moves nothing"),
     ],
 )
 def test_admission_law(windows, expected) -> None:
-    assert weights_after(tuner(), windows) == pytest.approx(expected)
+    assert levels_after(tuner(), windows) == pytest.approx(expected)
 
 
-def test_weight_never_goes_below_the_floor() -> None:
-    assert weights_after(tuner(acting_weight_min=0.5), [(10, IDLE, True)] * 4)[-1] == 0.5
+def test_best_rung_probes_its_neighbour_again_after_the_probe_interval() -> None:
+    levels = levels_after(tuner(), busy(10, 8, *[10] * 10))
+    assert levels[:3] == [0.75, 1.0, 1.0]
+    assert levels.count(0.75) == 2, "one probe of 0.75 after eight windows, then back"
+    assert levels[-1] == 1.0
 
 
-def test_weight_never_exceeds_the_configured_ceiling() -> None:
-    law = tuner(acting_overbook=0.8)
-    assert max(weights_after(law, [(10, BUSY, True), (5, BUSY, True), (5, BUSY, True)])) <= 0.8
+def test_without_the_open_gate_the_last_rung_is_the_floor() -> None:
+    law = tuner(adapt_open_gate=False, acting_weight_min=0.5)
+    assert levels_after(law, [(10, IDLE, True)] * 4)[-1] == 0.5
+    assert not law.gate_open
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({}, [1.0, 0.75, 0.5, 0.25, 0.0, OPEN]),
+        ({"acting_overbook": 0.8, "acting_weight_min": 0.3, "adapt_open_gate": False}, [0.8, 0.55, 0.3]),
+        ({"adapt_step": 0.4}, [1.0, 0.6, 0.2, 0.0, OPEN]),
+    ],
+)
+def test_ladder_runs_from_the_ceiling_to_the_floor(overrides, expected) -> None:
+    assert admission_levels(SchedulerConfig(**overrides)) == pytest.approx(expected)
 
 
 def test_nothing_moves_before_a_window_has_passed() -> None:
     law = tuner()
     law.observe(0.0, 0, BUSY, True)
-    assert law.observe(WINDOW_S / 2, 50, BUSY, True) == 1.0
+    law.observe(WINDOW_S / 2, 50, BUSY, True)
+    assert law.weight == 1.0

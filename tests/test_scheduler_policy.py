@@ -413,7 +413,7 @@ def test_idle_engine_with_waiting_requests_admits_more_programs() -> None:
     run_step(sched, "holder", 800)  # ACTING, holding most of the cache
     assert sched.on_request("waiter", 300) is None
     sched.adapt(utilization=0.2)
-    sched.adapt(utilization=0.2)  # weight 0.49: 0.49 x 800 + 300 fits under 900
+    sched.adapt(utilization=0.2)  # weight 0.5: 0.5 x 800 + 300 fits under 900
     sched.tick()
     assert sched.programs["waiter"].status is Status.ACTIVE
 
@@ -436,6 +436,16 @@ def test_busy_engine_keeps_lowering_the_weight_while_steps_per_second_rise() -> 
         clock.advance(10)
         sched.adapt(utilization=1.0)
     assert sched.acting_weight == pytest.approx(0.25)
+
+
+def test_open_gate_admits_every_waiting_request_and_pauses_nobody() -> None:
+    sched, clock, _ = make()
+    sched.tuner.rung = len(sched.tuner.levels) - 1  # the law measured the engine alone better
+    for i in range(3):
+        assert run_step(sched, f"p{i}", 600) == "a"  # 1,800 tokens on a 1,000-token backend
+    clock.advance(5)
+    sched.tick()
+    assert not sched.paused()
 
 
 def test_reference_policy_does_not_adapt() -> None:

@@ -325,6 +325,8 @@ def status_renderable(view: dict) -> Group:
         workers,
         f"programs: reasoning {programs['reasoning']} · acting {programs['acting']} · paused {programs['paused']}"
         f"   pauses {sched['pauses_total']} · resumes {sched['resumes_total']} · forced {sched['forced_resumes_total']}",
+        "admission: open gate (the engines admit by their own KV cache)" if sched["admission_gate_open"]
+        else f"admission: ACTING weight {sched['acting_weight']:.2f} · workers busy {sched['utilization']:.0%}",
         f"sandboxes: {sandboxes}",
     )
 

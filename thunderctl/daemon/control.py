@@ -84,6 +84,7 @@ def status_view(daemon: Daemon) -> dict[str, Any]:
             "resumes_total": scheduler.counters.resumes,
             "forced_resumes_total": scheduler.counters.forced_resumes,
             "acting_weight": round(scheduler.acting_weight, 3),
+            "admission_gate_open": scheduler.tuner.gate_open,
             "utilization": round(gateway.last_utilization, 3),
         },
         "sandboxes": daemon.sandbox_stats(),

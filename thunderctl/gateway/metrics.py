@@ -38,6 +38,8 @@ def render_metrics(gateway: Gateway) -> str:
     lines += [
         "# TYPE thunderctl_acting_weight gauge",
         _sample("thunderctl_acting_weight", round(sched.acting_weight, 4)),
+        "# TYPE thunderctl_admission_gate_open gauge",
+        _sample("thunderctl_admission_gate_open", int(sched.tuner.gate_open)),
         "# TYPE thunderctl_worker_utilization gauge",
         _sample("thunderctl_worker_utilization", round(gateway.last_utilization, 4)),
         "# TYPE thunderctl_backend_reserved_tokens gauge",

@@ -3,76 +3,122 @@ docs/admission.md, pure and driven by the scheduler's tick."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from thunderctl.scheduler.policy import SchedulerConfig
 
+OPEN = None  # the last rung: no gate at all, the engine admits by its own KV cache
+
+
+def admission_levels(config: SchedulerConfig) -> list[float | None]:
+    """ACTING weights from full protection down, then (optionally) the open gate."""
+    levels: list[float | None] = []
+    weight = config.acting_overbook
+    while weight > config.acting_weight_min + 1e-9:
+        levels.append(round(weight, 6))
+        weight -= config.adapt_step
+    levels.append(config.acting_weight_min)
+    if config.adapt_open_gate:
+        levels.append(OPEN)
+    return levels
+
+
+@dataclass(frozen=True)
+class Measurement:
+    steps_per_s: float
+    at: float
+
 
 @dataclass
 class AdmissionTuner:
-    """Seeks the ACTING weight that gives the most steps per second.
+    """Seeks, on a ladder of admission levels, the one that gives the most steps per second.
 
-    Two rules, both acting only while requests wait for admission (otherwise the weight
-    constrains nothing and is held):
+    Rungs, from the most protective: ACTING weights `acting_overbook`, `- adapt_step`, ...,
+    `acting_weight_min`, then the open gate. Whether more admission adds steps or only
+    recompute cannot be read off utilisation, so it is measured, one rung at a time:
 
-    - *Idle engines*: a tick in which requests waited while the workers were busy less than
-      `adapt_utilization_low` of the time lowers the weight at once: reservations held
-      capacity that nobody used.
-    - *Busy engines*: whether more admission adds throughput or only recompute cannot be seen
-      from utilisation, so it is measured. Every `adapt_window_s` the weight moves one
-      `adapt_step`: on in the same direction when steps/s rose by more than `adapt_tolerance`
-      over the window before, back when they fell by more, and towards full protection when
-      they were level. At full protection it stays until steps/s fall.
+    - every `adapt_window_s` in which requests waited for admission (or the gate was open),
+      the steps/s of the rung are recorded;
+    - the law moves to a neighbouring rung measured better by more than `adapt_tolerance`,
+      or measured level with it and more protective (ties go to the cache);
+    - when the rung it is on is the best known, it probes a neighbour that was never measured
+      or not for `adapt_probe_windows` windows, so a changed load is noticed;
+    - a tick in which requests waited while the workers were busy less than
+      `adapt_utilization_low` of the time goes one rung down at once: reservations held
+      capacity that nobody used, nothing needs measuring.
+
+    Windows in which nobody waited (and the gate was shut) move nothing: the level constrains
+    nothing then.
     """
 
     config: SchedulerConfig
-    weight: float
-    direction: int = -1  # -1: towards more admission (less protection)
+    levels: list[float | None] = field(init=False)
+    rung: int = 0
+    measured: dict[int, Measurement] = field(default_factory=dict)
     _window_start: float | None = None
     _window_steps: int = 0
     _window_waited: bool = False
-    _last_rate: float | None = None
 
-    def observe(self, now: float, steps: int, utilization: float, waited: bool) -> float:
-        """One tick: `steps` is the running count of responses; returns the new weight."""
+    def __post_init__(self) -> None:
+        self.levels = admission_levels(self.config)
+
+    @property
+    def gate_open(self) -> bool:
+        return self.levels[self.rung] is OPEN
+
+    @property
+    def weight(self) -> float:
+        level = self.levels[self.rung]
+        return self.config.acting_weight_min if level is OPEN else level
+
+    def observe(self, now: float, steps: int, utilization: float, waited: bool) -> None:
+        """One tick: `steps` is the running count of responses."""
         cfg = self.config
         if self._window_start is None:
             self._begin(now, steps)
         if waited and utilization < cfg.adapt_utilization_low:
-            self.direction = -1
-            self._move()
-            self._last_rate = None  # a new level: compare afresh from here
-            self._begin(now, steps)
-            return self.weight
-        self._window_waited |= waited
+            self._go(min(self.rung + 1, len(self.levels) - 1), now, steps)
+            return
+        self._window_waited |= waited or self.gate_open
         elapsed = now - self._window_start  # type: ignore[operator]
         if elapsed < cfg.adapt_window_s:
-            return self.weight
-        rate = (steps - self._window_steps) / elapsed
-        if self._window_waited:
-            if self._last_rate is not None:
-                self.direction = self._next_direction(rate, self._last_rate)
-            self._last_rate = rate
-            self._move()
-        else:
-            self._last_rate = None
-        self._begin(now, steps)
-        return self.weight
+            return
+        if not self._window_waited:
+            self._begin(now, steps)
+            return
+        self._record((steps - self._window_steps) / elapsed, now)
+        self._go(self._choose(now), now, steps)
 
-    def _next_direction(self, rate: float, last_rate: float) -> int:
+    def _record(self, steps_per_s: float, now: float) -> None:
+        last = self.measured.get(self.rung)
+        if last is not None and not self._stale(last, now):
+            steps_per_s = (last.steps_per_s + steps_per_s) / 2  # staying: smooth the noise
+        self.measured[self.rung] = Measurement(steps_per_s, now)
+
+    def _choose(self, now: float) -> int:
         tolerance = self.config.adapt_tolerance
-        if rate > last_rate * (1 + tolerance):
-            return self.direction
-        if rate < last_rate * (1 - tolerance):
-            return -self.direction
-        return 1  # level: less admission costs nothing, and protects the cache
+        neighbours = [r for r in (self.rung - 1, self.rung + 1) if 0 <= r < len(self.levels)]
+        fresh = [r for r in neighbours if r in self.measured and not self._stale(self.measured[r], now)]
+        best = self.rung
+        for rung in fresh:  # the more protective neighbour first
+            rate, best_rate = self.measured[rung].steps_per_s, self.measured[best].steps_per_s
+            if rate > best_rate * (1 + tolerance) or (rung < best and rate >= best_rate * (1 - tolerance)):
+                best = rung
+        if best != self.rung:
+            return best
+        unmeasured = [r for r in neighbours if r not in fresh]
+        return unmeasured[0] if unmeasured else self.rung
 
-    def _move(self) -> None:
-        cfg = self.config
-        target = self.weight + self.direction * cfg.adapt_step
-        self.weight = min(cfg.acting_overbook, max(cfg.acting_weight_min, target))
+    def _stale(self, measurement: Measurement, now: float) -> bool:
+        # A little over the probe interval: a probe's own window ends just after it.
+        age_limit = (self.config.adapt_probe_windows + 0.5) * self.config.adapt_window_s
+        return now - measurement.at > age_limit
+
+    def _go(self, rung: int, now: float, steps: int) -> None:
+        self.rung = rung
+        self._begin(now, steps)
 
     def _begin(self, now: float, steps: int) -> None:
         self._window_start, self._window_steps, self._window_waited = now, steps, False

@@ -53,9 +53,13 @@ class SchedulerConfig(BaseModel):
     adapt_utilization_low: float = Field(
         0.80, gt=0, le=1, description="workers busy less than this while requests wait: admit more"
     )
-    adapt_step: float = Field(0.25, gt=0, le=1, description="change of the ACTING weight per move")
+    adapt_step: float = Field(0.25, gt=0, le=1, description="ACTING weight between rungs of the ladder")
     adapt_window_s: float = Field(15.0, gt=0, description="seconds of steps/s measured per move")
     adapt_tolerance: float = Field(0.1, ge=0, lt=1, description="change of steps/s taken as level")
+    adapt_probe_windows: int = Field(8, ge=1, description="windows before a neighbouring rung is measured again")
+    adapt_open_gate: bool = Field(
+        True, description="last rung: no gate, the engine admits by its own KV cache (vLLM alone)"
+    )
 
     @model_validator(mode="after")
     def _bands_are_ordered(self) -> SchedulerConfig:
@@ -176,7 +180,7 @@ class Scheduler:
         # order key does not change until it resumes, so insertion keeps the list sorted.
         self._waiting: list[tuple[tuple[int, int, float], str]] = []
         self.counters = Counters()
-        self.tuner = AdmissionTuner(self.config, weight=self.config.acting_overbook)
+        self.tuner = AdmissionTuner(self.config)
         self._waited = False  # a request waited for admission since the last adapt()
 
     # ---- backends -------------------------------------------------------------------------
@@ -385,13 +389,19 @@ class Scheduler:
         targets = [b for b in self.backends.values() if b.schedulable]
         if not targets:
             return
-        waiting = [self.programs[program_id] for _, program_id in self._waiting]
         idle = [] if waiting_only else [p for p in self.resume_queue() if p.waiting_since is None]
-        if not waiting and not idle:
+        if not self._waiting and not idle:
             return
+        # Lazily: admission stops at the first program that does not fit, and a response
+        # triggers this pass, so it must not cost a walk over a long queue.
+        waiting: Iterable[Program] = (self.programs[program_id] for _, program_id in self._waiting)
         loads = {b.id: self._load(b, physical=False) for b in targets}
+        if self.tuner.gate_open:
+            for program in list(waiting):
+                self._place_on_roomiest(program, targets, loads)
+            waiting = ()
         if force_overdue:
-            waiting = self._force_overdue(waiting, targets, loads)
+            waiting = self._force_overdue(list(waiting), targets, loads)
         self._place_all(self._admit_in_order(waiting, targets, loads), targets, loads)
         # A program with no request waiting only reserves ahead of need: it gets room the
         # physical check leaves, never overbooked room, or the next pause pass takes it back.
@@ -413,14 +423,19 @@ class Scheduler:
         waiting = []
         for program in queue:
             if program.waiting_since is not None and program.waiting_since <= deadline:
-                backend = max(targets, key=lambda b: self._headroom(b, loads[b.id]))
-                self._place(program, backend, loads[backend.id], forced=True)
+                self._place_on_roomiest(program, targets, loads, forced=True)
             else:
                 waiting.append(program)
         return waiting
 
+    def _place_on_roomiest(
+        self, program: Program, targets: list[Backend], loads: dict[str, _Load], forced: bool = False
+    ) -> None:
+        backend = max(targets, key=lambda b: self._headroom(b, loads[b.id]))
+        self._place(program, backend, loads[backend.id], forced=forced)
+
     def _admit_in_order(
-        self, queue: list[Program], targets: list[Backend], loads: dict[str, _Load]
+        self, queue: Iterable[Program], targets: list[Backend], loads: dict[str, _Load]
     ) -> list[Program]:
         """The head of the queue that fits in the total headroom; nobody jumps the queue."""
         headroom = sum(self._headroom(b, loads[b.id]) for b in targets)
@@ -474,6 +489,8 @@ class Scheduler:
         self._emit(EventKind.RESUMED, program, forced=forced)
 
     def _pause_overfull(self) -> None:
+        if self.tuner.gate_open:
+            return  # the engine admits by its own cache: a pause would only delay a request
         cfg = self.config
         for backend in self.backends.values():
             if backend.capacity is None:
