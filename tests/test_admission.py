@@ -53,11 +53,39 @@ def test_admission_law(windows, expected) -> None:
     assert levels_after(tuner(), windows) == pytest.approx(expected)
 
 
-def test_best_rung_probes_its_neighbour_again_after_the_probe_interval() -> None:
-    levels = levels_after(tuner(), busy(10, 8, *[10] * 10))
-    assert levels[:3] == [0.75, 1.0, 1.0]
-    assert levels.count(0.75) == 2, "one probe of 0.75 after eight windows, then back"
-    assert levels[-1] == 1.0
+def run_on_plant(law: AdmissionTuner, steps_per_s: dict[float | None, float], windows: int) -> list[float | None]:
+    """The law against a load whose steps/s depend only on the level; the levels it chose."""
+    now, steps, levels = 0.0, 0, []
+    law.observe(now, steps, BUSY, False)
+    for _ in range(windows):
+        now += WINDOW_S
+        steps += round(steps_per_s[law.levels[law.rung]] * WINDOW_S)
+        law.observe(now, steps, BUSY, True)
+        levels.append(law.levels[law.rung])
+    return levels
+
+
+@pytest.mark.parametrize(
+    ("plant", "best"),
+    [
+        pytest.param({1.0: 10, 0.75: 8, 0.5: 7, 0.25: 6, 0.0: 5, OPEN: 4}, 1.0, id="recompute dear: the reference policy"),
+        pytest.param({1.0: 4, 0.75: 5, 0.5: 6, 0.25: 7, 0.0: 8, OPEN: 10}, OPEN, id="recompute cheap: the open gate"),
+        pytest.param({1.0: 6, 0.75: 8, 0.5: 10, 0.25: 8, 0.0: 7, OPEN: 6}, 0.5, id="an interior optimum"),
+        pytest.param({1.0: 10, 0.75: 10, 0.5: 10.2, 0.25: 10, 0.0: 10, OPEN: 10}, 1.0, id="flat: protection"),
+    ],
+)
+def test_law_settles_on_the_best_rung_and_rarely_leaves_it(plant, best) -> None:
+    levels = run_on_plant(tuner(), plant, windows=200)
+    settled = levels[20:]
+    assert settled[-1] == best
+    assert settled.count(best) / len(settled) >= 0.9, "probes cost at most one window in ten"
+
+
+def test_probes_that_find_nothing_better_get_rarer() -> None:
+    levels = run_on_plant(tuner(), {1.0: 10, 0.75: 8, 0.5: 7, 0.25: 6, 0.0: 5, OPEN: 4}, windows=120)
+    probes = [i for i, level in enumerate(levels) if level == 0.75]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] > gaps[0], f"probe windows {probes}"
 
 
 def test_without_the_open_gate_the_last_rung_is_the_floor() -> None:
@@ -69,8 +97,9 @@ def test_without_the_open_gate_the_last_rung_is_the_floor() -> None:
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        ({}, [1.0, 0.75, 0.5, 0.25, 0.0, OPEN]),
-        ({"acting_overbook": 0.8, "acting_weight_min": 0.3, "adapt_open_gate": False}, [0.8, 0.55, 0.3]),
+        ({}, [1.0, 0.5, 0.0, OPEN]),
+        ({"adapt_step": 0.25}, [1.0, 0.75, 0.5, 0.25, 0.0, OPEN]),
+        ({"acting_overbook": 0.8, "acting_weight_min": 0.3, "adapt_step": 0.25, "adapt_open_gate": False}, [0.8, 0.55, 0.3]),
         ({"adapt_step": 0.4}, [1.0, 0.6, 0.2, 0.0, OPEN]),
     ],
 )

@@ -426,16 +426,17 @@ def test_room_left_by_a_response_goes_to_the_waiting_queue_at_once() -> None:
     assert sched.programs["waiter"].status is Status.ACTIVE
 
 
-def test_busy_engine_keeps_lowering_the_weight_while_steps_per_second_rise() -> None:
+def test_busy_engine_lowers_the_weight_while_steps_per_second_rise_until_the_queue_moves() -> None:
     sched, clock, _ = make(adapt_window_s=10)
     run_step(sched, "holder", 800)
-    sched.on_request("waiter", 850)  # fits only at a weight under 0.25
+    sched.on_request("waiter", 850)  # fits only at weight 0
     for responses in (10, 20, 30, 40):  # each window more steps than the one before (the first starts the count)
         for i in range(responses):
             run_step(sched, f"worker-{i}", 1)
         clock.advance(10)
         sched.adapt(utilization=1.0)
-    assert sched.acting_weight == pytest.approx(0.25)
+    assert sched.acting_weight == 0.0
+    assert sched.programs["waiter"].status is Status.ACTIVE
 
 
 def test_open_gate_admits_every_waiting_request_and_pauses_nobody() -> None:

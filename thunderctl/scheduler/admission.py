@@ -44,7 +44,9 @@ class AdmissionTuner:
     - the law moves to a neighbouring rung measured better by more than `adapt_tolerance`,
       or measured level with it and more protective (ties go to the cache);
     - when the rung it is on is the best known, it probes a neighbour that was never measured
-      or not for `adapt_probe_windows` windows, so a changed load is noticed;
+      or not for `adapt_probe_windows` windows, so a changed load is noticed; each probe that
+      finds the neighbour no better doubles that wait (up to 4x), so a settled load pays for
+      few probes;
     - a tick in which requests waited while the workers were busy less than
       `adapt_utilization_low` of the time goes one rung down at once: reservations held
       capacity that nobody used, nothing needs measuring.
@@ -57,6 +59,8 @@ class AdmissionTuner:
     levels: list[float | None] = field(init=False)
     rung: int = 0
     measured: dict[int, Measurement] = field(default_factory=dict)
+    patience: dict[int, int] = field(default_factory=dict)  # windows before a rung is probed again
+    _probed_from: int | None = None
     _window_start: float | None = None
     _window_steps: int = 0
     _window_waited: bool = False
@@ -79,6 +83,7 @@ class AdmissionTuner:
         if self._window_start is None:
             self._begin(now, steps)
         if waited and utilization < cfg.adapt_utilization_low:
+            self._probed_from = None
             self._go(min(self.rung + 1, len(self.levels) - 1), now, steps)
             return
         self._window_waited |= waited or self.gate_open
@@ -89,32 +94,41 @@ class AdmissionTuner:
             self._begin(now, steps)
             return
         self._record((steps - self._window_steps) / elapsed, now)
-        self._go(self._choose(now), now, steps)
+        rung, probing = self._choose(now)
+        if self._probed_from is not None:  # this window was a probe: did it find better?
+            if rung == self._probed_from:
+                base = cfg.adapt_probe_windows
+                self.patience[self.rung] = min(2 * self.patience.get(self.rung, base), 4 * base)
+            else:
+                self.patience.clear()
+        self._probed_from = self.rung if probing else None
+        self._go(rung, now, steps)
 
     def _record(self, steps_per_s: float, now: float) -> None:
         last = self.measured.get(self.rung)
-        if last is not None and not self._stale(last, now):
+        if last is not None and not self._stale(self.rung, now):
             steps_per_s = (last.steps_per_s + steps_per_s) / 2  # staying: smooth the noise
         self.measured[self.rung] = Measurement(steps_per_s, now)
 
-    def _choose(self, now: float) -> int:
+    def _choose(self, now: float) -> tuple[int, bool]:
+        """The next rung, and whether going there is a probe."""
         tolerance = self.config.adapt_tolerance
         neighbours = [r for r in (self.rung - 1, self.rung + 1) if 0 <= r < len(self.levels)]
-        fresh = [r for r in neighbours if r in self.measured and not self._stale(self.measured[r], now)]
+        fresh = [r for r in neighbours if r in self.measured and not self._stale(r, now)]
         best = self.rung
         for rung in fresh:  # the more protective neighbour first
             rate, best_rate = self.measured[rung].steps_per_s, self.measured[best].steps_per_s
             if rate > best_rate * (1 + tolerance) or (rung < best and rate >= best_rate * (1 - tolerance)):
                 best = rung
         if best != self.rung:
-            return best
+            return best, False
         unmeasured = [r for r in neighbours if r not in fresh]
-        return unmeasured[0] if unmeasured else self.rung
+        return (unmeasured[0], True) if unmeasured else (self.rung, False)
 
-    def _stale(self, measurement: Measurement, now: float) -> bool:
+    def _stale(self, rung: int, now: float) -> bool:
+        windows = self.patience.get(rung, self.config.adapt_probe_windows)
         # A little over the probe interval: a probe's own window ends just after it.
-        age_limit = (self.config.adapt_probe_windows + 0.5) * self.config.adapt_window_s
-        return now - measurement.at > age_limit
+        return now - self.measured[rung].at > (windows + 0.5) * self.config.adapt_window_s
 
     def _go(self, rung: int, now: float, steps: int) -> None:
         self.rung = rung

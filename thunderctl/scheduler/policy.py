@@ -53,7 +53,7 @@ class SchedulerConfig(BaseModel):
     adapt_utilization_low: float = Field(
         0.80, gt=0, le=1, description="workers busy less than this while requests wait: admit more"
     )
-    adapt_step: float = Field(0.25, gt=0, le=1, description="ACTING weight between rungs of the ladder")
+    adapt_step: float = Field(0.5, gt=0, le=1, description="ACTING weight between rungs of the ladder")
     adapt_window_s: float = Field(15.0, gt=0, description="seconds of steps/s measured per move")
     adapt_tolerance: float = Field(0.1, ge=0, lt=1, description="change of steps/s taken as level")
     adapt_probe_windows: int = Field(8, ge=1, description="windows before a neighbouring rung is measured again")
@@ -74,6 +74,10 @@ class SchedulerConfig(BaseModel):
                 f"({self.pause_threshold}), or a resumed program is paused again at once"
             )
         return self
+
+
+def _level(level: float | None) -> str:
+    return "open gate" if level is None else f"ACTING weight {level:g}"
 
 
 class EventKind(StrEnum):
@@ -310,7 +314,11 @@ class Scheduler:
         waited = self._waited or bool(self._waiting)
         self._waited = False
         if self.config.adaptive:
+            before = self.tuner.levels[self.tuner.rung]
             self.tuner.observe(self.clock(), self.counters.steps, utilization, waited)
+            after = self.tuner.levels[self.tuner.rung]
+            if after != before:
+                log.info("admission: %s -> %s (workers busy %.0f%%)", _level(before), _level(after), 100 * utilization)
 
     def tick(self) -> None:
         """Expire idle programs, then resume, then pause (so nothing resumes the tick it paused).
