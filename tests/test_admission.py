@@ -47,6 +47,7 @@ def busy(*rates: float) -> list[tuple[float, float, bool]]:
         pytest.param(busy(10, 12, 15, 19, 24, 30), [0.75, 0.5, 0.25, 0.0, OPEN, OPEN], id="down to the open gate"),
         pytest.param(busy(10, 12, 15, 19, 24) + [(30, BUSY, False)], [0.75, 0.5, 0.25, 0.0, OPEN, OPEN], id="open gate measures without waiting"),
         pytest.param([(10, BUSY, True), (10, BUSY, False), (12, BUSY, True)], [0.75, 0.75, 0.5], id="a window without waiting moves nothing"),
+        pytest.param([(10, IDLE, True), (10, BUSY, True), (10, BUSY, True)], [0.75, 0.5, 0.75], id="a starved rung is not probed again soon"),
     ],
 )
 def test_admission_law(windows, expected) -> None:

@@ -49,7 +49,8 @@ class AdmissionTuner:
       few probes;
     - a tick in which requests waited while the workers were busy less than
       `adapt_utilization_low` of the time goes one rung down at once: reservations held
-      capacity that nobody used, nothing needs measuring.
+      capacity that nobody used, nothing needs measuring. The rung left counts as measured
+      at 0 steps/s until that reading is stale.
 
     Windows in which nobody waited (and the gate was shut) move nothing: the level constrains
     nothing then.
@@ -83,6 +84,9 @@ class AdmissionTuner:
         if self._window_start is None:
             self._begin(now, steps)
         if waited and utilization < cfg.adapt_utilization_low:
+            # Starving the engines is the worst a rung can do: it is not probed again until
+            # this reading is stale.
+            self.measured[self.rung] = Measurement(0.0, now)
             self._probed_from = None
             self._go(min(self.rung + 1, len(self.levels) - 1), now, steps)
             return
