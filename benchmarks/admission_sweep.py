@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     ]
     gateways = {
         name: ServeProcess([engines[0].url], ["--tick-interval", str(args.tick_interval), *extra], args.log_dir / f"{name}.log")
-        for name, extra in (("reference", ["--no-adaptive"]), ("adaptive", ["--adapt-window", str(args.adapt_window)]))
+        for name, extra in (("reference", ["--no-adaptive"]), ("adaptive", ["--adapt-window", str(args.adapt_window), "--verbose"]))
     }
     points: dict[int, dict[str, LoadResult]] = {}
     try:
