@@ -5,6 +5,9 @@ no-recompute limit, at each concurrency, in one run.
     python benchmarks/admission_sweep.py --kv-blocks 64          # a small cache (8,192 tokens)
     python benchmarks/admission_sweep.py --quick                 # 8,32, one 40 s slice per arm
 
+The report ends with the overhead figures of benchmarks/overhead.py: what the gateway adds
+per request against an instant backend, and the tick's cost at 10,000 programs x 64 backends.
+
 Engine A has the cache under test; the `direct`, `reference` (`serve --no-adaptive`) and
 `adaptive` arms share it, interleaved in slices so machine drift falls on all three. Engine B
 has a cache four times larger than anything the load can fill (`--limit-kv-blocks`): the
@@ -21,6 +24,7 @@ import time
 from pathlib import Path
 
 from local_stack import ENGINE_START_TIMEOUT_S, EngineSettings, start_engine
+from overhead import gateway_latency, tick_cost
 from rich.console import Console
 from rich.table import Table
 
@@ -45,6 +49,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--adapt-window", type=float, default=10.0, help="The adaptive arm's seconds per move.")
     parser.add_argument("--out", type=Path, default=Path("results/admission_sweep.json"))
     parser.add_argument("--log-dir", type=Path, default=Path("results/logs-sweep"))
+    parser.add_argument("--overhead-requests", type=int, default=2000, help="Requests timed for the gateway's overhead (0: skip).")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
     if args.quick:
@@ -126,10 +131,20 @@ def main(argv: list[str] | None = None) -> None:
             engine.stop()
     capacity = args.kv_blocks * args.block_size
     console.print(table(points, capacity))
+    overhead = {}
+    if args.overhead_requests:
+        with console.status("measuring the gateway's overhead and the tick's cost"):
+            overhead = {"gateway": gateway_latency(args.overhead_requests), "tick": tick_cost()}
+        gateway, tick = overhead["gateway"], overhead["tick"]
+        console.print(
+            f"gateway adds {gateway['added_p50_ms']:.2f} ms p50 / {gateway['added_p99_ms']:.2f} ms p99 per request; "
+            f"tick at {tick['programs']:,} programs x {tick['backends']} backends: {tick['tick_p50_ms']:.1f} ms p50"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "benchmark": "admission_sweep", "kv_capacity_tokens": capacity, "wall_s": time.monotonic() - started,
         "points": {c: {arm: r.summary() for arm, r in results.items()} for c, results in points.items()},
+        "overhead": overhead,
     }  # fmt: skip
     args.out.write_text(json.dumps(report, indent=2, default=str) + "\n")
     console.print(f"wrote {args.out}")

@@ -24,7 +24,7 @@ def levels_after(law: AdmissionTuner, windows: list[tuple[float, float, bool]]) 
     for steps_per_s, utilization, waited in windows:
         now += WINDOW_S
         steps += round(steps_per_s * WINDOW_S)
-        law.observe(now, steps, utilization, waited)
+        law.observe(now, steps, utilization, waited, waited_throughout=waited)
         levels.append(law.levels[law.rung])
     return levels
 
@@ -61,7 +61,7 @@ def run_on_plant(law: AdmissionTuner, steps_per_s: dict[float | None, float], wi
     for _ in range(windows):
         now += WINDOW_S
         steps += round(steps_per_s[law.levels[law.rung]] * WINDOW_S)
-        law.observe(now, steps, BUSY, True)
+        law.observe(now, steps, BUSY, True, waited_throughout=True)
         levels.append(law.levels[law.rung])
     return levels
 
@@ -106,6 +106,21 @@ def test_without_the_open_gate_the_last_rung_is_the_floor() -> None:
 )
 def test_ladder_runs_from_the_ceiling_to_the_floor(overrides, expected) -> None:
     assert admission_levels(SchedulerConfig(**overrides)) == pytest.approx(expected)
+
+
+def test_idle_workers_while_a_load_arrives_are_not_starvation() -> None:
+    law = tuner()
+    law.observe(0.0, 0, BUSY, False)
+    law.observe(1.0, 0, IDLE, waited=True, waited_throughout=False)  # the queue filled this tick
+    assert law.weight == 1.0
+
+
+def test_open_gate_without_load_measures_nothing() -> None:
+    law = tuner()
+    law.rung = len(law.levels) - 1
+    law.observe(0.0, 0, BUSY, False)
+    law.observe(WINDOW_S, 0, 0.0, False)  # a quiet window: 0 steps/s is no evidence against it
+    assert law.gate_open and not law.measured
 
 
 def test_nothing_moves_before_a_window_has_passed() -> None:

@@ -412,8 +412,8 @@ def test_idle_engine_with_waiting_requests_admits_more_programs() -> None:
     sched, _, _ = make()
     run_step(sched, "holder", 800)  # ACTING, holding most of the cache
     assert sched.on_request("waiter", 300) is None
-    sched.adapt(utilization=0.2)
-    sched.adapt(utilization=0.2)  # weight 0.5: 0.5 x 800 + 300 fits under 900
+    sched.adapt(utilization=0.2)  # the queue filled during this tick: not yet starvation
+    sched.adapt(utilization=0.2)  # waited through a tick of idle workers: weight 0.5, 400 + 300 fits
     sched.tick()
     assert sched.programs["waiter"].status is Status.ACTIVE
 

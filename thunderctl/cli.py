@@ -21,6 +21,7 @@ from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
+from thunderctl import aio
 from thunderctl.bench.cli import bench_app
 from thunderctl.cluster.lifecycle import (
     follow_lines,
@@ -187,7 +188,7 @@ def serve(
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         try:
             recorder = TraceRecorder(record_trace) if record_trace else None
-            asyncio.run(serve_gateway(Gateway(upstreams, config, recorder=recorder), host, port, ready))
+            aio.run(serve_gateway(Gateway(upstreams, config, recorder=recorder), host, port, ready))
         except BackendUnreachable as exc:
             raise fail(str(exc)) from exc
         except KeyboardInterrupt:

@@ -12,6 +12,7 @@ from pathlib import Path
 import uvicorn
 from starlette.types import Receive, Scope, Send
 
+from thunderctl import aio
 from thunderctl.cluster.state import ClusterState
 from thunderctl.daemon.control import build_control_app
 from thunderctl.gateway import Gateway, Upstream, build_app
@@ -131,7 +132,7 @@ def main(state_dir: Path) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     state = ClusterState.load(state_dir)
     log.info("daemon of cluster %s starting (pid %d)", state.cluster, os.getpid())
-    asyncio.run(Daemon(state).run())
+    aio.run(Daemon(state).run())
     log.info("daemon of cluster %s stopped", state.cluster)
 
 

@@ -39,15 +39,15 @@ class AdmissionTuner:
     `acting_weight_min`, then the open gate. Whether more admission adds steps or only
     recompute cannot be read off utilisation, so it is measured, one rung at a time:
 
-    - every `adapt_window_s` in which requests waited for admission (or the gate was open),
-      the steps/s of the rung are recorded;
+    - every `adapt_window_s` in which requests waited for admission (or, behind the open
+      gate, any step was served), the steps/s of the rung are recorded;
     - the law moves to a neighbouring rung measured better by more than `adapt_tolerance`,
       or measured level with it and more protective (ties go to the cache);
     - when the rung it is on is the best known, it probes a neighbour that was never measured
       or not for `adapt_probe_windows` windows, so a changed load is noticed; each probe that
       finds the neighbour no better doubles that wait (up to 4x), so a settled load pays for
       few probes;
-    - a tick in which requests waited while the workers were busy less than
+    - a tick through which requests waited while the workers were busy less than
       `adapt_utilization_low` of the time goes one rung down at once: reservations held
       capacity that nobody used, nothing needs measuring. The rung left counts as measured
       at 0 steps/s until that reading is stale.
@@ -78,19 +78,25 @@ class AdmissionTuner:
         level = self.levels[self.rung]
         return self.config.acting_weight_min if level is OPEN else level
 
-    def observe(self, now: float, steps: int, utilization: float, waited: bool) -> None:
-        """One tick: `steps` is the running count of responses."""
+    def observe(
+        self, now: float, steps: int, utilization: float, waited: bool, waited_throughout: bool = False
+    ) -> None:
+        """One tick: `steps` is the running count of responses; `waited`, whether a request
+        waited for admission during the tick; `waited_throughout`, whether the queue was
+        never empty in it (only then does idleness of the workers mean the gate starved them,
+        rather than a load that is just arriving)."""
         cfg = self.config
         if self._window_start is None:
             self._begin(now, steps)
-        if waited and utilization < cfg.adapt_utilization_low:
+        if waited_throughout and utilization < cfg.adapt_utilization_low:
             # Starving the engines is the worst a rung can do: it is not probed again until
             # this reading is stale.
             self.measured[self.rung] = Measurement(0.0, now)
             self._probed_from = None
             self._go(min(self.rung + 1, len(self.levels) - 1), now, steps)
             return
-        self._window_waited |= waited or self.gate_open
+        # Behind an open gate nobody waits: any step means there was load to measure.
+        self._window_waited |= waited or (self.gate_open and steps > self._window_steps)
         elapsed = now - self._window_start  # type: ignore[operator]
         if elapsed < cfg.adapt_window_s:
             return

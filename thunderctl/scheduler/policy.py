@@ -186,6 +186,7 @@ class Scheduler:
         self.counters = Counters()
         self.tuner = AdmissionTuner(self.config)
         self._waited = False  # a request waited for admission since the last adapt()
+        self._waiting_at_adapt = False
 
     # ---- backends -------------------------------------------------------------------------
 
@@ -311,11 +312,12 @@ class Scheduler:
 
     def adapt(self, utilization: float) -> None:
         """Feed the workers' busy fraction over the last period (0-1) to the admission law."""
-        waited = self._waited or bool(self._waiting)
-        self._waited = False
+        waiting = bool(self._waiting)
+        waited, waited_throughout = self._waited or waiting, waiting and self._waiting_at_adapt
+        self._waited, self._waiting_at_adapt = False, waiting
         if self.config.adaptive:
             before = self.tuner.levels[self.tuner.rung]
-            self.tuner.observe(self.clock(), self.counters.steps, utilization, waited)
+            self.tuner.observe(self.clock(), self.counters.steps, utilization, waited, waited_throughout)
             after = self.tuner.levels[self.tuner.rung]
             if after != before:
                 log.info("admission: %s -> %s (workers busy %.0f%%)", _level(before), _level(after), 100 * utilization)
