@@ -1,6 +1,9 @@
-"""The adaptive admission law (docs/admission.md), window by window on a fake clock."""
+"""The adaptive admission law (docs/admission.md) against simulated loads, tick by tick on a
+fake clock: each load gives steps/s (and worker utilisation) as a function of the level."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 
@@ -8,91 +11,110 @@ from thunderctl.scheduler import SchedulerConfig
 from thunderctl.scheduler.admission import OPEN, AdmissionTuner, admission_levels
 
 WINDOW_S = 10.0
-BUSY, IDLE = 1.0, 0.3
+Level = float | None
 
 
 def tuner(**overrides) -> AdmissionTuner:
-    settings = dict(adapt_window_s=WINDOW_S, adapt_step=0.25, adapt_tolerance=0.1, adapt_probe_windows=8)
+    settings = dict(adapt_window_s=WINDOW_S, adapt_tolerance=0.1, adapt_probe_windows=8)
     return AdmissionTuner(SchedulerConfig(**(settings | overrides)))
 
 
-def levels_after(law: AdmissionTuner, windows: list[tuple[float, float, bool]]) -> list[float | None]:
-    """Each window: (steps per second, utilisation, whether requests waited); returns the
-    level after each (an ACTING weight, or OPEN)."""
-    now, steps, levels = 0.0, 0, []
-    law.observe(now, steps, BUSY, False)
-    for steps_per_s, utilization, waited in windows:
-        now += WINDOW_S
-        steps += round(steps_per_s * WINDOW_S)
-        law.observe(now, steps, utilization, waited, waited_throughout=waited)
-        levels.append(law.levels[law.rung])
+def simulate(
+    law: AdmissionTuner,
+    steps_per_s: dict[Level, float],
+    seconds: int,
+    busy: Callable[[Level], float] = lambda level: 1.0,
+    waiting: bool = True,
+) -> list[Level]:
+    """One tick a second; returns the level the law was at in each second."""
+    steps, levels = 0.0, []
+    law.observe(0.0, 0, 1.0, False)
+    for now in range(1, seconds + 1):
+        level = law.levels[law.rung]
+        steps += steps_per_s[level]
+        law.observe(float(now), round(steps), busy(level), waiting, waited_throughout=waiting)
+        levels.append(level)
     return levels
 
 
-def busy(*rates: float) -> list[tuple[float, float, bool]]:
-    return [(rate, BUSY, True) for rate in rates]
+def moves(levels: list[Level]) -> list[Level]:
+    """The levels the law went to, in order."""
+    return [b for a, b in zip(levels, levels[1:]) if a != b]
+
+
+DEAR = {1.0: 10, 0.5: 8, 0.0: 6, OPEN: 5}  # recompute dear: protecting the cache wins
+CHEAP = {1.0: 4, 0.5: 5, 0.0: 6, OPEN: 10}  # recompute cheap: the engine alone wins
+INTERIOR = {1.0: 6, 0.5: 10, 0.0: 7, OPEN: 6}
+FLAT = {1.0: 10, 0.5: 10.3, 0.0: 10, OPEN: 10}
 
 
 @pytest.mark.parametrize(
-    ("windows", "expected"),
+    ("load", "first_moves"),
     [
-        pytest.param([(10, BUSY, False)] * 3, [1.0, 1.0, 1.0], id="nobody waits: full protection holds"),
-        pytest.param([(10, IDLE, True)] * 2, [0.75, 0.5], id="engines idle while requests wait: a rung down at once"),
-        pytest.param(busy(10), [0.75], id="first measured window: probe the next rung"),
-        pytest.param(busy(10, 12), [0.75, 0.5], id="more admission measured better: go on"),
-        pytest.param(busy(10, 8), [0.75, 1.0], id="measured worse: back"),
-        pytest.param(busy(10, 10.5), [0.75, 1.0], id="measured level: back to protection"),
-        pytest.param(busy(10, 8, 10, 10), [0.75, 1.0, 1.0, 1.0], id="the best known rung holds"),
-        pytest.param(busy(10, 12, 11), [0.75, 0.5, 0.75], id="an interior best rung is found"),
-        pytest.param(busy(10, 12, 15, 19, 24, 30), [0.75, 0.5, 0.25, 0.0, OPEN, OPEN], id="down to the open gate"),
-        pytest.param(busy(10, 12, 15, 19, 24) + [(30, BUSY, False)], [0.75, 0.5, 0.25, 0.0, OPEN, OPEN], id="open gate measures without waiting"),
-        pytest.param([(10, BUSY, True), (10, BUSY, False), (12, BUSY, True)], [0.75, 0.75, 0.5], id="a window without waiting moves nothing"),
-        pytest.param([(10, IDLE, True), (10, BUSY, True), (10, BUSY, True)], [0.75, 0.5, 0.75], id="a starved rung is not probed again soon"),
+        pytest.param(DEAR, [0.5, 1.0], id="the probed rung is worse: back"),
+        pytest.param(CHEAP, [0.5, 0.0, OPEN], id="each rung down is better: on to the open gate"),
+        pytest.param(INTERIOR, [0.5, 0.0, 0.5], id="an interior best rung is found"),
+        pytest.param(FLAT, [0.5, 1.0], id="level: back to protection"),
     ],
 )
-def test_admission_law(windows, expected) -> None:
-    assert levels_after(tuner(), windows) == pytest.approx(expected)
-
-
-def run_on_plant(law: AdmissionTuner, steps_per_s: dict[float | None, float], windows: int) -> list[float | None]:
-    """The law against a load whose steps/s depend only on the level; the levels it chose."""
-    now, steps, levels = 0.0, 0, []
-    law.observe(now, steps, BUSY, False)
-    for _ in range(windows):
-        now += WINDOW_S
-        steps += round(steps_per_s[law.levels[law.rung]] * WINDOW_S)
-        law.observe(now, steps, BUSY, True, waited_throughout=True)
-        levels.append(law.levels[law.rung])
-    return levels
+def test_law_climbs_towards_more_steps(load, first_moves) -> None:
+    assert moves(simulate(tuner(), load, 120))[: len(first_moves)] == first_moves
 
 
 @pytest.mark.parametrize(
-    ("plant", "best"),
+    ("load", "best"),
     [
-        pytest.param({1.0: 10, 0.75: 8, 0.5: 7, 0.25: 6, 0.0: 5, OPEN: 4}, 1.0, id="recompute dear: the reference policy"),
-        pytest.param({1.0: 4, 0.75: 5, 0.5: 6, 0.25: 7, 0.0: 8, OPEN: 10}, OPEN, id="recompute cheap: the open gate"),
-        pytest.param({1.0: 6, 0.75: 8, 0.5: 10, 0.25: 8, 0.0: 7, OPEN: 6}, 0.5, id="an interior optimum"),
-        pytest.param({1.0: 10, 0.75: 10, 0.5: 10.2, 0.25: 10, 0.0: 10, OPEN: 10}, 1.0, id="flat: protection"),
+        pytest.param(DEAR, 1.0, id="recompute dear: the reference policy"),
+        pytest.param(CHEAP, OPEN, id="recompute cheap: the open gate"),
+        pytest.param(INTERIOR, 0.5, id="an interior optimum"),
+        pytest.param(FLAT, 1.0, id="flat: protection"),
     ],
 )
-def test_law_settles_on_the_best_rung_and_rarely_leaves_it(plant, best) -> None:
-    levels = run_on_plant(tuner(), plant, windows=200)
-    settled = levels[20:]
+def test_law_settles_on_the_best_rung_and_rarely_leaves_it(load, best) -> None:
+    settled = simulate(tuner(), load, 3000)[300:]
     assert settled[-1] == best
-    assert settled.count(best) / len(settled) >= 0.9, "probes cost at most one window in ten"
+    assert settled.count(best) / len(settled) >= 0.9, "probes cost at most one second in ten"
+
+
+def test_nobody_waiting_moves_nothing() -> None:
+    assert moves(simulate(tuner(), CHEAP, 120, waiting=False)) == []
+
+
+def test_starved_workers_take_the_law_a_rung_down_at_once() -> None:
+    levels = simulate(tuner(), DEAR, 3, busy=lambda level: 0.3 if level == 1.0 else 1.0)
+    assert levels[:2] == [1.0, 0.5]
+
+
+def test_a_starved_rung_is_not_probed_again_soon() -> None:
+    levels = simulate(tuner(), DEAR, 60, busy=lambda level: 0.3 if level == 1.0 else 1.0)
+    assert levels[2:].count(1.0) == 0
+
+
+def test_idle_workers_while_a_load_arrives_are_not_starvation() -> None:
+    law = tuner()
+    law.observe(0.0, 0, 1.0, False)
+    law.observe(1.0, 0, 0.3, waited=True, waited_throughout=False)  # the queue filled this tick
+    assert law.weight == 1.0
+
+
+def test_open_gate_without_load_measures_nothing() -> None:
+    law = tuner()
+    law.rung = len(law.levels) - 1
+    simulate(law, {OPEN: 0.0}, 30, waiting=False)
+    assert law.gate_open and not law.measured
 
 
 def test_probes_that_find_nothing_better_get_rarer() -> None:
-    levels = run_on_plant(tuner(), {1.0: 10, 0.75: 8, 0.5: 7, 0.25: 6, 0.0: 5, OPEN: 4}, windows=120)
-    probes = [i for i, level in enumerate(levels) if level == 0.75]
-    gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert gaps == sorted(gaps) and gaps[-1] > gaps[0], f"probe windows {probes}"
+    levels = simulate(tuner(), DEAR, 1500)
+    starts = [i for i in range(1, len(levels)) if levels[i] == 0.5 and levels[i - 1] == 1.0]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] > gaps[0], f"probes began at {starts}"
 
 
 def test_without_the_open_gate_the_last_rung_is_the_floor() -> None:
     law = tuner(adapt_open_gate=False, acting_weight_min=0.5)
-    assert levels_after(law, [(10, IDLE, True)] * 4)[-1] == 0.5
-    assert not law.gate_open
+    simulate(law, {1.0: 4, 0.5: 10}, 60, busy=lambda level: 0.3)
+    assert law.weight == 0.5 and not law.gate_open
 
 
 @pytest.mark.parametrize(
@@ -106,25 +128,3 @@ def test_without_the_open_gate_the_last_rung_is_the_floor() -> None:
 )
 def test_ladder_runs_from_the_ceiling_to_the_floor(overrides, expected) -> None:
     assert admission_levels(SchedulerConfig(**overrides)) == pytest.approx(expected)
-
-
-def test_idle_workers_while_a_load_arrives_are_not_starvation() -> None:
-    law = tuner()
-    law.observe(0.0, 0, BUSY, False)
-    law.observe(1.0, 0, IDLE, waited=True, waited_throughout=False)  # the queue filled this tick
-    assert law.weight == 1.0
-
-
-def test_open_gate_without_load_measures_nothing() -> None:
-    law = tuner()
-    law.rung = len(law.levels) - 1
-    law.observe(0.0, 0, BUSY, False)
-    law.observe(WINDOW_S, 0, 0.0, False)  # a quiet window: 0 steps/s is no evidence against it
-    assert law.gate_open and not law.measured
-
-
-def test_nothing_moves_before_a_window_has_passed() -> None:
-    law = tuner()
-    law.observe(0.0, 0, BUSY, True)
-    law.observe(WINDOW_S / 2, 50, BUSY, True)
-    assert law.weight == 1.0

@@ -409,11 +409,13 @@ def test_requeued_program_resumes_on_a_healthy_backend_first_in_line() -> None:
 
 
 def test_idle_engine_with_waiting_requests_admits_more_programs() -> None:
-    sched, _, _ = make()
+    sched, clock, _ = make()
     run_step(sched, "holder", 800)  # ACTING, holding most of the cache
     assert sched.on_request("waiter", 300) is None
-    sched.adapt(utilization=0.2)  # the queue filled during this tick: not yet starvation
-    sched.adapt(utilization=0.2)  # waited through a tick of idle workers: weight 0.5, 400 + 300 fits
+    for _ in range(2):  # the queue filled in the first tick; the second it waited throughout
+        clock.advance(1)
+        sched.adapt(utilization=0.2)
+    assert sched.acting_weight == 0.5  # 400 + 300 fits under 900
     sched.tick()
     assert sched.programs["waiter"].status is Status.ACTIVE
 
@@ -430,10 +432,11 @@ def test_busy_engine_lowers_the_weight_while_steps_per_second_rise_until_the_que
     sched, clock, _ = make(adapt_window_s=10)
     run_step(sched, "holder", 800)
     sched.on_request("waiter", 850)  # fits only at weight 0
-    for responses in (10, 20, 30, 40):  # each window more steps than the one before (the first starts the count)
-        for i in range(responses):
+    responses_per_s = {1.0: 2, 0.5: 4, 0.0: 8}  # a load that more admission speeds up
+    for _ in range(60):
+        for i in range(responses_per_s[sched.acting_weight]):
             run_step(sched, f"worker-{i}", 1)
-        clock.advance(10)
+        clock.advance(1)
         sched.adapt(utilization=1.0)
     assert sched.acting_weight == 0.0
     assert sched.programs["waiter"].status is Status.ACTIVE

@@ -52,8 +52,9 @@ class AdmissionTuner:
       capacity that nobody used, nothing needs measuring. The rung left counts as measured
       at 0 steps/s until that reading is stale.
 
-    Windows in which nobody waited (and the gate was shut) move nothing: the level constrains
-    nothing then.
+    After a move, half a window passes uncounted before the next window starts: the programs
+    the move admitted or held back reach the engine's pace first. Windows in which nobody
+    waited (and the gate was shut) move nothing: the level constrains nothing then.
     """
 
     config: SchedulerConfig
@@ -88,6 +89,9 @@ class AdmissionTuner:
         cfg = self.config
         if self._window_start is None:
             self._begin(now, steps)
+        if now <= self._window_start:  # settling after a move: the load has not followed yet
+            self._window_steps = steps
+            return
         if waited_throughout and utilization < cfg.adapt_utilization_low:
             # Starving the engines is the worst a rung can do: it is not probed again until
             # this reading is stale.
@@ -141,8 +145,13 @@ class AdmissionTuner:
         return now - self.measured[rung].at > (windows + 0.5) * self.config.adapt_window_s
 
     def _go(self, rung: int, now: float, steps: int) -> None:
+        if rung == self.rung:
+            self._begin(now, steps)
+            return
         self.rung = rung
-        self._begin(now, steps)
+        # Programs admitted (or held back) by the move take a while to reach the engine's
+        # pace: counting them at once would bias every comparison against the move.
+        self._begin(now + self.config.adapt_window_s / 2, steps)
 
     def _begin(self, now: float, steps: int) -> None:
         self._window_start, self._window_steps, self._window_waited = now, steps, False
