@@ -15,7 +15,7 @@ Level = float | None
 
 
 def tuner(**overrides) -> AdmissionTuner:
-    settings = dict(adapt_window_s=WINDOW_S, adapt_tolerance=0.1, adapt_probe_windows=8)
+    settings = dict(adapt_window_s=WINDOW_S, adapt_settle_s=5.0, adapt_tolerance=0.1, adapt_probe_windows=8)
     return AdmissionTuner(SchedulerConfig(**(settings | overrides)))
 
 

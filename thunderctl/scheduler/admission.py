@@ -28,7 +28,7 @@ def admission_levels(config: SchedulerConfig) -> list[float | None]:
 @dataclass(frozen=True)
 class Measurement:
     steps_per_s: float
-    at: float
+    window: int  # the law's count of windows with load when it was taken
 
 
 @dataclass
@@ -52,9 +52,11 @@ class AdmissionTuner:
       capacity that nobody used, nothing needs measuring. The rung left counts as measured
       at 0 steps/s until that reading is stale.
 
-    After a move, half a window passes uncounted before the next window starts: the programs
-    the move admitted or held back reach the engine's pace first. Windows in which nobody
-    waited (and the gate was shut) move nothing: the level constrains nothing then.
+    After a move, and when load arrives after a quiet spell, `adapt_settle_s` pass uncounted
+    before the next window starts: the programs admitted or held back reach the engine's pace
+    first (a backlog draining right after a move would credit the move with steps its
+    steady state does not make). Windows in which nobody waited (and the gate was shut) move
+    nothing: the level constrains nothing then.
     """
 
     config: SchedulerConfig
@@ -62,10 +64,13 @@ class AdmissionTuner:
     rung: int = 0
     measured: dict[int, Measurement] = field(default_factory=dict)
     patience: dict[int, int] = field(default_factory=dict)  # windows before a rung is probed again
+    windows: int = 0  # windows with load measured so far
     _probed_from: int | None = None
-    _window_start: float | None = None
+    _quiet: bool = True  # no load in the last window: the next load is just arriving
+    _window_start: float = 0.0
     _window_steps: int = 0
-    _window_waited: bool = False
+    _window_loaded: bool = False
+    _started: bool = False
 
     def __post_init__(self) -> None:
         self.levels = admission_levels(self.config)
@@ -87,28 +92,37 @@ class AdmissionTuner:
         never empty in it (only then does idleness of the workers mean the gate starved them,
         rather than a load that is just arriving)."""
         cfg = self.config
-        if self._window_start is None:
+        if not self._started:
+            self._started = True
             self._begin(now, steps)
-        if now <= self._window_start:  # settling after a move: the load has not followed yet
-            self._window_steps = steps
-            return
         if waited_throughout and utilization < cfg.adapt_utilization_low:
             # Starving the engines is the worst a rung can do: it is not probed again until
             # this reading is stale.
-            self.measured[self.rung] = Measurement(0.0, now)
+            self.measured[self.rung] = Measurement(0.0, self.windows)
             self._probed_from = None
             self._go(min(self.rung + 1, len(self.levels) - 1), now, steps)
+            self._quiet = False
             return
-        # Behind an open gate nobody waits: any step means there was load to measure.
-        self._window_waited |= waited or (self.gate_open and steps > self._window_steps)
-        elapsed = now - self._window_start  # type: ignore[operator]
+        # Behind an open gate nobody waits: any step means there is load to measure.
+        loaded = waited or (self.gate_open and steps > self._window_steps)
+        if loaded and self._quiet:  # a load arriving: let it reach its pace before measuring
+            self._quiet = False
+            self._begin(now + cfg.adapt_settle_s, steps)
+            return
+        if now <= self._window_start:  # settling: the load has not followed the last move yet
+            self._window_steps = steps
+            return
+        self._window_loaded |= loaded
+        elapsed = now - self._window_start
         if elapsed < cfg.adapt_window_s:
             return
-        if not self._window_waited:
+        if not self._window_loaded:
+            self._quiet = True
             self._begin(now, steps)
             return
-        self._record((steps - self._window_steps) / elapsed, now)
-        rung, probing = self._choose(now)
+        self.windows += 1
+        self._record((steps - self._window_steps) / elapsed)
+        rung, probing = self._choose()
         if self._probed_from is not None:  # this window was a probe: did it find better?
             if rung == self._probed_from:
                 base = cfg.adapt_probe_windows
@@ -118,17 +132,17 @@ class AdmissionTuner:
         self._probed_from = self.rung if probing else None
         self._go(rung, now, steps)
 
-    def _record(self, steps_per_s: float, now: float) -> None:
+    def _record(self, steps_per_s: float) -> None:
         last = self.measured.get(self.rung)
-        if last is not None and not self._stale(self.rung, now):
+        if last is not None and not self._stale(self.rung):
             steps_per_s = (last.steps_per_s + steps_per_s) / 2  # staying: smooth the noise
-        self.measured[self.rung] = Measurement(steps_per_s, now)
+        self.measured[self.rung] = Measurement(steps_per_s, self.windows)
 
-    def _choose(self, now: float) -> tuple[int, bool]:
+    def _choose(self) -> tuple[int, bool]:
         """The next rung, and whether going there is a probe."""
         tolerance = self.config.adapt_tolerance
         neighbours = [r for r in (self.rung - 1, self.rung + 1) if 0 <= r < len(self.levels)]
-        fresh = [r for r in neighbours if r in self.measured and not self._stale(r, now)]
+        fresh = [r for r in neighbours if r in self.measured and not self._stale(r)]
         best = self.rung
         for rung in fresh:  # the more protective neighbour first
             rate, best_rate = self.measured[rung].steps_per_s, self.measured[best].steps_per_s
@@ -139,10 +153,11 @@ class AdmissionTuner:
         unmeasured = [r for r in neighbours if r not in fresh]
         return (unmeasured[0], True) if unmeasured else (self.rung, False)
 
-    def _stale(self, rung: int, now: float) -> bool:
-        windows = self.patience.get(rung, self.config.adapt_probe_windows)
-        # A little over the probe interval: a probe's own window ends just after it.
-        return now - self.measured[rung].at > (windows + 0.5) * self.config.adapt_window_s
+    def _stale(self, rung: int) -> bool:
+        """Measured more than its patience ago, counted in windows with load (a quiet spell
+        does not age a reading: nothing was learnt, nothing changed)."""
+        patience = self.patience.get(rung, self.config.adapt_probe_windows)
+        return self.windows - self.measured[rung].window > patience
 
     def _go(self, rung: int, now: float, steps: int) -> None:
         if rung == self.rung:
@@ -150,8 +165,8 @@ class AdmissionTuner:
             return
         self.rung = rung
         # Programs admitted (or held back) by the move take a while to reach the engine's
-        # pace: counting them at once would bias every comparison against the move.
-        self._begin(now + self.config.adapt_window_s / 2, steps)
+        # pace: counting them at once would bias every comparison towards the move.
+        self._begin(now + self.config.adapt_settle_s, steps)
 
-    def _begin(self, now: float, steps: int) -> None:
-        self._window_start, self._window_steps, self._window_waited = now, steps, False
+    def _begin(self, start: float, steps: int) -> None:
+        self._window_start, self._window_steps, self._window_loaded = start, steps, False

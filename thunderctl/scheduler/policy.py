@@ -55,6 +55,7 @@ class SchedulerConfig(BaseModel):
     )
     adapt_step: float = Field(0.5, gt=0, le=1, description="ACTING weight between rungs of the ladder")
     adapt_window_s: float = Field(15.0, gt=0, description="seconds of steps/s measured per move")
+    adapt_settle_s: float = Field(10.0, ge=0, description="seconds not measured after a move")
     adapt_tolerance: float = Field(0.1, ge=0, lt=1, description="change of steps/s taken as level")
     adapt_probe_windows: int = Field(8, ge=1, description="windows before a neighbouring rung is measured again")
     adapt_open_gate: bool = Field(
