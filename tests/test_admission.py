@@ -30,7 +30,7 @@ def simulate(
     steps, levels = 0.0, []
     law.observe(0.0, 0, 1.0, False)
     for now in range(1, seconds + 1):
-        level = law.levels[law.rung]
+        level = law.level
         steps += steps_per_s[level]
         law.observe(float(now), round(steps), busy(level), waiting, waited_throughout=waiting)
         levels.append(level)

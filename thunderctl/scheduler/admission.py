@@ -76,13 +76,20 @@ class AdmissionTuner:
         self.levels = admission_levels(self.config)
 
     @property
+    def level(self) -> float | None:
+        return self.levels[self.rung]
+
+    @property
     def gate_open(self) -> bool:
-        return self.levels[self.rung] is OPEN
+        return self.level is OPEN
 
     @property
     def weight(self) -> float:
-        level = self.levels[self.rung]
-        return self.config.acting_weight_min if level is OPEN else level
+        return self.config.acting_weight_min if self.level is OPEN else self.level
+
+    @property
+    def label(self) -> str:
+        return "open gate" if self.level is OPEN else f"ACTING weight {self.level:g}"
 
     def observe(
         self, now: float, steps: int, utilization: float, waited: bool, waited_throughout: bool = False

@@ -77,10 +77,6 @@ class SchedulerConfig(BaseModel):
         return self
 
 
-def _level(level: float | None) -> str:
-    return "open gate" if level is None else f"ACTING weight {level:g}"
-
-
 class EventKind(StrEnum):
     CREATED = "created"
     PAUSED = "paused"
@@ -317,11 +313,10 @@ class Scheduler:
         waited, waited_throughout = self._waited or waiting, waiting and self._waiting_at_adapt
         self._waited, self._waiting_at_adapt = False, waiting
         if self.config.adaptive:
-            before = self.tuner.levels[self.tuner.rung]
+            before = self.tuner.label
             self.tuner.observe(self.clock(), self.counters.steps, utilization, waited, waited_throughout)
-            after = self.tuner.levels[self.tuner.rung]
-            if after != before:
-                log.info("admission: %s -> %s (workers busy %.0f%%)", _level(before), _level(after), 100 * utilization)
+            if self.tuner.label != before:
+                log.info("admission: %s -> %s (workers busy %.0f%%)", before, self.tuner.label, 100 * utilization)
 
     def tick(self) -> None:
         """Expire idle programs, then resume, then pause (so nothing resumes the tick it paused).
