@@ -134,11 +134,13 @@ def test_programs_through_the_endpoint_show_in_status(cluster) -> None:
     httpx.post(endpoint.removesuffix("/v1") + "/programs/release", json={"program_id": "visible"})
 
 
-def test_a_programs_sandbox_is_collected_when_it_is_released(cluster, sandbox_image) -> None:
+@pytest.mark.parametrize("llm_turn_first", [True, False], ids=["after-an-llm-turn", "before-any-llm-turn"])
+def test_a_programs_sandbox_is_collected_when_it_is_released(cluster, sandbox_image, llm_turn_first) -> None:
     cli, _, _ = cluster
     gateway = cli.status()["endpoint"].removesuffix("/v1")
-    body = {"model": "tiny", "program_id": "boxed", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
-    assert httpx.post(f"{gateway}/v1/chat/completions", json=body, timeout=60).status_code == 200
+    if llm_turn_first:
+        body = {"model": "tiny", "program_id": "boxed", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+        assert httpx.post(f"{gateway}/v1/chat/completions", json=body, timeout=60).status_code == 200
     box = httpx.post(f"{gateway}/v1/sandboxes", json={"program_id": "boxed", "image": sandbox_image}, timeout=60).json()
     httpx.get(f"{gateway}/v1/sandboxes/{box['id']}", params={"wait": "ready"}, timeout=60).raise_for_status()
     ran = httpx.post(f"{gateway}/v1/sandboxes/{box['id']}/exec", json={"cmd": "echo hello", "timeout": 10}, timeout=30)

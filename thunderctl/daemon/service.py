@@ -58,6 +58,7 @@ class Daemon:
             extra_routes=sandbox_routes(self.sandboxes) if self.sandboxes else (),
             extra_metrics=(lambda: render_sandbox_metrics(self.sandboxes.stats())) if self.sandboxes else None,
             on_docker_ids=self._adopt if self.sandboxes else None,
+            on_release=self._collect if self.sandboxes else None,
         )
         control_app = build_control_app(self)
 
@@ -85,8 +86,11 @@ class Daemon:
         task.add_done_callback(self._background.discard)
 
     def _on_program_event(self, event: ProgramEvent) -> None:
-        if event.kind in (EventKind.RELEASED, EventKind.EXPIRED):
-            self._spawn(self.sandboxes.program_ended(event.program.id))
+        if event.kind is EventKind.EXPIRED:  # releases come through _collect
+            self._collect(event.program.id)
+
+    def _collect(self, program_id: str) -> None:
+        self._spawn(self.sandboxes.program_ended(program_id))
 
     def _adopt(self, program_id: str, docker_ids: list[str]) -> None:
         self._spawn(self.sandboxes.adopt(program_id, docker_ids))

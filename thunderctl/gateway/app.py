@@ -21,8 +21,10 @@ def build_app(
     extra_routes: Sequence[BaseRoute] = (),
     extra_metrics: Callable[[], str] | None = None,
     on_docker_ids: Callable[[str, list[str]], None] | None = None,
+    on_release: Callable[[str], None] | None = None,
 ) -> Starlette:
-    """The gateway's routes; the daemon adds the sandbox pool's routes, metrics and adoption."""
+    """The gateway's routes; the daemon adds the sandbox pool's routes, metrics, adoption and
+    collection at release (of any program: one may end before its first LLM request)."""
     async def completions(request: Request) -> Response:
         try:
             body = await read_json_object(request)
@@ -57,6 +59,8 @@ def build_app(
         if not isinstance(program_id, str | int) or program_id == "":
             return error(400, 'release needs {"program_id": "<id>"}')
         released = gateway.scheduler.release(str(program_id))
+        if on_release is not None:
+            on_release(str(program_id))
         return JSONResponse({"program_id": str(program_id), "released": released})
 
     async def programs(_: Request) -> Response:
