@@ -68,6 +68,7 @@ def test_law_climbs_towards_more_steps(load, first_moves) -> None:
         pytest.param(CHEAP, OPEN, id="recompute cheap: the open gate"),
         pytest.param(INTERIOR, 0.5, id="an interior optimum"),
         pytest.param(FLAT, 1.0, id="flat: protection"),
+        pytest.param({1.0: 4, 0.5: 5, 0.0: 8, OPEN: 8.3}, OPEN, id="weight 0 level with the open gate: the gate"),
     ],
 )
 def test_law_settles_on_the_best_rung_and_rarely_leaves_it(load, best) -> None:

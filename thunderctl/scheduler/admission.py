@@ -42,7 +42,8 @@ class AdmissionTuner:
     - every `adapt_window_s` in which requests waited for admission (or, behind the open
       gate, any step was served), the steps/s of the rung are recorded;
     - the law moves to a neighbouring rung measured better by more than `adapt_tolerance`,
-      or measured level with it and more protective (ties go to the cache);
+      or measured level with it and keeping more cache (ties go to the cache; weight 0,
+      which keeps none, gives way to the open gate);
     - when the rung it is on is the best known, it probes a neighbour that was never measured
       or not for `adapt_probe_windows` windows, so a changed load is noticed; each probe that
       finds the neighbour no better doubles that wait (up to 4x), so a settled load pays for
@@ -151,14 +152,24 @@ class AdmissionTuner:
         neighbours = [r for r in (self.rung - 1, self.rung + 1) if 0 <= r < len(self.levels)]
         fresh = [r for r in neighbours if r in self.measured and not self._stale(r)]
         best = self.rung
-        for rung in fresh:  # the more protective neighbour first
+        for rung in fresh:
             rate, best_rate = self.measured[rung].steps_per_s, self.measured[best].steps_per_s
-            if rate > best_rate * (1 + tolerance) or (rung < best and rate >= best_rate * (1 - tolerance)):
+            level = rate >= best_rate * (1 - tolerance)
+            if rate > best_rate * (1 + tolerance) or (level and self._tie_rank(rung) > self._tie_rank(best)):
                 best = rung
         if best != self.rung:
             return best, False
         unmeasured = [r for r in neighbours if r not in fresh]
         return (unmeasured[0], True) if unmeasured else (self.rung, False)
+
+    def _tie_rank(self, rung: int) -> float:
+        """Which of two rungs measured level wins: the one that keeps more cache. A rung of
+        weight 0 keeps none (only the requests running are charged); it gives way to the
+        open gate, which admits the same way without the gateway's estimates."""
+        level = self.levels[rung]
+        if level is OPEN:
+            return 0.0
+        return level if level > 0 else -1.0
 
     def _stale(self, rung: int) -> bool:
         """Measured more than its patience ago, counted in windows with load (a quiet spell
