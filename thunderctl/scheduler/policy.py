@@ -395,9 +395,20 @@ class Scheduler:
         targets = [b for b in self.backends.values() if b.schedulable]
         if not targets:
             return
-        idle = [] if waiting_only else [p for p in self.resume_queue() if p.waiting_since is None]
-        if not self._waiting and not idle:
+        if self._waiting:
+            self._resume_waiting_programs(targets, force_overdue)
+        if waiting_only:
             return
+        # A program with no request waiting only reserves ahead of need: it gets room the
+        # physical check leaves, never overbooked room, or the next pause pass takes it back.
+        physical = {b.id: self._load(b, physical=True) for b in targets}
+        buffer = self.config.buffer_tokens
+        if not any(self._is_idle(b) or self._headroom(b, physical[b.id]) > buffer for b in targets):
+            return  # a full cluster: no need to sort thousands of paused programs
+        idle = [p for p in self.resume_queue() if p.waiting_since is None]
+        self._place_all(self._admit_in_order(idle, targets, physical), targets, physical)
+
+    def _resume_waiting_programs(self, targets: list[Backend], force_overdue: bool) -> None:
         # Lazily: admission stops at the first program that does not fit, and a response
         # triggers this pass, so it must not cost a walk over a long queue.
         waiting: Iterable[Program] = (self.programs[program_id] for _, program_id in self._waiting)
@@ -405,15 +416,10 @@ class Scheduler:
         if self.tuner.gate_open:
             for program in list(waiting):
                 self._place_on_roomiest(program, targets, loads)
-            waiting = ()
+            return
         if force_overdue:
             waiting = self._force_overdue(list(waiting), targets, loads)
         self._place_all(self._admit_in_order(waiting, targets, loads), targets, loads)
-        # A program with no request waiting only reserves ahead of need: it gets room the
-        # physical check leaves, never overbooked room, or the next pause pass takes it back.
-        if idle:
-            physical = {b.id: self._load(b, physical=True) for b in targets}
-            self._place_all(self._admit_in_order(idle, targets, physical), targets, physical)
 
     def _place_all(self, chosen: list[Program], targets: list[Backend], loads: dict[str, _Load]) -> None:
         # Best fit decreasing: the largest chosen program first, onto the most headroom.
