@@ -30,7 +30,7 @@ from rich.table import Table
 
 from thunderctl.bench.closed_loop import AgentShape, LoadResult, LoadSpec, Target, Uniform, run_load
 from thunderctl.bench.replay import Arm, run_arms
-from thunderctl.bench.report import LiveProgress
+from thunderctl.bench.report import LiveProgress, fmt
 from thunderctl.gateway.process import ServeProcess
 
 ARMS = ("direct", "reference", "adaptive", "limit")
@@ -94,9 +94,8 @@ def table(points: dict[int, dict[str, LoadResult]], capacity: int) -> Table:
             r = results[arm]
             view.add_row(
                 str(concurrency), arm, f"{r.steps_per_min:.1f}",
-                f"{r.steps_per_min / direct:.2f}" if direct else "-", f"{r.steps_per_min / limit:.2f}" if limit else "-",
-                "-" if r.prefix_cache_hit_rate is None else f"{r.prefix_cache_hit_rate:.2f}",
-                "-" if r.p90_s is None else f"{r.p90_s:.2f} s",
+                fmt(r.steps_per_min / direct if direct else None), fmt(r.steps_per_min / limit if limit else None),
+                fmt(r.prefix_cache_hit_rate), fmt(r.p90_s, " s"),
             )  # fmt: skip
         view.add_section()
     return view

@@ -29,7 +29,7 @@ from rich.table import Table
 
 from thunderctl.bench.closed_loop import AgentShape, LoadSpec, Target, Uniform
 from thunderctl.bench.replay import Arm, ArmOutcome, run_arms
-from thunderctl.bench.report import LiveProgress
+from thunderctl.bench.report import LiveProgress, fmt
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -137,14 +137,6 @@ async def run_concurrency(
 # --- report --------------------------------------------------------------------------
 
 
-def fmt_rate(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
-
-
-def fmt_s(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f} s"
-
-
 def report_table(results: dict[int, dict[str, ArmOutcome]]) -> Table:
     table = Table(title="closed-loop agents: direct vLLM vs thunderctl gateway (one vLLM-CPU engine)")
     for column in ("conc", "arm", "steps/min", "hit rate", "p50", "p90", "preempt", "failed", "pauses/resumes", "gw/direct"):
@@ -160,8 +152,8 @@ def report_table(results: dict[int, dict[str, ArmOutcome]]) -> Table:
             )
             ratio = f"{gateway.steps_per_min / direct.steps_per_min:.2f}x" if arm == "gateway" and direct.steps_per_min else ""
             table.add_row(
-                str(concurrency), arm, f"{combined.steps_per_min:.1f}", fmt_rate(combined.prefix_cache_hit_rate),
-                fmt_s(combined.p50_s), fmt_s(combined.p90_s), str(combined.preemptions),
+                str(concurrency), arm, f"{combined.steps_per_min:.1f}", fmt(combined.prefix_cache_hit_rate),
+                fmt(combined.p50_s, " s"), fmt(combined.p90_s, " s"), str(combined.preemptions),
                 str(combined.steps_failed), pauses, ratio,
             )  # fmt: skip
         table.add_section()
