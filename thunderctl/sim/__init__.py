@@ -1,0 +1,1 @@
+"""A deterministic simulator of vLLM under agent load: engine, KV cache, cost model, agents, arms."""
