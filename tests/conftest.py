@@ -12,6 +12,17 @@ from thunderctl.gateway.process import ServeProcess
 
 pytest_plugins = ["engine_fixtures", "sandbox_fixtures", "ssh_fixtures"]
 
+# The real service a fixture starts, as the marker that selects or deselects its tests:
+# `pytest -m "not engine and not docker and not ssh"` is the fast tier.
+SERVICE_MARKERS = {"engine_home": "engine", "docker_client": "docker", "ssh_nodes": "ssh"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        for fixture, marker in SERVICE_MARKERS.items():
+            if fixture in getattr(item, "fixturenames", ()):
+                item.add_marker(marker)
+
 
 class GatewayProcess(ServeProcess):
     """`thunderctl serve` in a subprocess, spoken to over real HTTP."""

@@ -239,7 +239,11 @@ def test_worker_that_exits_at_start_rolls_back_everything(tmp_path: Path) -> Non
     engine = {"kind": "vllm-cpu", "install": "existing", "python": sys.executable,  # has no vllm
               "kv_blocks": 128, "block_size": 32, "max_model_len": 4064}
     nodes = [{"name": "local", "transport": "local", "base_port": consecutive_free_ports(1)}]
-    profile = write_profile(tmp_path, engine=engine, nodes=nodes, gateway={"port": pick_free_port()})
+    model_dir = tmp_path / "model"  # passes preflight without the engine installed; never loaded
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    model = {"path": str(model_dir), "served_name": "tiny"}
+    profile = write_profile(tmp_path, engine=engine, nodes=nodes, model=model, gateway={"port": pick_free_port()})
     result = cli("up", "-f", str(profile), check=False, timeout=120)
     assert result.returncode == 1
     assert "worker local/0 exited during start-up" in result.stderr
