@@ -109,7 +109,7 @@ class SweLite(ScaledWorkload):
         return draw_program(rng, f"swe-lite-{seed}-{index}", self.tool_seconds).scaled(self.scale)
 
     def describe(self) -> dict[str, Any]:
-        return {"name": "swe-lite", **asdict(self)}
+        return {"name": "swe-lite-synthetic", **asdict(self)}
 
 
 def new_input_factor(n_steps: int) -> float:
