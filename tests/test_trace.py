@@ -101,7 +101,8 @@ def test_scaling_shrinks_tokens_and_keeps_steps_and_times() -> None:
 
 
 def test_a_gzipped_trace_reads_back_and_is_the_same_bytes_every_time(tmp_path: Path) -> None:
-    programs = [TraceProgram(id=f"p{i}", steps=(TraceStep(prompt_tokens=100 + i, completion_tokens=10, tool_s=1.5),)) for i in range(3)]
+    step = TraceStep(prompt_tokens=100, completion_tokens=10, tool_s=1.5)
+    programs = [TraceProgram(id=f"p{i}", steps=(step,) * (i + 1)) for i in range(3)]
     first, second = tmp_path / "a" / "t.jsonl.gz", tmp_path / "b" / "t.jsonl.gz"
     write_trace(programs, first)
     write_trace(programs, second)

@@ -208,17 +208,20 @@ def swe_lite(
         ),
     ] = False,
     tool_median: Annotated[
-        float | None, typer.Option(min=0.001, help=f"--synthetic tool seconds: lognormal median (default {TOOL_SECONDS.median:g}).")
+        float | None,
+        typer.Option(min=0.001, help=f"--synthetic tool seconds: lognormal median (default {TOOL_SECONDS.median:g})."),
     ] = None,
     tool_sigma: Annotated[
-        float | None, typer.Option(min=0.001, help=f"--synthetic tool seconds: lognormal sigma (default {TOOL_SECONDS.sigma:g}).")
+        float | None,
+        typer.Option(min=0.001, help=f"--synthetic tool seconds: lognormal sigma (default {TOOL_SECONDS.sigma:g})."),
     ] = None,
     tool_cap: Annotated[
         float | None, typer.Option(min=0.001, help=f"--synthetic tool seconds: cap (default {TOOL_SECONDS.cap:g}).")
     ] = None,
     shared_prefix: Annotated[int, typer.Option(min=1, help="Prompt tokens all programs share (before --scale).")] = SHARED_PREFIX_TOKENS,
     trace: Annotated[
-        Path | None, typer.Option(help="Replay this trace (JSONL, or .jsonl.gz; docs/trace-format.md) instead of the recorded runs.")
+        Path | None,
+        typer.Option(help="Replay this trace (JSONL, or .jsonl.gz; docs/trace-format.md) instead of the recorded runs."),
     ] = None,
     routing: Annotated[Routing, typer.Option(help="How the direct arm spreads requests over the engines.")] = Routing.STICKY,
     stream: Annotated[bool, typer.Option(help="Stream responses (needed for time to first token).")] = True,
