@@ -1,4 +1,4 @@
-"""`bench swe-lite`: a short replay against real vLLM-CPU servers, its report and its errors."""
+"""`bench swe-lite`: a short replay against real vLLM-CPU servers, its workloads, report and errors."""
 
 from __future__ import annotations
 
@@ -7,11 +7,15 @@ from pathlib import Path
 
 import httpx
 import pytest
+from trajectories import write_trajectory
 from typer.testing import CliRunner
 
-from thunderctl.bench.cli import bench_app
+from thunderctl.bench.cli import WorkloadChoice, bench_app
 from thunderctl.bench.closed_loop import CacheDelta, CounterSample, StepRecord
-from thunderctl.bench.replay import slice_order
+from thunderctl.bench.recorded import RECORDED_SWE_LITE_SOURCE
+from thunderctl.bench.replay import TraceWorkload, slice_order
+from thunderctl.bench.swe_lite import TOOL_SECONDS, SweLite
+from thunderctl.bench.trace import read_trace
 from thunderctl.bench.report import plot_report, ratios, report_table, timeline
 from thunderctl.engines.local import LocalEngine
 from thunderctl.engines.vllm import parse_samples
@@ -29,8 +33,8 @@ def test_a_short_comparison_reports_what_the_engines_served(vllm_pair, start_gat
     served_before = sum(requests_served(e) for e in vllm_pair)
     released_before = gateway.metric("thunderctl_programs_released_total")
     out = tmp_path / "report.json"
-    # Tiny programs (scale 0.05: ~80-token first prompts, ~1-2k-token last ones) with
-    # 50x shorter tools, so that 2 x 4 whole programs run in well under a minute.
+    # The recorded runs as tiny programs (scale 0.05: ~80-token first prompts, ~1-2k-token
+    # last ones) with 50x shorter tools, so that 2 x 4 whole programs run in about a minute.
     args = [
         "swe-lite", "--endpoint", f"{gateway.url}/v1", "--engine", vllm_pair[0].url, "--engine", vllm_pair[1].url,
         "--compare", "--concurrency", "2", "--programs", "4", "--scale", "0.05", "--time-scale", "0.02",
@@ -58,6 +62,7 @@ def test_a_short_comparison_reports_what_the_engines_served(vllm_pair, start_gat
     assert direct["pauses"] is None  # the direct arm bypasses the gateway
     assert report["ratios"]["steps_per_min"] == pytest.approx(cluster["steps_per_min"] / direct["steps_per_min"])
     assert report["workload"]["name"] == "swe-lite" and report["workload"]["scale"] == 0.05
+    assert report["workload"]["programs"] == 93 and report["workload"]["source"] == RECORDED_SWE_LITE_SOURCE
     assert report["parameters"]["max_model_len"] == 4064
     assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
     assert "cluster/direct" in run.output
@@ -83,12 +88,44 @@ def test_a_warmup_longer_than_a_slice_is_refused() -> None:
     assert run.exit_code == 1 and "--warmup" in run.output
 
 
+def test_conflicting_workload_options_are_refused_before_any_request() -> None:
+    both = CliRunner().invoke(bench_app, ["swe-lite", "--synthetic", "--trace", "t.jsonl"])
+    assert both.exit_code == 1 and "--synthetic and --trace" in both.output
+    tools = CliRunner().invoke(bench_app, ["swe-lite", "--tool-median", "1", "--tool-cap", "5"])
+    assert tools.exit_code == 1 and "--tool-median, --tool-cap" in tools.output and "add --synthetic" in tools.output
+
+
+def test_swe_lite_replays_the_recorded_runs_by_default() -> None:
+    workload = WorkloadChoice().load(scale=0.25, shared_prefix=160, max_context=4000)
+    assert isinstance(workload, TraceWorkload)
+    assert workload.describe() | {"scale": 0.25} == {
+        "name": "swe-lite", "source": RECORDED_SWE_LITE_SOURCE, "programs": 93, "scale": 0.25,
+        "shared_prefix_tokens": 160, "max_context_tokens": 4000,
+    }  # fmt: skip
+    # Past 93 programs the runs start over, in another order.
+    first, second = [workload.program(0, i).id for i in range(93)], [workload.program(0, i).id for i in range(93, 186)]
+    assert sorted(first) == sorted(second) and first != second
+
+
+def test_synthetic_replays_the_generator_with_the_tool_options() -> None:
+    workload = WorkloadChoice(synthetic=True, tool_median=0.5).load(scale=0.25, shared_prefix=160, max_context=None)
+    assert isinstance(workload, SweLite) and workload.describe()["name"] == "swe-lite-synthetic"
+    assert (workload.tool_seconds.median, workload.tool_seconds.sigma) == (0.5, TOOL_SECONDS.sigma)
+    assert workload.tool_seconds.cap == TOOL_SECONDS.cap
+
+
 def test_import_writes_a_trace_that_replays(tmp_path: Path) -> None:
-    raw = Path(__file__).parents[2] / "shared" / "traces" / "raw"
-    out = tmp_path / "three.jsonl"
-    run = CliRunner().invoke(bench_app, ["import", *map(str, sorted(raw.glob("*.traj.json"))), "--out", str(out)])
+    calls = [(1000, 200, 0), (1400, 50, 6), (1600, 10, 8)]
+    sources = [str(write_trajectory(tmp_path, name, calls)) for name in ("a__a-1", "b__b-2", "c__c-3")]
+    out = tmp_path / "three.jsonl.gz"
+    run = CliRunner().invoke(bench_app, ["import", *sources, "--out", str(out), "--decode-tokens-per-s", "50"])
     assert run.exit_code == 0, run.output
-    assert "3 programs" in run.output and len(out.read_text().splitlines()) == 3
+    assert "3 programs" in run.output
+    # 200 tokens at 50/s take 4 s of the 6 s gap; 50 take 1 s of the 2.
+    assert [[s.tool_s for s in p.steps] for p in read_trace(out)] == [[2.0, 1.0, 0.0]] * 3
+    workload = WorkloadChoice(trace=out).load(scale=1.0, shared_prefix=160, max_context=None)
+    assert workload.describe()["name"] == "trace" and workload.describe()["programs"] == 3
+    assert workload.program(0, 0).steps[0].prompt_tokens == 1000
 
 
 # --- slices and the report (pure) ------------------------------------------------------

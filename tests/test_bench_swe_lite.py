@@ -171,3 +171,15 @@ def test_a_trace_replays_in_a_seeded_order_and_starts_over_when_used_up() -> Non
     assert sorted(trace.program(3, i).id for i in range(5, 10)) == sorted(first_pass)
     assert trace.program(3, 0).steps[0].prompt_tokens == 250
     assert trace.system_prompt_tokens == 80
+
+
+def test_a_trace_program_replayed_again_gets_its_own_id_and_text() -> None:
+    steps = (TraceStep(prompt_tokens=400, completion_tokens=20, tool_s=1.0), TraceStep(prompt_tokens=600, completion_tokens=5))
+    trace = TraceWorkload(programs=(TraceProgram(id="only", steps=steps),))
+    first, again = (
+        plan_program(trace, seed=0, salt="s", index=index, tokens_per_word=1.0, system_text="x") for index in (0, 1)
+    )
+    assert first.program_id != again.program_id
+    assert [s.completion_tokens for s in first.steps] == [s.completion_tokens for s in again.steps] == [20, 5]
+    # The system prompt is all the two replays share: each has its own task text.
+    assert first.messages[0] == again.messages[0] and first.messages[1] != again.messages[1]

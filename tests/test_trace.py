@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import gzip
 import json
+import re
+from importlib import resources
 from pathlib import Path
 
 import pytest
 
+from trajectories import step_table_line, write_trajectory
+
 from thunderctl.bench.importers import (
-    import_traces,
+    AgentRun,
+    CallUsage,
+    decode_rate,
+    import_runs,
     read_mini_swe_agent_trajectory,
     read_step_table,
 )
+from thunderctl.bench.recorded import RECORDED_SWE_LITE, RECORDED_SWE_LITE_SOURCE, recorded_swe_lite
 from thunderctl.bench.trace import (
     TraceFormatError,
     TraceProgram,
@@ -21,16 +30,8 @@ from thunderctl.bench.trace import (
 )
 from thunderctl.gateway.recorder import TraceRecorder
 
-TRACES = Path(__file__).parents[2] / "shared" / "traces"
-STEP_TABLE = TRACES / "mini-swe-agent-gemini3-verified.jsonl"
-
-# Per trajectory: LLM calls, prompt and completion tokens summed over them (the agent's
-# own model_stats.api_calls counts the same calls), and seconds from the first to the last call.
-RAW = {
-    "astropy__astropy-12907": (20, 258_532, 5_083, 211),
-    "django__django-11099": (21, 132_644, 3_226, 96),
-    "sympy__sympy-20590": (60, 673_987, 5_135, 221),
-}
+# (prompt tokens, completion tokens, created): four calls, 7, 3 and 10 s apart.
+CALLS = [(1460, 246, 1000), (1900, 61, 1007), (2100, 500, 1010), (2700, 30, 1020)]
 
 
 # --- the format ----------------------------------------------------------------------
@@ -99,42 +100,69 @@ def test_scaling_shrinks_tokens_and_keeps_steps_and_times() -> None:
     assert scaled.id == "p"
 
 
+def test_a_gzipped_trace_reads_back_and_is_the_same_bytes_every_time(tmp_path: Path) -> None:
+    step = TraceStep(prompt_tokens=100, completion_tokens=10, tool_s=1.5)
+    programs = [TraceProgram(id=f"p{i}", steps=(step,) * (i + 1)) for i in range(3)]
+    first, second = tmp_path / "a" / "t.jsonl.gz", tmp_path / "b" / "t.jsonl.gz"
+    write_trace(programs, first)
+    write_trace(programs, second)
+    assert first.read_bytes().startswith(b"\x1f\x8b")  # gzip
+    assert read_trace(first) == programs
+    assert first.read_bytes() == second.read_bytes()
+
+
 # --- importers -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("instance", sorted(RAW))
-def test_a_mini_swe_agent_trajectory_gives_one_step_per_llm_call(instance: str) -> None:
-    calls, prompt_tokens, completion_tokens, span_s = RAW[instance]
-    program = read_mini_swe_agent_trajectory(TRACES / "raw" / f"{instance}.traj.json")
-    assert program.id == instance
-    assert len(program.steps) == calls
-    assert program.total_prompt_tokens == prompt_tokens
-    assert program.total_completion_tokens == completion_tokens
-    # Tool times are the gaps between calls: they add up to the run's span, none after the last.
-    assert sum(s.tool_s for s in program.steps) == pytest.approx(span_s)
-    assert program.steps[-1].tool_s == 0.0
-    assert program.steps[0].prompt_tokens < program.steps[-1].prompt_tokens
+def test_a_mini_swe_agent_trajectory_gives_one_step_per_llm_call(tmp_path: Path) -> None:
+    run = read_mini_swe_agent_trajectory(write_trajectory(tmp_path, "django__django-1", CALLS))
+    program = run.program()
+    assert program.id == "django__django-1" and program.source == "mini-swe-agent"
+    # Without a decode rate a step's tool time is the whole gap to the next call; none after the last.
+    assert [(s.prompt_tokens, s.completion_tokens, s.tool_s) for s in program.steps] == [
+        (1460, 246, 7.0), (1900, 61, 3.0), (2100, 500, 10.0), (2700, 30, 0.0),
+    ]  # fmt: skip
 
 
-def test_the_step_table_agrees_with_the_raw_trajectories() -> None:
-    table = {p.id: p for p in read_step_table(STEP_TABLE)}
-    assert len(table) == 500
-    for instance in RAW:
-        raw = read_mini_swe_agent_trajectory(TRACES / "raw" / f"{instance}.traj.json")
-        assert table[instance].steps == raw.steps
+def test_a_decode_rate_takes_each_answers_generation_out_of_the_gap_after_it(tmp_path: Path) -> None:
+    run = read_mini_swe_agent_trajectory(write_trajectory(tmp_path, "a", CALLS))
+    # At 40 tokens/s: 246 tokens took 6.15 s of the 7, 61 took 1.525 of the 3, and 500 would
+    # take 12.5 s, more than the 10 s gap: that tool gets no time rather than a negative one.
+    assert [s.tool_s for s in run.program(decode_tokens_per_s=40).steps] == [0.85, 1.48, 0.0, 0.0]
 
 
-def test_the_lite_runs_are_the_93_swe_bench_lite_instances() -> None:
-    lite = read_step_table(STEP_TABLE, lite_only=True)
-    assert len(lite) == 93
-    assert {"astropy__astropy-12907", "django__django-11099", "sympy__sympy-20590"} <= {p.id for p in lite}
+def test_the_decode_rate_is_fitted_to_the_gaps() -> None:
+    def run(completions: list[int], rate: float) -> AgentRun:
+        created, calls = 0.0, []
+        for completion in completions:
+            calls.append(CallUsage(1000, completion, created))
+            created += 2.0 + completion / rate  # a 2 s tool after each answer's generation
+        return AgentRun("r", tuple(calls), "test")
+
+    assert decode_rate([run([10, 300, 40], 80.0), run([700, 5, 120, 90], 80.0)]) == pytest.approx(80.0)
+    with pytest.raises(TraceFormatError, match="two lengths"):
+        decode_rate([run([50, 50, 50], 80.0)])
+    shrinking = AgentRun("s", (CallUsage(10, 10, 0), CallUsage(10, 500, 9), CallUsage(10, 10, 10)), "test")
+    with pytest.raises(TraceFormatError, match="give the decode rate"):
+        decode_rate([shrinking])
+
+
+def test_a_step_table_gives_what_the_trajectories_give_and_can_keep_only_lite(tmp_path: Path) -> None:
+    other = [(900, 20, 50), (1300, 80, 52)]
+    table = tmp_path / "table.jsonl"
+    table.write_text(f"{step_table_line('a', CALLS, lite=True)}\n\n{step_table_line('b', other, lite=False)}\n")
+    runs = read_step_table(table)
+    assert [r.program_id for r in runs] == ["a", "b"]
+    from_trajectory = read_mini_swe_agent_trajectory(write_trajectory(tmp_path, "a", CALLS))
+    assert runs[0].program().steps == from_trajectory.program().steps
+    assert [r.program_id for r in read_step_table(table, lite_only=True)] == ["a"]
 
 
 def test_import_mixes_trajectories_and_tables_by_file_name(tmp_path: Path) -> None:
     table = tmp_path / "table.jsonl"
-    table.write_text(STEP_TABLE.read_text().splitlines()[0] + "\n")
-    programs = import_traces([TRACES / "raw" / "django__django-11099.traj.json", table])
-    assert [p.id for p in programs] == ["django__django-11099", "astropy__astropy-12907"]
+    table.write_text(step_table_line("t", CALLS, lite=True) + "\n")
+    runs = import_runs([write_trajectory(tmp_path, "j", CALLS[:2]), table])
+    assert [(r.program_id, len(r.calls)) for r in runs] == [("j", 2), ("t", 4)]
 
 
 def test_an_unknown_trajectory_format_is_named(tmp_path: Path) -> None:
@@ -142,6 +170,58 @@ def test_an_unknown_trajectory_format_is_named(tmp_path: Path) -> None:
     path.write_text(json.dumps({"trajectory_format": "swe-agent-2", "messages": []}))
     with pytest.raises(TraceFormatError, match="swe-agent-2"):
         read_mini_swe_agent_trajectory(path)
+
+
+def test_an_assistant_message_without_usage_is_named(tmp_path: Path) -> None:
+    path = write_trajectory(tmp_path, "u", CALLS)
+    data = json.loads(path.read_text())
+    del data["messages"][2]["extra"]["response"]["usage"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(TraceFormatError, match="no extra.response usage"):
+        read_mini_swe_agent_trajectory(path)
+
+
+def test_a_bad_step_table_line_is_named_by_file_and_line(tmp_path: Path) -> None:
+    table = tmp_path / "table.jsonl"
+    table.write_text(step_table_line("a", CALLS, lite=True) + '\n{"instance_id": "b", "steps": [{"created": 1}]}\n')
+    with pytest.raises(TraceFormatError, match=rf"{table}:2: not a step-table run"):
+        read_step_table(table)
+
+
+# --- the recorded SWE-bench Lite runs (package data) ----------------------------------
+
+
+def test_the_recorded_runs_are_the_93_swe_bench_lite_instances() -> None:
+    runs = recorded_swe_lite()
+    ids = [p.id for p in runs]
+    assert len(ids) == len(set(ids)) == 93
+    assert {"astropy__astropy-12907", "django__django-11099", "sympy__sympy-20590"} <= set(ids)
+    assert {p.source for p in runs} == {RECORDED_SWE_LITE_SOURCE}
+
+
+def test_a_recorded_run_keeps_the_usage_the_agent_logged() -> None:
+    # astropy__astropy-12907 as its trajectory logged it: 20 calls (model_stats.api_calls),
+    # these token sums, and 211 s from the first call's stamp to the last's.
+    run = next(p for p in recorded_swe_lite() if p.id == "astropy__astropy-12907")
+    assert len(run.steps) == 20
+    assert (run.total_prompt_tokens, run.total_completion_tokens) == (258_532, 5_083)
+    assert run.steps[0].prompt_tokens == 1662
+    # Tool time is what the gaps leave after the answers' generation: less than the span, none at the end.
+    assert 0 < sum(s.tool_s for s in run.steps) < 211
+    assert run.steps[-1].tool_s == 0.0
+
+
+def test_the_recorded_runs_hold_numbers_only() -> None:
+    data = resources.files("thunderctl.bench") / "data" / RECORDED_SWE_LITE
+    lines = gzip.decompress(data.read_bytes()).decode().splitlines()
+    assert len(lines) == 93
+    for line in lines:
+        program = json.loads(line)
+        assert set(program) == {"id", "source", "steps"}
+        assert re.fullmatch(r"[\w.-]+__[\w.-]+-\d+", program["id"])
+        for step in program["steps"]:
+            assert set(step) <= {"prompt_tokens", "completion_tokens", "tool_s"}
+            assert all(isinstance(value, int | float) for value in step.values())
 
 
 # --- the gateway's recorder ----------------------------------------------------------

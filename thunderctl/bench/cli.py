@@ -9,7 +9,7 @@ import asyncio
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
@@ -19,7 +19,8 @@ import typer
 from rich.console import Console
 
 from thunderctl.bench.closed_loop import LoadSpec, Routing, Target
-from thunderctl.bench.importers import import_traces
+from thunderctl.bench.importers import import_runs
+from thunderctl.bench.recorded import RECORDED_SWE_LITE_SOURCE, recorded_swe_lite
 from thunderctl.bench.replay import Arm, ArmOutcome, TraceWorkload, run_arms
 from thunderctl.bench.report import (
     LiveProgress,
@@ -110,12 +111,40 @@ def build_arms(endpoints: Endpoints, info: EndpointInfo, arms: list[TargetArm], 
     return built
 
 
-def load_workload(
-    trace: Path | None, scale: float, tool: LogNormal, shared_prefix: int, max_context: int | None
-) -> SweLite | TraceWorkload:
-    if trace is None:
-        return SweLite(scale, shared_prefix, max_context, tool_seconds=tool)
-    return TraceWorkload(scale, shared_prefix, max_context, programs=tuple(read_trace(trace)), source=str(trace))
+@dataclass(frozen=True)
+class WorkloadChoice:
+    """What `swe-lite` replays: the recorded runs (default), a trace file, or the generator."""
+
+    trace: Path | None = None
+    synthetic: bool = False
+    tool_median: float | None = None
+    tool_sigma: float | None = None
+    tool_cap: float | None = None
+
+    def problem(self) -> str:
+        """Why the options do not go together, or ""."""
+        if self.synthetic and self.trace is not None:
+            return "--synthetic and --trace both name the workload: give one"
+        if self.tool_overrides() and not self.synthetic:
+            given = ", ".join(f"--tool-{name}" for name in self.tool_overrides())
+            return f"{given} shape the synthetic tool times: add --synthetic (a trace has its own)"
+        return ""
+
+    def tool_overrides(self) -> dict[str, float]:
+        given = {"median": self.tool_median, "sigma": self.tool_sigma, "cap": self.tool_cap}
+        return {name: value for name, value in given.items() if value is not None}
+
+    def tool_seconds(self) -> LogNormal:
+        return replace(TOOL_SECONDS, **self.tool_overrides())
+
+    def load(self, scale: float, shared_prefix: int, max_context: int | None) -> SweLite | TraceWorkload:
+        if self.synthetic:
+            return SweLite(scale, shared_prefix, max_context, tool_seconds=self.tool_seconds())
+        if self.trace is None:
+            programs, source, name = recorded_swe_lite(), RECORDED_SWE_LITE_SOURCE, "swe-lite"
+        else:
+            programs, source, name = read_trace(self.trace), str(self.trace), "trace"
+        return TraceWorkload(scale, shared_prefix, max_context, programs=tuple(programs), source=source, name=name)
 
 
 def write_outputs(report: dict[str, Any], out: Path | None, plot: Path | None, console: Console) -> None:
@@ -138,26 +167,75 @@ def swe_lite(
     ] = None,
     target: Annotated[TargetArm, typer.Option(help="Where the load goes, unless --compare.")] = TargetArm.CLUSTER,
     compare: Annotated[bool, typer.Option(help="Run both arms, interleaved in slices, and print the ratios.")] = False,
-    concurrency: Annotated[int, typer.Option(min=1, help="Programs running at once (closed loop).")] = 16,
-    programs: Annotated[int | None, typer.Option(min=1, help="Programs per arm (ends the run).")] = None,
-    duration: Annotated[float | None, typer.Option(min=1, help="Seconds per arm (ends the run); default 120.")] = None,
+    concurrency: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Programs running at once (closed loop): when one ends the next starts. Past the trace's "
+            "programs (93 recorded runs) they start over in a new order, each replay with its own program id "
+            "and its own text, so any concurrency works and replays share only the system prompt.",
+        ),
+    ] = 16,
+    programs: Annotated[
+        int | None, typer.Option(min=1, help="Programs per arm (ends the run); past the trace's programs they repeat.")
+    ] = None,
+    duration: Annotated[
+        float | None,
+        typer.Option(
+            min=1,
+            help="Seconds per arm (ends the run; default 120): programs start until then, repeating the trace "
+            "when it is used up, and steps still running are cut off.",
+        ),
+    ] = None,
     warmup: Annotated[float, typer.Option(min=0, help="Seconds at the start of each slice not counted.")] = 15.0,
     slices: Annotated[int | None, typer.Option(min=1, help="Slices per arm (default: 2 with --compare, else 1).")] = None,
-    scale: Annotated[float, typer.Option(min=0.001, help="Multiply every token count (fit a small engine).")] = 1.0,
-    time_scale: Annotated[float, typer.Option(min=0, help="Multiply tool and preparation times.")] = 1.0,
-    tool_median: Annotated[float, typer.Option(min=0.001, help="Tool seconds: lognormal median.")] = TOOL_SECONDS.median,
-    tool_sigma: Annotated[float, typer.Option(min=0.001, help="Tool seconds: lognormal sigma.")] = TOOL_SECONDS.sigma,
-    tool_cap: Annotated[float, typer.Option(min=0.001, help="Tool seconds: cap.")] = 60.0,
+    scale: Annotated[
+        float,
+        typer.Option(
+            min=0.001,
+            help="Multiply every token count, keeping step counts and times, to fit a small engine (the recorded "
+            "runs end at 20k prompt tokens p50, 35k p90, 65k max; a program stops before 90% of max_model_len).",
+        ),
+    ] = 1.0,
+    time_scale: Annotated[
+        float, typer.Option(min=0, help="Multiply every slept time: the tool times (the trace's or drawn) and preparation.")
+    ] = 1.0,
+    synthetic: Annotated[
+        bool,
+        typer.Option(
+            help="Replay the seeded generator shaped like the runs (docs/bench.md) instead of the recorded ones: "
+            "programs without end, all distinct, for long or scaled workloads."
+        ),
+    ] = False,
+    tool_median: Annotated[
+        float | None,
+        typer.Option(min=0.001, help=f"--synthetic tool seconds: lognormal median (default {TOOL_SECONDS.median:g})."),
+    ] = None,
+    tool_sigma: Annotated[
+        float | None,
+        typer.Option(min=0.001, help=f"--synthetic tool seconds: lognormal sigma (default {TOOL_SECONDS.sigma:g})."),
+    ] = None,
+    tool_cap: Annotated[
+        float | None, typer.Option(min=0.001, help=f"--synthetic tool seconds: cap (default {TOOL_SECONDS.cap:g}).")
+    ] = None,
     shared_prefix: Annotated[int, typer.Option(min=1, help="Prompt tokens all programs share (before --scale).")] = SHARED_PREFIX_TOKENS,
-    trace: Annotated[Path | None, typer.Option(help="Replay this trace (JSONL, docs/trace-format.md) instead.")] = None,
+    trace: Annotated[
+        Path | None,
+        typer.Option(help="Replay this trace (JSONL, or .jsonl.gz; docs/trace-format.md) instead of the recorded runs."),
+    ] = None,
     routing: Annotated[Routing, typer.Option(help="How the direct arm spreads requests over the engines.")] = Routing.STICKY,
     stream: Annotated[bool, typer.Option(help="Stream responses (needed for time to first token).")] = True,
-    seed: Annotated[int, typer.Option(help="Which programs (the same seed replays the same ones).")] = 0,
+    seed: Annotated[
+        int, typer.Option(help="The trace's order, or the programs drawn (the same seed replays the same ones).")
+    ] = 0,
     out: Annotated[Path | None, typer.Option(help="Write the JSON report here (and the plot beside it).")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write the PNG plot here (default: --out with .png).")] = None,
 ) -> None:
-    """Replay SWE-bench Lite-shaped agents (closed loop) and report steps/min, hit rate, latency."""
+    """Replay mini-swe-agent's recorded SWE-bench Lite runs (closed loop) and report steps/min, hit rate, latency."""
     console = Console() if sys.stdout.isatty() else Console(width=140)
+    choice = WorkloadChoice(trace, synthetic, tool_median, tool_sigma, tool_cap)
+    if problem := choice.problem():
+        raise fail(console, problem)
     arms = [TargetArm.CLUSTER, TargetArm.DIRECT] if compare else [target]
     rounds = slices or (2 if compare else 1)
     if programs is None and duration is None:
@@ -167,7 +245,7 @@ def swe_lite(
     endpoints, info = find_endpoints(cluster, endpoint, engine or [], TargetArm.DIRECT in arms, console)
     max_context = int(info.max_model_len * CONTEXT_HEADROOM) if info.max_model_len else None
     try:
-        workload = load_workload(trace, scale, LogNormal(tool_median, tool_sigma, tool_cap), shared_prefix, max_context)
+        workload = choice.load(scale, shared_prefix, max_context)
     except (OSError, TraceFormatError) as exc:
         raise fail(console, str(exc)) from exc
     spec = LoadSpec(
@@ -224,11 +302,20 @@ def import_command(
     sources: Annotated[list[Path], typer.Argument(help="mini-swe-agent .traj.json files and/or step tables (JSONL).")],
     out: Annotated[Path, typer.Option(help="The trace to write (JSONL).")],
     lite_only: Annotated[bool, typer.Option(help="From step tables, only runs marked lite.")] = False,
+    decode_tokens_per_s: Annotated[
+        float | None,
+        typer.Option(
+            min=0.001,
+            help="The recorded model's decode rate: each gap between calls loses its answer's generation at this "
+            "rate (default: nothing subtracted, so tool_s also holds the model's time).",
+        ),
+    ] = None,
 ) -> None:
-    """Convert agent logs into a trace that `swe-lite --trace` replays."""
+    """Convert agent logs into a trace that `swe-lite --trace` replays (docs/trace-format.md)."""
     console = Console()
     try:
-        count = write_trace(import_traces(sources, lite_only=lite_only), out)
+        runs = import_runs(sources, lite_only=lite_only)
+        count = write_trace((run.program(decode_tokens_per_s) for run in runs), out)
     except (OSError, ValueError) as exc:
         raise fail(console, str(exc)) from exc
     console.print(f"{count} programs written to {out}")

@@ -46,6 +46,7 @@ class TraceWorkload(ScaledWorkload):
 
     programs: tuple[TraceProgram, ...] = field(default=(), kw_only=True)
     source: str = ""
+    name: str = "trace"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -60,7 +61,7 @@ class TraceWorkload(ScaledWorkload):
 
     def describe(self) -> dict[str, Any]:
         return {
-            "name": "trace",
+            "name": self.name,
             "source": self.source,
             "programs": len(self.programs),
             "scale": self.scale,

@@ -1,6 +1,6 @@
-"""`swe-lite`: a seeded workload shaped like mini-swe-agent on SWE-bench Lite.
+"""`swe-lite --synthetic`: a seeded workload shaped like mini-swe-agent's runs (docs/bench.md).
 
-Targets (published statistics of 500 mini-swe-agent v1.15 runs, Gemini 3 Pro; TESTBED.md):
+Targets (published statistics of 500 mini-swe-agent v1.15 runs on SWE-bench Verified, Gemini 3 Pro):
 steps per program p50 36 / p90 66 / max 145; first prompt ~1.65k tokens; prompt growth per
 step p50 315 / mean 583; completion p50 89 / mean 276 tokens. Every quantity is a lognormal
 drawn from a generator seeded by (seed, program index), so a program is the same in every run
@@ -109,7 +109,7 @@ class SweLite(ScaledWorkload):
         return draw_program(rng, f"swe-lite-{seed}-{index}", self.tool_seconds).scaled(self.scale)
 
     def describe(self) -> dict[str, Any]:
-        return {"name": "swe-lite", **asdict(self)}
+        return {"name": "swe-lite-synthetic", **asdict(self)}
 
 
 def new_input_factor(n_steps: int) -> float:

@@ -3,14 +3,17 @@
 A step is one LLM call: the size of its whole prompt, the size of its answer, and the tool
 time that followed the answer. A line may give each step's prompt as `prompt_tokens` (the
 whole prompt) or as `prompt_growth` (tokens added since the previous step's prompt); reading
-turns growth into whole prompts, so the rest of the code sees one form.
+turns growth into whole prompts, so the rest of the code sees one form. A file whose name
+ends in `.gz` is read and written gzip-compressed.
 """
 
 from __future__ import annotations
 
+import gzip
+import io
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -92,8 +95,16 @@ def parse_program_line(line: str, where: str) -> TraceProgram:
         raise TraceFormatError(f"{where}: {field}: {first['msg']}{more}") from None
 
 
+def open_text(path: Path, mode: str) -> IO[str]:
+    """`mode` "r" or "w", as UTF-8 text, through gzip when the name ends in `.gz`."""
+    if path.suffix == ".gz":
+        # No time stamp in the header: the same programs give the same bytes.
+        return io.TextIOWrapper(gzip.GzipFile(path, f"{mode}b", mtime=0), encoding="utf-8")
+    return path.open(mode, encoding="utf-8")
+
+
 def iter_trace(path: Path) -> Iterator[TraceProgram]:
-    with path.open(encoding="utf-8") as lines:
+    with open_text(path, "r") as lines:
         for number, line in enumerate(lines, start=1):
             if line.strip():
                 yield parse_program_line(line, f"{path}:{number}")
@@ -114,7 +125,7 @@ def write_trace(programs: Iterable[TraceProgram], path: Path) -> int:
     """Write programs as JSONL; returns how many."""
     count = 0
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as out:
+    with open_text(path, "w") as out:
         for program in programs:
             out.write(program_line(program) + "\n")
             count += 1
