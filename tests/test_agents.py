@@ -90,7 +90,7 @@ def agents_cluster(tmp_path_factory: pytest.TempPathFactory, engine_home, sandbo
     profile = write_profile(directory, cluster=name, engine=ENGINE, nodes=nodes, sandboxes=sandboxes,
                             gateway={"host": "127.0.0.1", "port": pick_free_port()})
     try:
-        cli("up", "-f", str(profile), "--timeout", "900", timeout=1000)
+        cli("up", "-f", str(profile), "--timeout", "480")  # a loaded machine needs minutes
         cluster = AgentsCluster(cli, name, docker_client)
         yield cluster
         cluster.client.close()

@@ -68,7 +68,7 @@ def run(
 
     # A SIGTERM ends the batch as Ctrl-C does: every running program released.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    out.print(f"{len(tasks)} task(s) on {url}, {concurrency} at once")
+    out.print(f"{len(tasks)} task(s) on {url}, at most {concurrency} at once")
     try:
         results = mini_swe_agent.run_batch(
             url, tasks, concurrency=concurrency, config_specs=config or [mini_swe_agent.DEFAULT_CONFIG],
@@ -94,9 +94,9 @@ def write_predictions(path: Path, results: list[AgentResult], model_name: str) -
 
 
 def results_table(results: list[AgentResult]) -> Table:
-    table = Table(title=f"{len(results)} agent(s)")
-    for column in ("task", "program", "exit", "steps", "gateway steps", "seconds"):
-        table.add_column(column)
+    table = Table(title=f"{len(results)} agent(s); tracked: the steps the gateway saw")
+    for column in ("task", "program", "exit", "steps", "tracked", "seconds"):
+        table.add_column(column, overflow="fold")  # wrapped, never cut to "…"
     for r in results:
         table.add_row(r.task_id, r.program_id, r.exit_status, str(r.steps), str(r.gateway_steps), f"{r.duration_s:.1f}")
     return table

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
+import litellm  # noqa: E402
 from minisweagent import Model  # noqa: E402
 from minisweagent.agents.default import DefaultAgent  # noqa: E402
 from minisweagent.config import get_config_from_spec  # noqa: E402
@@ -44,6 +45,10 @@ from thunderctl.integrations.cluster import (  # noqa: E402
     released_at_end,
 )
 from thunderctl.integrations.tasks import AgentResult, AgentTask  # noqa: E402
+
+# litellm prints a provider list on every price lookup of a model it does not know (any
+# cluster's model); the cost is 0 then, which is what cost_tracking="ignore_errors" asks for.
+litellm.suppress_debug_info = True
 
 # mini-swe-agent's own SWE-bench configuration for models that answer in text (not tool calls).
 DEFAULT_CONFIG = "swebench_backticks.yaml"
