@@ -63,8 +63,18 @@ class AgentsCluster:
         self.client = ClusterClient(self.endpoint)
         self.docker = docker_client
 
-    def containers(self) -> list:
-        return self.docker.containers.list(all=True, filters={"label": f"thunderctl.cluster={self.name}"})
+    def containers(self, **labels: str) -> list:
+        wanted = [f"{key}={value}" for key, value in ({"thunderctl.cluster": self.name} | labels).items()]
+        # sparse: one listing call, no inspection of containers being removed meanwhile
+        return self.docker.containers.list(all=True, sparse=True, filters={"label": wanted})
+
+    def wait_for_no_containers(self, timeout_s: float = 30) -> list:
+        """The cluster's containers once there are none, or those still there after timeout_s: a
+        sandbox released while its container was being made is removed when the make ends."""
+        deadline = time.monotonic() + timeout_s
+        while (left := self.containers()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return left
 
     def tracked(self, prefix: str) -> list[dict]:
         programs = httpx.get(f"{self.client.url}/programs", timeout=10).json()["programs"]
@@ -144,13 +154,10 @@ def test_the_environment_runs_each_action_in_the_sandbox_as_mini_swe_agent_expec
         with pytest.raises(Submitted) as submitted:
             env.execute({"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT; echo the-patch"})
         assert submitted.value.messages[0]["extra"] == {"exit_status": "Submitted", "submission": "the-patch\n"}
-        assert len(agents_cluster.containers()) == 1
+        assert len(agents_cluster.containers(**{"thunderctl.lease": env.sandbox_id})) == 1
 
         agents_cluster.client.release_program(program_id)  # the sandbox goes with its program
-        deadline = time.monotonic() + 30
-        while agents_cluster.containers() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert agents_cluster.containers() == []
+        assert agents_cluster.wait_for_no_containers() == []
         with pytest.raises(ClusterError, match="answered 404"):
             env.execute({"command": "true"})
     finally:
@@ -167,7 +174,7 @@ def test_an_agent_that_fails_still_releases_its_program_and_sandbox(agents_clust
     assert result.exit_status == "NotFoundError" and "no-such-model" in result.error
     assert result.sandbox_id is not None
     assert agents_cluster.tracked(prefix) == []
-    assert agents_cluster.containers() == []
+    assert agents_cluster.wait_for_no_containers() == []
 
 
 def test_ctrl_c_stops_the_batch_and_releases_every_program(agents_cluster: AgentsCluster, tmp_path: Path) -> None:
@@ -195,7 +202,7 @@ def test_ctrl_c_stops_the_batch_and_releases_every_program(agents_cluster: Agent
     assert batch.returncode == 1
     assert "interrupted: the running agents were stopped and their programs released" in stderr
     assert agents_cluster.tracked(prefix) == []
-    assert agents_cluster.containers() == []
+    assert agents_cluster.wait_for_no_containers() == []
 
 
 def test_task_files_take_swe_bench_records_and_name_the_bad_one(tmp_path: Path) -> None:
