@@ -223,3 +223,16 @@ def test_task_files_take_swe_bench_records_and_name_the_bad_one(tmp_path: Path) 
     listed.write_text(yaml.safe_dump([{"id": "same", "problem_statement": "x"}, {"id": "same", "problem_statement": "y"}]))
     with pytest.raises(TaskFileError, match=r"tasks.yaml\[1\]: id 'same' is already the id of .*tasks.yaml\[0\]"):
         load_tasks(listed)
+
+
+def test_thunderctl_works_without_mini_swe_agent_and_says_how_to_get_it(tmp_path: Path) -> None:
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"id": "one", "problem_statement": "x"}) + "\n")
+    # A None entry in sys.modules makes `import minisweagent` fail as if it were not installed.
+    without = "import sys; sys.modules['minisweagent'] = None; from thunderctl.cli import app; app()"
+    status = subprocess.run([sys.executable, "-c", without, "--help"], capture_output=True, text=True, timeout=120)
+    assert status.returncode == 0 and "agents" in status.stdout
+    run = subprocess.run([sys.executable, "-c", without, "agents", "run", str(tasks)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1
+    assert "pip install 'thunderctl[agents]'" in run.stderr

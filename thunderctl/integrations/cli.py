@@ -13,6 +13,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from thunderctl.bench.cli import cluster_endpoints
@@ -27,7 +28,7 @@ err = Console(stderr=True)
 
 
 def fail(message: str) -> typer.Exit:
-    err.print(f"[bold red]error:[/] {message}")
+    err.print(f"[bold red]error:[/] {escape(message)}")  # messages hold [brackets]: extras, indexes
     return typer.Exit(1)
 
 
@@ -62,7 +63,7 @@ def run(
 
     def finished(result: AgentResult) -> None:
         detail = f" ({result.error})" if result.error else ""
-        out.print(f"{result.task_id}: {result.exit_status} after {result.steps} steps, {result.duration_s:.1f} s{detail}")
+        out.print(escape(f"{result.task_id}: {result.exit_status} after {result.steps} steps, {result.duration_s:.1f} s{detail}"))
         if results_file is not None:
             results_file.write(json.dumps(asdict(result)) + "\n")
 

@@ -11,24 +11,23 @@ model with the program id in every request, one released program per agent run.
 from __future__ import annotations
 
 import os
+import platform
+import shlex
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 # Before litellm is imported (mini-swe-agent imports it): litellm otherwise fetches its model
 # cost map from the internet at import, and mini-swe-agent prints a banner at import.
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 os.environ.setdefault("MSWEA_SILENT_STARTUP", "1")
 
-import platform  # noqa: E402 - after the environment above, as all imports that reach litellm
-import shlex  # noqa: E402
-import threading  # noqa: E402
-from collections.abc import Callable, Iterator  # noqa: E402
-from concurrent.futures import ThreadPoolExecutor, as_completed  # noqa: E402
-from contextlib import contextmanager  # noqa: E402
-import time  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
-
-import litellm  # noqa: E402
+import litellm  # noqa: E402 - after the environment above, as everything that reaches litellm
 from minisweagent import Model  # noqa: E402
 from minisweagent.agents.default import DefaultAgent  # noqa: E402
 from minisweagent.config import get_config_from_spec  # noqa: E402
@@ -278,7 +277,6 @@ class AgentRunner:
 
     def _agent_config(self) -> dict:
         return {k: v for k, v in self.config.get("agent", {}).items() if k != "agent_class"}
-
 
 
 def run_batch(endpoint: str, tasks: list[AgentTask], *, concurrency: int = 4,
