@@ -209,6 +209,8 @@ class LocalEngine:
 
     def __init__(self, process: subprocess.Popen[bytes], config: LocalEngineConfig, log_path: Path) -> None:
         self._process = process
+        # Polling reaps the server once it exits, after which its pid may go to another process.
+        self._leader = ProcessIdentity.local(process.pid)
         self.config = config
         self.log_path = log_path
 
@@ -259,7 +261,7 @@ class LocalEngine:
         )
 
     def stop(self, timeout: float = 15) -> None:
-        stop_process_group(self.pgid, timeout)
+        stop_recorded_group(self._leader, timeout)
         # Reap our direct child so it does not linger as a zombie.
         try:
             self._process.wait(timeout=1)
