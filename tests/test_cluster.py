@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -95,12 +96,14 @@ def processes_mentioning(text: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, engine_home):
-    """A two-worker local cluster, brought up once through the CLI."""
+    """A two-worker local cluster, brought up once through the CLI. Its name is its own: the name
+    labels its sandboxes on the one Docker engine that other test runs may share at the same time."""
     directory = tmp_path_factory.mktemp("cluster")
     cli = Cli(directory / "state")
     base_port = consecutive_free_ports(2)
     nodes = [{"name": "local", "transport": "local", "replicas": 2, "base_port": base_port}]
-    profile = write_profile(directory, nodes=nodes, gateway={"host": "127.0.0.1", "port": pick_free_port()})
+    profile = write_profile(directory, cluster=f"local-{secrets.token_hex(4)}", nodes=nodes,
+                            gateway={"host": "127.0.0.1", "port": pick_free_port()})
     up = cli("up", "-f", str(profile))
     yield cli, profile, up
     cli("down", check=False)  # whatever the tests left, leave nothing
@@ -112,7 +115,7 @@ def test_up_starts_workers_and_prints_the_endpoint(cluster) -> None:
     assert status["endpoint"] in up.stdout
     assert [w["state"] for w in status["workers"]] == ["ready", "ready"]
     assert all(w["kv_capacity_tokens"] == 4096 for w in status["workers"])
-    socket_path = Path(cli.env["THUNDERCTL_STATE_DIR"]) / "local" / "control.sock"
+    socket_path = Path(cli.env["THUNDERCTL_STATE_DIR"]) / status["cluster"] / "control.sock"
     assert socket_path.stat().st_mode & 0o777 == 0o600
 
 
@@ -172,7 +175,7 @@ def test_drain_with_programs_in_flight_loses_no_request(cluster) -> None:
 
 def test_worker_killed_mid_run_loses_no_request(cluster) -> None:
     cli, _, _ = cluster
-    state = json.loads((Path(cli.env["THUNDERCTL_STATE_DIR"]) / "local" / "state.json").read_text())
+    state = json.loads((Path(cli.env["THUNDERCTL_STATE_DIR"]) / cli.status()["cluster"] / "state.json").read_text())
     victim = state["workers"][1]
     thread, results = run_load_in_background(cli.status()["endpoint"], programs=8)
     time.sleep(4)
@@ -185,7 +188,8 @@ def test_worker_killed_mid_run_loses_no_request(cluster) -> None:
 
 def test_daemon_killed_then_up_recovers_it_and_down_leaves_nothing(cluster, sandbox_image, docker_client) -> None:
     cli, profile, _ = cluster
-    state_dir = Path(cli.env["THUNDERCTL_STATE_DIR"]) / "local"
+    name = cli.status()["cluster"]
+    state_dir = Path(cli.env["THUNDERCTL_STATE_DIR"]) / name
     first_daemon = cli.status()["daemon_pid"]
     os.kill(first_daemon, signal.SIGKILL)
     recovered = cli("up", "-f", str(profile))
@@ -202,7 +206,7 @@ def test_daemon_killed_then_up_recovers_it_and_down_leaves_nothing(cluster, sand
     os.kill(state["daemon_pid"], signal.SIGKILL)  # and again: now down must clean up alone
     down = cli("down")
     assert "cleaned up from the state file (1 sandbox(es) removed)" in down.stdout
-    assert docker_client.containers.list(all=True, filters={"label": "thunderctl.cluster=local"}) == []
+    assert docker_client.containers.list(all=True, filters={"label": f"thunderctl.cluster={name}"}) == []
     assert not state_dir.exists()
     for pid in [state["daemon_pid"], *(w["pid"] for w in state["workers"])]:
         assert not pid_alive(pid)

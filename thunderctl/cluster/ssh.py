@@ -32,7 +32,7 @@ from thunderctl.cluster.transport import (
     bounded,
     pid_file_of,
 )
-from thunderctl.engines.local import EngineStopError
+from thunderctl.engines.local import EngineStopError, ProcessIdentity, start_ticks_in
 
 CONNECT_TIMEOUT_S = 10.0
 PID_FILE_WAIT_S = 5
@@ -97,12 +97,13 @@ class SshTransport(Transport):
             raise TransportError(f"`{command}` did not finish within {timeout:g} s on {self.target.host}")
         return CommandResult(result.exited, result.stdout, result.stderr)
 
-    def start_detached(self, command: list[str], env: dict[str, str], log_path: str) -> int:
+    def start_detached(self, command: list[str], env: dict[str, str], log_path: str) -> ProcessIdentity:
         pid_path = pid_file_of(log_path)
-        # The inner shell writes its own pid after setsid, so the file holds the group leader
-        # whether or not setsid had to fork; exec keeps that pid for the command itself.
+        # The inner shell writes its own pid and start time after setsid, so the file holds the
+        # group leader whether or not setsid had to fork; exec keeps both for the command itself.
+        # Its command name is "sh" (no spaces) while it writes, so cut finds field 22 (starttime).
         leader = shlex.join(["env", *(f"{k}={v}" for k, v in env.items()), "setsid", "sh", "-c",
-                             'echo $$ > "$0" && exec "$@"', pid_path, *command])
+                             'echo $$ $(cut -d " " -f 22 /proc/$$/stat) > "$0" && exec "$@"', pid_path, *command])
         log, pid = shlex.quote(log_path), shlex.quote(pid_path)
         script = (
             f"mkdir -p {shlex.quote(str(Path(log_path).parent))} && rm -f {pid} && "
@@ -112,12 +113,14 @@ class SshTransport(Transport):
         result = self.run(script)
         if not result.ok:
             raise TransportError(f"could not start {command[0]} on {self.target.host}:\n{self.tail(log_path, 20)}")
-        return int(result.stdout)
+        pid, start_ticks = map(int, result.stdout.split())
+        return ProcessIdentity(pid, start_ticks)
 
-    def group_alive(self, pgid: int) -> bool:
-        return bool(self._members(pgid))
+    def start_ticks(self, pid: int) -> int | None:
+        result = self.run(f"cat /proc/{pid}/stat")
+        return start_ticks_in(result.stdout) if result.ok else None
 
-    def _members(self, pgid: int) -> list[int]:
+    def group_members(self, pgid: int) -> list[int]:
         return group_pids(self._tool("ps -e -o pid=,pgid=,stat=", "procps"), pgid)
 
     def _tool(self, command: str, package: str) -> str:
@@ -129,20 +132,20 @@ class SshTransport(Transport):
                                  f"install {package} on the node")
         return result.stdout
 
-    def stop_group(self, pgid: int, timeout: float) -> None:
+    def stop_pgid(self, pgid: int, timeout: float) -> None:
         # `kill -SIG -PGID` signals the group; dash's kill knows no `--`.
-        if not self.run(f"kill -TERM -{pgid}").ok and not self.group_alive(pgid):
+        if not self.run(f"kill -TERM -{pgid}").ok and not self.group_members(pgid):
             return  # no such group: it had already ended
         if self._wait_gone(pgid, timeout):
             return
         self.run(f"kill -KILL -{pgid}")
         if self._wait_gone(pgid, KILL_WAIT_S):
             return
-        raise EngineStopError(f"processes {self._members(pgid)} of group {pgid} on {self.target.host} survived SIGKILL")
+        raise EngineStopError(f"processes {self.group_members(pgid)} of group {pgid} on {self.target.host} survived SIGKILL")
 
     def _wait_gone(self, pgid: int, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
-        while self.group_alive(pgid):
+        while self.group_members(pgid):
             if time.monotonic() > deadline:
                 return False
             time.sleep(STOP_POLL_S)

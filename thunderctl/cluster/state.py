@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from thunderctl.cluster.transport import SshTarget
+from thunderctl.engines.local import ProcessIdentity, local_start_ticks
 
 
 class ClusterNotFound(LookupError):
@@ -27,6 +28,17 @@ class WorkerRecord:
     gpus: list[int] = field(default_factory=list)
     container: str | None = None  # install: docker
     tunnel_pid: int | None = None  # the local process holding its SSH tunnel
+    # When pid and tunnel_pid started (ProcessIdentity); None in a state from before they were kept.
+    start_ticks: int | None = None
+    tunnel_start_ticks: int | None = None
+
+    @property
+    def process(self) -> ProcessIdentity:
+        return ProcessIdentity(self.pid, self.start_ticks)
+
+    @property
+    def tunnel(self) -> ProcessIdentity | None:
+        return ProcessIdentity(self.tunnel_pid, self.tunnel_start_ticks) if self.tunnel_pid else None
 
     @classmethod
     def from_dict(cls, data: dict) -> WorkerRecord:
@@ -43,6 +55,11 @@ class ClusterState:
     created_at: float = field(default_factory=time.time)
     workers: list[WorkerRecord] = field(default_factory=list)
     daemon_pid: int | None = None
+    daemon_start_ticks: int | None = None
+
+    @property
+    def daemon_process(self) -> ProcessIdentity | None:
+        return ProcessIdentity(self.daemon_pid, self.daemon_start_ticks) if self.daemon_pid else None
 
     @property
     def state_file(self) -> Path:
@@ -98,6 +115,11 @@ def pid_alive(pid: int | None) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def process_alive(process: ProcessIdentity | None) -> bool:
+    """Whether the recorded process of this machine still runs: its pid, not reused by another."""
+    return process is not None and pid_alive(process.pid) and not process.reused(local_start_ticks(process.pid))
 
 
 def known_clusters(root: Path) -> list[ClusterState]:

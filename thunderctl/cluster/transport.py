@@ -20,7 +20,9 @@ from types import TracebackType
 from typing import Self, TypeVar
 
 from thunderctl.engines.local import (
+    ProcessIdentity,
     group_members,
+    local_start_ticks,
     spawn_detached,
     stop_process_group,
     tail_of_file,
@@ -79,6 +81,7 @@ def bounded(command: str, timeout: float) -> str:
 
 
 def pid_file_of(log_path: str) -> str:
+    """Beside the log: "PID START_TICKS" of the process started with it."""
     return str(Path(log_path).with_suffix(".pid"))
 
 
@@ -92,18 +95,40 @@ class Transport(ABC):
         """A shell command; raises TransportError if the node is unreachable or time runs out."""
 
     @abstractmethod
-    def start_detached(self, command: list[str], env: dict[str, str], log_path: str) -> int:
+    def start_detached(self, command: list[str], env: dict[str, str], log_path: str) -> ProcessIdentity:
         """Start `command` in a session of its own (so it leads its process group), output appended
-        to log_path and its pid written beside it (.pid); returns that pid."""
+        to log_path and its pid and start time written beside it (.pid); returns those."""
 
     @abstractmethod
-    def group_alive(self, pgid: int) -> bool:
-        """Whether any process of the group still runs (zombies do not count)."""
+    def start_ticks(self, pid: int) -> int | None:
+        """When the process holding `pid` on the node now started (ProcessIdentity's clock), or None."""
 
     @abstractmethod
-    def stop_group(self, pgid: int, timeout: float) -> None:
+    def group_members(self, pgid: int) -> list[int]:
+        """The live processes of a group (zombies do not count), whoever started it."""
+
+    @abstractmethod
+    def stop_pgid(self, pgid: int, timeout: float) -> None:
         """SIGTERM the group, SIGKILL what is left after `timeout`, then check nothing is left;
         raises EngineStopError if something survives."""
+
+    def pid_reused(self, leader: ProcessIdentity) -> bool:
+        """Whether the leader's pid now belongs to another process on the node."""
+        return leader.reused(self.start_ticks(leader.pid))
+
+    def group_alive(self, leader: ProcessIdentity) -> bool:
+        """Whether any process of the leader's group still runs. Members left by a leader that
+        died are its own (the kernel hands out no pid that still names a group); a group led by
+        another process that got the pid is not."""
+        return not self.pid_reused(leader) and bool(self.group_members(leader.pid))
+
+    def stop_group(self, leader: ProcessIdentity, timeout: float) -> bool:
+        """stop_pgid of the leader's group; False, with nothing signalled, if its pid now belongs
+        to another process (ours had ended long before)."""
+        if self.pid_reused(leader):
+            return False
+        self.stop_pgid(leader.pid, timeout)
+        return True
 
     @abstractmethod
     def line_count(self, path: str) -> int:
@@ -147,15 +172,19 @@ class LocalTransport(Transport):
             raise TransportError(f"`{command}` did not finish within {timeout:g} s on this machine")
         return CommandResult(done.returncode, done.stdout, done.stderr)
 
-    def start_detached(self, command: list[str], env: dict[str, str], log_path: str) -> int:
-        pid = spawn_detached(command, {**os.environ, **env}, Path(log_path)).pid
-        Path(pid_file_of(log_path)).write_text(f"{pid}\n")
-        return pid
+    def start_detached(self, command: list[str], env: dict[str, str], log_path: str) -> ProcessIdentity:
+        # Our child until reaped (a zombie at worst), so its start time can still be read.
+        process = ProcessIdentity.local(spawn_detached(command, {**os.environ, **env}, Path(log_path)).pid)
+        Path(pid_file_of(log_path)).write_text(f"{process.pid} {process.start_ticks}\n")
+        return process
 
-    def group_alive(self, pgid: int) -> bool:
-        return bool(group_members(pgid))
+    def start_ticks(self, pid: int) -> int | None:
+        return local_start_ticks(pid)
 
-    def stop_group(self, pgid: int, timeout: float) -> None:
+    def group_members(self, pgid: int) -> list[int]:
+        return group_members(pgid)
+
+    def stop_pgid(self, pgid: int, timeout: float) -> None:
         stop_process_group(pgid, timeout)
 
     def line_count(self, path: str) -> int:

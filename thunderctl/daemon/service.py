@@ -151,6 +151,6 @@ async def collect_orphaned_sandboxes(state: ClusterState) -> int:
         return 0
     pool = SandboxPool(config.model_copy(update={"warm": 0, "warm_images": {}}), cluster=state.cluster,
                        state_path=state.dir / "sandboxes.json")
-    await pool.start()  # its reaper removes every container of this cluster no live program owns
+    await pool.start()  # its reaper removes this cluster's sandbox containers, never its workers
     await pool.shutdown()
     return pool.stats().get("reaped", 0)

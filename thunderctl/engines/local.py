@@ -209,6 +209,8 @@ class LocalEngine:
 
     def __init__(self, process: subprocess.Popen[bytes], config: LocalEngineConfig, log_path: Path) -> None:
         self._process = process
+        # Polling reaps the server once it exits, after which its pid may go to another process.
+        self._leader = ProcessIdentity.local(process.pid)
         self.config = config
         self.log_path = log_path
 
@@ -259,7 +261,7 @@ class LocalEngine:
         )
 
     def stop(self, timeout: float = 15) -> None:
-        stop_process_group(self.pgid, timeout)
+        stop_recorded_group(self._leader, timeout)
         # Reap our direct child so it does not linger as a zombie.
         try:
             self._process.wait(timeout=1)
@@ -296,6 +298,35 @@ def probe_health(client: httpx.Client, base_url: str) -> bool:
 
 
 # --- process groups ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProcessIdentity:
+    """A pid and when its process started, in clock ticks after its node booted (field 22 of
+    /proc/PID/stat, read on the node itself): once a process is gone its pid may be handed to
+    another, and only the start time tells the two apart."""
+
+    pid: int
+    start_ticks: int | None = None  # None: recorded by a thunderctl that did not keep it; trusted
+
+    @classmethod
+    def local(cls, pid: int) -> ProcessIdentity:
+        """The process holding `pid` on this machine now."""
+        return cls(pid, local_start_ticks(pid))
+
+    def reused(self, start_ticks_now: int | None) -> bool:
+        """Whether the pid now belongs to another process, given the start ticks of whatever holds
+        it now (None: nothing does, so there is no stranger to spare)."""
+        return None not in (self.start_ticks, start_ticks_now) and start_ticks_now != self.start_ticks
+
+
+def stop_recorded_group(leader: ProcessIdentity, timeout: float = 15) -> bool:
+    """stop_process_group of the leader's group, unless its pid now belongs to another process:
+    then nothing is signalled and the answer is False."""
+    if leader.reused(local_start_ticks(leader.pid)):
+        return False
+    stop_process_group(leader.pid, timeout)
+    return True
 
 
 def stop_process_group(pgid: int, timeout: float = 15) -> None:
@@ -347,13 +378,35 @@ def group_members(pgid: int) -> list[int]:
 
 def read_proc_stat(path: Path) -> tuple[str, int] | None:
     """(state, pgrp) from /proc/PID/stat, or None if the process has gone."""
+    text = read_stat_text(path)
+    if text is None:
+        return None
+    fields = stat_fields(text)
+    return fields[0], int(fields[2])
+
+
+def local_start_ticks(pid: int) -> int | None:
+    """When the process holding `pid` on this machine started, or None if none does."""
+    text = read_stat_text(Path(f"/proc/{pid}/stat"))
+    return None if text is None else start_ticks_in(text)
+
+
+def start_ticks_in(stat_line: str) -> int:
+    """Field 22 of a /proc/PID/stat line: the start time in clock ticks after boot."""
+    return int(stat_fields(stat_line)[19])
+
+
+def stat_fields(stat_line: str) -> list[str]:
+    """The fields of a /proc/PID/stat line after the command name, from field 3 (the state) on."""
+    # The command name is in parentheses and may itself contain spaces or ')'.
+    return stat_line[stat_line.rindex(")") + 2 :].split()
+
+
+def read_stat_text(path: Path) -> str | None:
     try:
-        text = path.read_text()
+        return path.read_text()
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return None
-    # The command name is in parentheses and may itself contain spaces or ')'.
-    fields = text[text.rindex(")") + 2 :].split()
-    return fields[0], int(fields[2])
 
 
 # --- helpers -------------------------------------------------------------------------

@@ -17,11 +17,16 @@ from docker.utils import parse_repository_tag
 from docker.utils.socket import frames_iter
 from requests import RequestException
 
+from thunderctl.docker_labels import (
+    LABEL_CLUSTER,
+    LABEL_LEASE,
+    LABEL_PROGRAM,
+    LABEL_ROLE,
+    ROLE_SANDBOX,
+    is_sandbox,
+    sandbox_selectors,
+)
 from thunderctl.sandbox.config import SandboxConfig
-
-LABEL_CLUSTER = "thunderctl.cluster"
-LABEL_PROGRAM = "thunderctl.program"
-LABEL_LEASE = "thunderctl.lease"
 
 # After a timed-out command is killed, its output stream should close at once; if something
 # else still holds it open (a process that left the process group), stop reading after this.
@@ -70,7 +75,7 @@ class ContainerInfo:
 
 @dataclass
 class DiskUsage:
-    containers_bytes: int = 0  # writable layers of this cluster's containers
+    containers_bytes: int = 0  # writable layers of this cluster's sandboxes
     pulled_images_bytes: int = 0  # images the pool pulled
     unused_images: dict[str, int] = field(default_factory=dict)  # pulled, no container: name -> size
 
@@ -176,7 +181,8 @@ class DockerHost:
             security_opt=["no-new-privileges"],
             init=True,  # a PID 1 that reaps the zombies of commands agents leave behind
         )
-        labels = {LABEL_CLUSTER: self.cluster, LABEL_PROGRAM: program_id or "", LABEL_LEASE: lease}
+        labels = {LABEL_CLUSTER: self.cluster, LABEL_ROLE: ROLE_SANDBOX, LABEL_PROGRAM: program_id or "",
+                  LABEL_LEASE: lease}
         container = self.api.create_container(
             image, entrypoint=config.keepalive, labels=labels, host_config=host_config,
             name=f"thunderctl-{self.cluster}-{lease}",
@@ -211,20 +217,22 @@ class DockerHost:
             image=data["Config"]["Image"],
         )
 
-    def labelled_containers(self) -> list[ContainerInfo]:
-        """Every container, running or not, labelled as this cluster's."""
-        listed = self.api.containers(all=True, filters={"label": f"{LABEL_CLUSTER}={self.cluster}"})
+    def sandbox_containers(self) -> list[ContainerInfo]:
+        """Every sandbox container of this cluster, running or not, as Docker's label filters
+        select them: a worker of the same cluster on this engine is never listed."""
+        listed = {c["Id"]: c for selector in sandbox_selectors(self.cluster)
+                  for c in self.api.containers(all=True, filters={"label": selector})}
         return [
             ContainerInfo(id=c["Id"], labels=c.get("Labels") or {}, running=c["State"] == "running",
                           image=c["Image"])
-            for c in listed
+            for c in listed.values()
         ]
 
     def disk_usage(self, pulled_images: set[str]) -> DiskUsage:
         df = self.api.df()
         usage = DiskUsage()
         for container in df.get("Containers") or []:
-            if (container.get("Labels") or {}).get(LABEL_CLUSTER) == self.cluster:
+            if is_sandbox(container.get("Labels") or {}, self.cluster):
                 usage.containers_bytes += container.get("SizeRw") or 0
         for image in df.get("Images") or []:
             names = pulled_images.intersection(image.get("RepoTags") or [])

@@ -19,11 +19,10 @@ from pathlib import Path
 from string import hexdigits
 from typing import TypeVar
 
+from thunderctl.docker_labels import LABEL_CLUSTER, LABEL_LEASE
 from thunderctl.sandbox.config import CONTROL_THREADS, SandboxConfig
 from thunderctl.sandbox.docker_host import (
     DOCKER_ERRORS,
-    LABEL_CLUSTER,
-    LABEL_LEASE,
     ContainerInfo,
     DockerHost,
     ExecResult,
@@ -425,10 +424,10 @@ class SandboxPool:
             log.warning("removing container %s of sandbox %s: %s", sandbox.container_id, sandbox.id, exc)
 
     async def _reap(self) -> None:
-        """Remove this cluster's containers that no live sandbox owns; replace dead warm ones."""
+        """Remove this cluster's sandbox containers that no live sandbox owns; replace dead warm ones."""
         for host in (h for h in self.hosts if h.available):
             try:
-                containers = await self._run(host.labelled_containers)
+                containers = await self._run(host.sandbox_containers)
             except DOCKER_ERRORS as exc:
                 log.warning("listing containers on %s: %s", host.url, exc)
                 continue
@@ -538,7 +537,7 @@ class SandboxPool:
             if info is None:
                 continue
             if info.labels.get(LABEL_CLUSTER) == self.cluster and info.labels.get(LABEL_LEASE) not in self._sandboxes:
-                break  # one of ours about to be reaped: not the agent's to keep
+                break  # a sandbox of ours about to be reaped, or a worker: not the agent's to keep
             return host, info
         urls = ", ".join(h.url for h in self.hosts)
         raise SandboxNotFound(f"container {docker_id!r} is on no Docker host of this pool ({urls})")
