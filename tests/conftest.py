@@ -10,7 +10,7 @@ import pytest
 
 from thunderctl.gateway.process import ServeProcess
 
-pytest_plugins = ["engine_fixtures", "sandbox_fixtures", "ssh_fixtures"]
+pytest_plugins = ["api_fixtures", "engine_fixtures", "sandbox_fixtures", "ssh_fixtures"]
 
 
 class GatewayProcess(ServeProcess):
