@@ -195,7 +195,8 @@ def serve(
             for warning in warnings:
                 err.print(f"[yellow]warning:[/] {warning}")
             names = ", ".join(f"{u.id} ({u.url})" for u in upstreams)
-            out.print(f"gateway on [bold]http://{host}:{port}/v1[/] → {names}")
+            keyed = " (clients send its API key)" if auth.api_key else ""
+            out.print(f"gateway on [bold]http://{host}:{port}/v1[/]{keyed} → {names}")
 
         # uvicorn re-raises the SIGTERM it caught once it has shut down; as SystemExit it
         # unwinds through the ExitStack, so a local engine is stopped rather than orphaned.

@@ -74,7 +74,7 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     """The body, refused with a 413 as soon as it is known to exceed `max_bytes`: from its
     Content-Length before reading, or while its chunks arrive."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > max_bytes:
         raise BodyTooLarge(f"request body is {int(declared)} bytes; the limit is {max_bytes} (gateway.max_body_bytes)")
     chunks, size = [], 0
     async for chunk in request.stream():
