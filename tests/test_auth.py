@@ -295,7 +295,7 @@ def test_bench_sends_the_gateway_key_and_the_engines_key(fake_backend, start_gat
                "--scale", "0.01", "--warmup", "0", "--time-scale", "0", "--no-stream", "--out", str(report)]
     env = os.environ | {"PYTHONPATH": str(REPO), "COLUMNS": "200"}
     keyless = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
-    assert keyless.returncode == 1 and "401" in keyless.stdout
+    assert keyless.returncode == 1 and "401" in keyless.stdout and "--api-key" in keyless.stdout
     keyed = subprocess.run(command, env=env | {"THUNDERCTL_API_KEY": KEY, "VLLM_API_KEY": "engine-key"},
                            capture_output=True, text=True, timeout=300)
     assert keyed.returncode == 0, keyed.stdout + keyed.stderr
@@ -343,7 +343,7 @@ def test_up_with_a_key_enforces_it_and_keeps_both_keys_out_of_sight(engine_home:
         shown = cli("status").stdout + cli("status", "--json").stdout + cli("logs", "daemon", "-n", "500").stdout
         shown += cli("logs", "local/0", "-n", "2000").stdout + (state_dir / "state.json").read_text()
         assert "gateway key: set" in shown
-        bench = cli("bench", "swe-lite", "--compare", "--programs", "2", "--concurrency", "2", "--slices", "1",
+        bench = cli("bench", "swe-lite", "--compare", "--duration", "30", "--concurrency", "2", "--slices", "1",
                     "--scale", "0.02", "--warmup", "0", "--time-scale", "0", "--no-stream")
         shown += bench.stdout
         for secret in ("cluster-gateway-key", worker_key):

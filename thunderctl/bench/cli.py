@@ -224,6 +224,9 @@ def find_endpoints(
     try:
         return endpoints, probe(endpoints.endpoint, endpoints.api_key)
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        if isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code == 401:
+            what = "a wrong API key" if endpoints.api_key else f"no API key: give --api-key or set {API_KEY_ENV}"
+            raise fail(console, f"{endpoints.endpoint} answers 401 to {what}") from exc
         raise fail(console, f"{endpoints.endpoint} does not answer GET /v1/models with a model: {exc}") from exc
 
 
