@@ -16,6 +16,7 @@ DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 # at which Python's json parser gives up with a RecursionError.
 DEFAULT_MAX_JSON_DEPTH = 64
 MAX_PROGRAM_ID_CHARS = 256
+MAX_CONTAINER_REF_CHARS = 256  # a container's full id is 64 hex digits; names are shorter in practice
 
 
 class BadRequest(ValueError):

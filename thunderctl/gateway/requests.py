@@ -6,10 +6,9 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from thunderctl.jsonapi import BadRequest, json_type, shown, valid_program_id
+from thunderctl.jsonapi import MAX_CONTAINER_REF_CHARS, BadRequest, json_type, shown, valid_program_id
 
 PROGRAM_HEADER = "x-program-id"
-MAX_CONTAINER_REF = 256  # a full id is 64 hex digits; names are shorter in practice
 
 
 def pop_program_id(body: dict[str, Any], headers: dict[str, str]) -> str | None:
@@ -36,8 +35,8 @@ def pop_docker_ids(body: dict[str, Any]) -> list[str]:
     ids = body.pop("docker_ids", None)
     if ids is None:
         return []
-    if not isinstance(ids, list) or not all(isinstance(i, str) and 0 < len(i) <= MAX_CONTAINER_REF for i in ids):
-        raise BadRequest(f"docker_ids must be an array of container ids or names (strings of 1-{MAX_CONTAINER_REF} characters)")
+    if not isinstance(ids, list) or not all(isinstance(i, str) and 0 < len(i) <= MAX_CONTAINER_REF_CHARS for i in ids):
+        raise BadRequest(f"docker_ids must be an array of container ids or names (strings of 1-{MAX_CONTAINER_REF_CHARS} characters)")
     return ids
 
 

@@ -12,7 +12,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from thunderctl.jsonapi import BadRequest, BodyLimits, error, read_json_object, valid_program_id
+from thunderctl.jsonapi import (
+    MAX_CONTAINER_REF_CHARS,
+    BadRequest,
+    BodyLimits,
+    error,
+    read_json_object,
+    valid_program_id,
+)
 from thunderctl.sandbox.docker_host import HostUnavailable, ImageUnavailable, SandboxError
 from thunderctl.sandbox.pool import (
     PoolUnavailable,
@@ -27,7 +34,7 @@ Body = TypeVar("Body", bound=BaseModel)
 # Docker takes no NUL byte in an argument, a name or the environment: refused here, as a 400.
 Text = Annotated[str, Field(pattern=r"^[^\x00]*$")]
 NonEmpty = Annotated[str, Field(min_length=1, pattern=r"^[^\x00]+$")]
-ContainerRef = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^\x00]+$")]
+ContainerRef = Annotated[str, Field(min_length=1, max_length=MAX_CONTAINER_REF_CHARS, pattern=r"^[^\x00]+$")]
 ImageRef = Annotated[str, Field(min_length=1, max_length=512, pattern=r"^\S+$")]
 EnvName = Annotated[str, Field(min_length=1, pattern=r"^[^\x00=]+$")]
 ProgramId = Annotated[str, BeforeValidator(valid_program_id)]
