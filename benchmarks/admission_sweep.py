@@ -31,6 +31,7 @@ from rich.table import Table
 from thunderctl.bench.closed_loop import AgentShape, LoadResult, LoadSpec, Target, Uniform, run_load
 from thunderctl.bench.replay import Arm, run_arms
 from thunderctl.bench.report import LiveProgress, fmt
+from thunderctl.gateway.auth import env_api_key
 from thunderctl.gateway.process import ServeProcess
 
 ARMS = ("direct", "reference", "adaptive", "limit")
@@ -74,8 +75,9 @@ async def sweep_point(args: argparse.Namespace, concurrency: int, index: int, ur
     )  # fmt: skip
     arms = [
         Arm("direct", Target.direct([urls["engine"]])),
-        Arm("reference", Target.gateway(urls["reference"]), urls["reference"]),
-        Arm("adaptive", Target.gateway(urls["adaptive"]), urls["adaptive"]),
+        # The gateways started with the key of this environment, if any.
+        Arm("reference", Target.gateway(urls["reference"], api_key=env_api_key()), urls["reference"]),
+        Arm("adaptive", Target.gateway(urls["adaptive"], api_key=env_api_key()), urls["adaptive"]),
     ]
     with LiveProgress(len(arms) * args.slices, console) as live:
         outcomes = await run_arms(arms, spec, [urls["engine"]], rounds=args.slices, flip=index, observer=live)

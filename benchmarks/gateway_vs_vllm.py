@@ -30,6 +30,7 @@ from rich.table import Table
 from thunderctl.bench.closed_loop import AgentShape, LoadSpec, Target, Uniform
 from thunderctl.bench.replay import Arm, ArmOutcome, run_arms
 from thunderctl.bench.report import LiveProgress, fmt
+from thunderctl.gateway.auth import env_api_key
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -119,7 +120,8 @@ def uniform_arg(text: str) -> Uniform:
 async def run_concurrency(
     config: BenchConfig, concurrency: int, index: int, engine_url: str, gateway_url: str, console: Console
 ) -> dict[str, ArmOutcome]:
-    arms = [Arm("direct", Target.direct([engine_url])), Arm("gateway", Target.gateway(gateway_url), gateway_url)]
+    gateway = Target.gateway(gateway_url, api_key=env_api_key())  # the key the gateway started with, if any
+    arms = [Arm("direct", Target.direct([engine_url])), Arm("gateway", gateway, gateway_url)]
     spec = LoadSpec(
         concurrency=concurrency,
         shape=config.shape,

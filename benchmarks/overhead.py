@@ -30,6 +30,8 @@ from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from thunderctl.engines.local import pick_free_port
+from thunderctl.gateway.auth import env_api_key
+from thunderctl.jsonapi import bearer_headers
 from thunderctl.scheduler import Scheduler, SchedulerConfig
 
 METRICS = (
@@ -96,9 +98,13 @@ def gateway_latency(requests: int) -> dict[str, float]:
         body = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 1}
         with httpx.Client(timeout=10) as client:
             for i in range(requests):
-                for url, sink, extra in ((backend_url, direct, {}), (gateway_url, through, {"program_id": f"p{i % 64}"})):
+                for url, sink, extra, headers in (
+                    (backend_url, direct, {}, {}),
+                    # The gateway started with the key of this environment, if any.
+                    (gateway_url, through, {"program_id": f"p{i % 64}"}, bearer_headers(env_api_key())),
+                ):
                     started = time.perf_counter()
-                    client.post(f"{url}/v1/chat/completions", json=body | extra).raise_for_status()
+                    client.post(f"{url}/v1/chat/completions", json=body | extra, headers=headers).raise_for_status()
                     sink.append(time.perf_counter() - started)
     finally:
         gateway.terminate()

@@ -10,7 +10,7 @@ import pytest
 
 from thunderctl.gateway.process import ServeProcess
 
-pytest_plugins = ["engine_fixtures", "sandbox_fixtures", "ssh_fixtures"]
+pytest_plugins = ["api_fixtures", "engine_fixtures", "sandbox_fixtures", "ssh_fixtures"]
 
 # The real service a fixture starts, as the marker that selects or deselects its tests:
 # `pytest -m "not engine and not docker and not ssh"` is the fast tier.
@@ -27,9 +27,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 class GatewayProcess(ServeProcess):
     """`thunderctl serve` in a subprocess, spoken to over real HTTP."""
 
-    def __init__(self, backends: list[str], options: tuple[str, ...], log_path: Path) -> None:
-        super().__init__(backends, options, log_path)
-        self.http = httpx.Client(base_url=self.url, timeout=120)
+    def __init__(self, backends: list[str], options: tuple[str, ...], log_path: Path, api_key: str | None) -> None:
+        super().__init__(backends, options, log_path, api_key)
+        self.http = httpx.Client(base_url=self.url, timeout=120, headers=self.headers)
 
     def programs(self) -> dict[str, dict]:
         return {p["program_id"]: p for p in self.http.get("/programs").json()["programs"]}
@@ -48,11 +48,12 @@ class GatewayProcess(ServeProcess):
 
 @pytest.fixture
 def start_gateway(tmp_path: Path) -> Iterator[Callable[..., GatewayProcess]]:
-    """Start `thunderctl serve` against given backend URLs with CLI options; stopped by pid."""
+    """Start `thunderctl serve` against given backend URLs with CLI options (and an API key, which
+    its `http` client sends); stopped by pid."""
     started: list[GatewayProcess] = []
 
-    def start(backends: list[str], *options: str) -> GatewayProcess:
-        gateway = GatewayProcess(backends, options, tmp_path / f"gateway-{len(started)}.log")
+    def start(backends: list[str], *options: str, api_key: str | None = None) -> GatewayProcess:
+        gateway = GatewayProcess(backends, options, tmp_path / f"gateway-{len(started)}.log", api_key)
         started.append(gateway)
         gateway.wait_healthy()
         return gateway

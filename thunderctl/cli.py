@@ -49,9 +49,12 @@ from thunderctl.engines.local import (
     pick_free_port,
 )
 from thunderctl.daemon.service import collect_orphaned_sandboxes
+from thunderctl.engines.vllm import API_KEY_ENV as API_KEY_ENV_VLLM
 from thunderctl.gateway import BackendUnreachable, Gateway, parse_backend, serve_gateway
+from thunderctl.gateway.auth import API_KEY_ENV, GatewayAuth, exposure_problem
 from thunderctl.gateway.recorder import TraceRecorder
 from thunderctl.integrations.cli import agents_app
+from thunderctl.jsonapi import DEFAULT_MAX_BODY_BYTES, BodyLimits
 from thunderctl.profile import DEFAULT_PROFILE, Profile, ProfileError, load_profile, state_root
 from thunderctl.scheduler import Decay, SchedulerConfig
 
@@ -148,6 +151,11 @@ def serve(
     adapt_window: Annotated[float, typer.Option(help="Seconds of steps/min measured per move of the adaptive weight.")] = 15.0,
     kv_blocks: Annotated[int, typer.Option(help="With --local-engine: KV cache blocks.")] = 256,
     record_trace: Annotated[Path | None, typer.Option(help="Record the programs served as a trace (JSONL) for `thunderctl bench swe-lite --trace`.")] = None,
+    api_key: Annotated[str | None, typer.Option(envvar=API_KEY_ENV, show_default=False, help="Clients must send Authorization: Bearer KEY (all but /health).")] = None,
+    metrics_public: Annotated[bool, typer.Option(help="Serve /metrics without the key.")] = False,
+    allow_unauthenticated: Annotated[bool, typer.Option(help="Listen beyond loopback with no key.")] = False,
+    backend_api_key: Annotated[str | None, typer.Option(envvar=API_KEY_ENV_VLLM, show_default=False, help="The key the vLLM backends ask for (their --api-key).")] = None,
+    max_body_bytes: Annotated[int, typer.Option(min=1024, help="Larger request bodies get a 413.")] = DEFAULT_MAX_BODY_BYTES,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log scheduler decisions.")] = False,
 ) -> None:
     """Run the program-aware gateway in the foreground in front of running vLLM servers.
@@ -166,6 +174,11 @@ def serve(
         )
     except ValidationError as exc:
         raise fail(f"invalid scheduler options:\n{exc}") from exc
+    auth = GatewayAuth(api_key or None, metrics_public)
+    exposure = exposure_problem(host, auth, allow_unauthenticated,
+                                f"Give --api-key (or {API_KEY_ENV}), --host 127.0.0.1, or --allow-unauthenticated")
+    if exposure:
+        raise fail(exposure)
     specs = list(backend or [])
     if not specs and not local_engine:
         raise fail("give at least one --backend URL, or --local-engine to start the tiny local model")
@@ -176,7 +189,7 @@ def serve(
 
     with contextlib.ExitStack() as stack:
         if local_engine:
-            engine_config = LocalEngineConfig(port=pick_free_port(), num_gpu_blocks=kv_blocks)
+            engine_config = LocalEngineConfig(port=pick_free_port(), num_gpu_blocks=kv_blocks, api_key=backend_api_key)
             engine = stack.enter_context(running_local_engine(engine_config))
             upstreams.append(parse_backend(f"local/0={engine.url}", len(upstreams)))
 
@@ -184,14 +197,16 @@ def serve(
             for warning in warnings:
                 err.print(f"[yellow]warning:[/] {warning}")
             names = ", ".join(f"{u.id} ({u.url})" for u in upstreams)
-            out.print(f"gateway on [bold]http://{host}:{port}/v1[/] → {names}")
+            keyed = " (clients send its API key)" if auth.api_key else ""
+            out.print(f"gateway on [bold]http://{host}:{port}/v1[/]{keyed} → {names}")
 
         # uvicorn re-raises the SIGTERM it caught once it has shut down; as SystemExit it
         # unwinds through the ExitStack, so a local engine is stopped rather than orphaned.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         try:
             recorder = TraceRecorder(record_trace) if record_trace else None
-            aio.run(serve_gateway(Gateway(upstreams, config, recorder=recorder), host, port, ready))
+            gateway = Gateway(upstreams, config, recorder=recorder, worker_key=backend_api_key)
+            aio.run(serve_gateway(gateway, host, port, ready, auth, BodyLimits(max_bytes=max_body_bytes)))
         except BackendUnreachable as exc:
             raise fail(str(exc)) from exc
         except KeyboardInterrupt:
@@ -262,12 +277,17 @@ def up(
 
     profile, path = load_profile_or_exit(file)
     plans = plan_workers(profile)
+    exposure = profile.gateway.exposure_problem()
     if dry_run:
         for plan in plans:
             where = f"{plan.host}:{plan.port}" + (" (through an SSH tunnel)" if plan.tunnel else "")
             out.print(f"[bold]{plan.id}[/] on {where}\n  {plan.shell_line()}", soft_wrap=True)
         out.print(f"gateway on http://{profile.gateway.host}:{profile.gateway.port}/v1")
+        if exposure:
+            err.print(f"[yellow]warning:[/] `up` would refuse this profile: {exposure}")
         return
+    if exposure:
+        raise fail(f"{exposure}; nothing was started")
     state = existing_state(profile)
     if state is not None and daemon_answers(state):
         out.print(f"cluster [bold]{state.cluster}[/] is already up at {state.endpoint}; nothing changed")
@@ -332,7 +352,15 @@ def status_renderable(view: dict) -> Group:
         "admission: open gate (the engines admit by their own KV cache)" if sched["admission_gate_open"]
         else f"admission: ACTING weight {sched['acting_weight']:.2f} · workers busy {sched['utilization']:.0%}",
         f"sandboxes: {sandboxes}",
+        gateway_key_line(view.get("gateway", {})),
     )
+
+
+def gateway_key_line(gateway: dict) -> str:
+    if not gateway.get("api_key_set"):
+        return "gateway key: none (any client that reaches the endpoint is served)"
+    return "gateway key: set (clients send Authorization: Bearer KEY)" + (
+        "; /metrics is public" if gateway.get("metrics_public") else "")
 
 
 @app.command()

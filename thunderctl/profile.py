@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from thunderctl.gateway.auth import API_KEY_ENV, GatewayAuth, exposure_problem
+from thunderctl.jsonapi import DEFAULT_MAX_BODY_BYTES
 from thunderctl.sandbox.config import SandboxConfig
 from thunderctl.scheduler import SchedulerConfig
 
@@ -86,7 +89,20 @@ class NodeSpec(Strict):
 class GatewaySpec(Strict):
     host: str = "127.0.0.1"
     port: int = Field(8300, ge=1, le=65535)
-    api_key: str | None = None
+    api_key: str | None = Field(None, min_length=1, repr=False,
+                                description=f"clients send `Authorization: Bearer KEY`; default: ${API_KEY_ENV}")
+    metrics_public: bool = Field(False, description="/metrics answers without the key (for a Prometheus scraper)")
+    allow_unauthenticated: bool = Field(False, description="serve beyond loopback without a key")
+    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024, description="larger request bodies get a 413")
+
+    def auth(self, environ: Mapping[str, str] = os.environ) -> GatewayAuth:
+        """The key clients must send: the profile's, else the environment's."""
+        return GatewayAuth(self.api_key or environ.get(API_KEY_ENV) or None, self.metrics_public)
+
+    def exposure_problem(self, environ: Mapping[str, str] = os.environ) -> str | None:
+        fix = (f"Set gateway.api_key in the profile (or {API_KEY_ENV}), listen on 127.0.0.1, "
+               "or accept an open gateway with gateway.allow_unauthenticated: true")
+        return exposure_problem(self.host, self.auth(environ), self.allow_unauthenticated, fix)
 
 
 class Profile(Strict):
@@ -137,6 +153,8 @@ def _describe(error: dict[str, Any]) -> str:
         case "value_error":  # our own checks: the message starts with the field it is about
             message = error["msg"].removeprefix("Value error, ")
             return f"{where}.{message}" if where else message
+        case _ if error["loc"][-1:] == ("api_key",):
+            return f"{where}: {error['msg']}"  # never echo a secret
         case _:
             return f"{where}: {error['input']!r}: {error['msg']}"
 

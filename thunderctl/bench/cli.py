@@ -9,7 +9,7 @@ import asyncio
 import json
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
@@ -37,7 +37,11 @@ from thunderctl.bench.swe_lite import (
 from thunderctl.bench.trace import TraceFormatError, read_trace, write_trace
 from thunderctl.cluster.lifecycle import control_client, daemon_answers
 from thunderctl.cluster.state import ClusterNotFound, find_cluster
-from thunderctl.profile import state_root
+from thunderctl.cluster.worker_key import read_worker_key
+from thunderctl.engines.vllm import API_KEY_ENV as ENGINE_KEY_ENV
+from thunderctl.gateway.auth import API_KEY_ENV
+from thunderctl.jsonapi import bearer_headers
+from thunderctl.profile import ProfileError, load_profile, state_root
 
 bench_app = typer.Typer(
     help="Benchmarks: replay agent workloads through thunderctl and straight to the engines.",
@@ -58,6 +62,8 @@ class TargetArm(StrEnum):
 class Endpoints:
     endpoint: str  # OpenAI-compatible base URL, without /v1
     engines: list[str]  # the vLLM servers behind it: the direct arm and the /metrics source
+    api_key: str | None = field(default=None, repr=False)  # the endpoint's
+    engine_key: str | None = field(default=None, repr=False)  # the engines'
 
 
 @dataclass(frozen=True)
@@ -87,11 +93,12 @@ def cluster_endpoints(name: str | None) -> Endpoints:
     with control_client(state) as client:
         status = client.get("/status").json()
     engines = [worker["url"] for worker in status["workers"] if worker["state"] == "ready"]
-    return Endpoints(base_url(status["endpoint"]), engines)
+    api_key = load_profile(Path(state.profile_path)).gateway.auth().api_key
+    return Endpoints(base_url(status["endpoint"]), engines, api_key, read_worker_key(state.dir))
 
 
-def probe(endpoint: str) -> EndpointInfo:
-    with httpx.Client(timeout=10.0, trust_env=False) as client:
+def probe(endpoint: str, api_key: str | None) -> EndpointInfo:
+    with httpx.Client(timeout=10.0, trust_env=False, headers=bearer_headers(api_key)) as client:
         models = client.get(f"{endpoint}/v1/models")
         models.raise_for_status()
         first = models.json()["data"][0]
@@ -103,11 +110,12 @@ def build_arms(endpoints: Endpoints, info: EndpointInfo, arms: list[TargetArm], 
     built = []
     for arm in arms:
         if arm is TargetArm.DIRECT:
-            built.append(Arm("direct", Target.direct(endpoints.engines, routing)))
+            built.append(Arm("direct", Target.direct(endpoints.engines, routing, api_key=endpoints.engine_key)))
         elif info.thunderctl:
-            built.append(Arm("cluster", Target.gateway(endpoints.endpoint, name="cluster"), endpoints.endpoint))
+            target = Target.gateway(endpoints.endpoint, name="cluster", api_key=endpoints.api_key)
+            built.append(Arm("cluster", target, endpoints.endpoint))
         else:  # any OpenAI-compatible endpoint: no program ids to send, nothing to release
-            built.append(Arm("cluster", Target.direct([endpoints.endpoint], name="cluster")))
+            built.append(Arm("cluster", Target.direct([endpoints.endpoint], name="cluster", api_key=endpoints.api_key)))
     return built
 
 
@@ -230,6 +238,12 @@ def swe_lite(
     ] = 0,
     out: Annotated[Path | None, typer.Option(help="Write the JSON report here (and the plot beside it).")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write the PNG plot here (default: --out with .png).")] = None,
+    api_key: Annotated[
+        str | None, typer.Option(envvar=API_KEY_ENV, show_default=False, help="The --endpoint's API key (a cluster's comes from its profile).")
+    ] = None,
+    engine_api_key: Annotated[
+        str | None, typer.Option(envvar=ENGINE_KEY_ENV, show_default=False, help="The --engine servers' API key (a cluster's is its worker key).")
+    ] = None,
 ) -> None:
     """Replay mini-swe-agent's recorded SWE-bench Lite runs (closed loop) and report steps/min, hit rate, latency."""
     console = Console() if sys.stdout.isatty() else Console(width=140)
@@ -242,7 +256,8 @@ def swe_lite(
         duration = 120.0
     if duration is not None and warmup >= duration / rounds:
         raise fail(console, f"--warmup {warmup:g} s leaves nothing of a {duration / rounds:g} s slice")
-    endpoints, info = find_endpoints(cluster, endpoint, engine or [], TargetArm.DIRECT in arms, console)
+    given = Endpoints(base_url(endpoint), engine or [], api_key, engine_api_key) if endpoint else None
+    endpoints, info = find_endpoints(cluster, given, TargetArm.DIRECT in arms, console)
     max_context = int(info.max_model_len * CONTEXT_HEADROOM) if info.max_model_len else None
     try:
         workload = choice.load(scale, shared_prefix, max_context)
@@ -259,7 +274,9 @@ def swe_lite(
     started = time.monotonic()
     with LiveProgress(rounds * len(arms), console) as live:
         arm_list = build_arms(endpoints, info, arms, routing)
-        outcomes = asyncio.run(run_arms(arm_list, spec, endpoints.engines, rounds=rounds, observer=live))
+        outcomes = asyncio.run(
+            run_arms(arm_list, spec, endpoints.engines, rounds=rounds, observer=live, engine_key=endpoints.engine_key)
+        )
     parameters = {
         "concurrency": concurrency, "programs": programs, "duration_s": duration, "warmup_s": warmup,
         "slices": rounds, "seed": seed, "stream": stream, "arms": arms, "routing": routing,
@@ -273,18 +290,21 @@ def swe_lite(
 
 
 def find_endpoints(
-    cluster: str | None, endpoint: str | None, engines: list[str], need_engines: bool, console: Console
+    cluster: str | None, given: Endpoints | None, need_engines: bool, console: Console
 ) -> tuple[Endpoints, EndpointInfo]:
-    """The endpoint and engines to use (the cluster's unless --endpoint) and what serves there."""
+    """The endpoint and engines to use (the cluster's unless given) and what serves there."""
     try:
-        endpoints = Endpoints(base_url(endpoint), engines) if endpoint else cluster_endpoints(cluster)
-    except ClusterNotFound as exc:
+        endpoints = given or cluster_endpoints(cluster)
+    except (ClusterNotFound, ProfileError) as exc:
         raise fail(console, str(exc)) from exc
     if need_engines and not endpoints.engines:
         raise fail(console, "the direct arm needs the engines' URLs: give --engine URL (repeat) with --endpoint")
     try:
-        return endpoints, probe(endpoints.endpoint)
+        return endpoints, probe(endpoints.endpoint, endpoints.api_key)
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        if isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code == 401:
+            what = "a wrong API key" if endpoints.api_key else f"no API key: give --api-key or set {API_KEY_ENV}"
+            raise fail(console, f"{endpoints.endpoint} answers 401 to {what}") from exc
         raise fail(console, f"{endpoints.endpoint} does not answer GET /v1/models with a model: {exc}") from exc
 
 

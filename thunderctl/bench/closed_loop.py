@@ -34,6 +34,7 @@ import httpx
 
 from thunderctl.bench.trace import TraceProgram, TraceStep
 from thunderctl.engines.vllm import EngineMetrics, fetch_metrics
+from thunderctl.jsonapi import bearer_headers
 
 # Ordinary English words; each is a single token (with its leading space) in the tiny test
 # model's tokenizer and in the common BPE vocabularies, so token counts are predictable.
@@ -169,15 +170,22 @@ class Target:
     urls: list[str]
     program_ids: bool
     routing: Routing = Routing.STICKY
+    api_key: str | None = field(default=None, repr=False)  # sent as a bearer token with every request
     _turns: itertools.count[int] = field(default_factory=itertools.count, repr=False, compare=False)
 
     @classmethod
-    def direct(cls, urls: list[str], routing: Routing = Routing.STICKY, name: str = "direct") -> Target:
-        return cls(name, list(urls), program_ids=False, routing=routing)
+    def direct(
+        cls, urls: list[str], routing: Routing = Routing.STICKY, name: str = "direct", api_key: str | None = None
+    ) -> Target:
+        return cls(name, list(urls), program_ids=False, routing=routing, api_key=api_key)
 
     @classmethod
-    def gateway(cls, url: str, name: str = "gateway") -> Target:
-        return cls(name, [url], program_ids=True)
+    def gateway(cls, url: str, name: str = "gateway", api_key: str | None = None) -> Target:
+        return cls(name, [url], program_ids=True, api_key=api_key)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return bearer_headers(self.api_key)
 
     def url_for(self, program_index: int) -> str:
         """The server for the next request of program `program_index`."""
@@ -692,7 +700,7 @@ class ClosedLoop:
         return record, reply.text
 
     async def chat(self, url: str, body: dict[str, Any]) -> _Reply:
-        response = await self.client.post(f"{url}/v1/chat/completions", json=body)
+        response = await self.client.post(f"{url}/v1/chat/completions", json=body, headers=self.target.headers)
         if response.status_code != 200:
             return _Reply(response.status_code, error=response.text[:300])
         try:
@@ -708,7 +716,7 @@ class ClosedLoop:
         start = time.monotonic()
         reply = _Reply(0)
         parts: list[str] = []
-        async with self.client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+        async with self.client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=self.target.headers) as response:
             reply.status = response.status_code
             if response.status_code != 200:
                 reply.error = (await response.aread()).decode(errors="replace")[:300]
@@ -729,7 +737,7 @@ class ClosedLoop:
         self.open_programs.discard(program_id)
         try:
             url = f"{self.target.urls[0].rstrip('/')}/programs/release"
-            response = await self.client.post(url, json={"program_id": program_id})
+            response = await self.client.post(url, json={"program_id": program_id}, headers=self.target.headers)
             response.raise_for_status()
         except httpx.HTTPError:
             self.release_failures += 1
@@ -783,19 +791,26 @@ async def sample_engines(
 
 
 async def run_load(
-    target: Target, spec: LoadSpec, engine_urls: list[str], observer: Observer | None = None
+    target: Target,
+    spec: LoadSpec,
+    engine_urls: list[str],
+    observer: Observer | None = None,
+    engine_key: str | None = None,
 ) -> LoadResult:
     """Run closed-loop agent load against `target`; read cache counters from `engine_urls`.
 
     `engine_urls` are the vLLM servers behind the target (the same as `target.urls` for a
-    direct run); the first one also calibrates tokens per word.
+    direct run); the first one also calibrates tokens per word. `engine_key` is their API key.
     """
     salt = spec.salt or secrets.token_hex(4)
     limits = httpx.Limits(max_connections=spec.concurrency + 8, max_keepalive_connections=spec.concurrency + 8)
     timeout = httpx.Timeout(spec.request_timeout_s, connect=10.0)
     samples: list[CounterSample] = []
     # trust_env=False: a proxy from the environment must never see loopback benchmark traffic.
-    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+    # The engines' key by default; the target's own key, if any, goes with each request to it.
+    async with httpx.AsyncClient(
+        timeout=timeout, limits=limits, trust_env=False, headers=bearer_headers(engine_key)
+    ) as client:
         tokens_per_word = (
             await calibrate_tokens_per_word(client, engine_urls[0], spec.model)
             if engine_urls

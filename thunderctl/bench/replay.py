@@ -29,6 +29,7 @@ from thunderctl.bench.closed_loop import (
 from thunderctl.bench.swe_lite import ScaledWorkload
 from thunderctl.bench.trace import TraceProgram
 from thunderctl.engines.vllm import fetch_metrics, parse_samples
+from thunderctl.jsonapi import bearer_headers
 
 GATEWAY_COUNTERS = (
     "thunderctl_pauses_total",
@@ -123,21 +124,24 @@ def slice_spec(spec: LoadSpec, rounds: int, round_index: int) -> LoadSpec:
     )
 
 
-async def gateway_counters(client: httpx.AsyncClient, gateway_url: str) -> dict[str, float]:
-    response = await client.get(f"{gateway_url}/metrics")
+async def gateway_counters(client: httpx.AsyncClient, arm: Arm) -> dict[str, float]:
+    response = await client.get(f"{arm.gateway_url}/metrics", headers=arm.target.headers)
     response.raise_for_status()
     return {s.name: s.value for s in parse_samples(response.text) if s.name in GATEWAY_COUNTERS}
 
 
 async def wait_until_quiet(
-    client: httpx.AsyncClient, engine_urls: Sequence[str], gateway_url: str | None, timeout: float = QUIET_TIMEOUT_S
+    client: httpx.AsyncClient, engine_urls: Sequence[str], gateway: Arm | None, timeout: float = QUIET_TIMEOUT_S
 ) -> str:
     """Let the engines drain what a slice left behind; returns a warning, or "" when quiet."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         metrics = await asyncio.gather(*(fetch_metrics(client, url) for url in engine_urls))
         busy = sum(m.requests_running + m.requests_waiting for m in metrics)
-        programs = (await client.get(f"{gateway_url}/programs")).json()["programs"] if gateway_url else []
+        programs = (
+            (await client.get(f"{gateway.gateway_url}/programs", headers=gateway.target.headers)).json()["programs"]
+            if gateway else []
+        )
         if busy == 0 and not programs:
             return ""
         await asyncio.sleep(0.5)
@@ -152,23 +156,25 @@ async def run_arms(
     rounds: int,
     flip: int = 0,
     observer: SliceObserver | None = None,
+    engine_key: str | None = None,
 ) -> dict[str, ArmOutcome]:
-    """Every arm runs `rounds` slices of `spec`, interleaved; returns each arm's outcome."""
+    """Every arm runs `rounds` slices of `spec`, interleaved; returns each arm's outcome.
+    `engine_key` is the API key of the engines at `engine_urls`."""
     by_name = {arm.name: arm for arm in arms}
     outcomes = {arm.name: ArmOutcome() for arm in arms}
-    gateways = {arm.gateway_url for arm in arms if arm.gateway_url}
-    async with httpx.AsyncClient(timeout=30.0, trust_env=False) as client:
+    gateways = list({arm.gateway_url: arm for arm in arms if arm.gateway_url}.values())
+    async with httpx.AsyncClient(timeout=30.0, trust_env=False, headers=bearer_headers(engine_key)) as client:
         for name, round_index in slice_order(list(by_name), rounds, flip):
             arm = by_name[name]
             sliced = slice_spec(spec, rounds, round_index)
             if observer is not None:
                 observer.slice_started(name, round_index, sliced)
-            before = await gateway_counters(client, arm.gateway_url) if arm.gateway_url else {}
-            result = await run_load(arm.target, sliced, engine_urls, observer)
-            warnings = [await wait_until_quiet(client, engine_urls, gateway) for gateway in gateways or {None}]
+            before = await gateway_counters(client, arm) if arm.gateway_url else {}
+            result = await run_load(arm.target, sliced, engine_urls, observer, engine_key)
+            warnings = [await wait_until_quiet(client, engine_urls, gateway) for gateway in gateways or [None]]
             warning = "; ".join(w for w in warnings if w)
             if arm.gateway_url:
-                outcomes[name].add_counters(before, await gateway_counters(client, arm.gateway_url))
+                outcomes[name].add_counters(before, await gateway_counters(client, arm))
             outcomes[name].slices.append(result)
             if warning:
                 outcomes[name].warnings.append(warning)

@@ -83,7 +83,7 @@ def container_name(cluster: str, worker_id: str) -> str:
 
 
 def docker_command(engine: EngineSpec, cluster: str, worker_id: str, gpus: list[int], bind: tuple[str, int],
-                   model: str, vllm_args: list[str]) -> list[str]:
+                   model: str, vllm_args: list[str], env_from_host: tuple[str, ...] = ()) -> list[str]:
     """`docker run` in the foreground, so the container lives as long as the started process;
     `--rm` and the labels let `down` (and anyone) find and remove what is left; the worker role
     keeps the sandbox reaper of a pool on the same engine away from it."""
@@ -98,5 +98,6 @@ def docker_command(engine: EngineSpec, cluster: str, worker_id: str, gpus: list[
         "--label", f"{LABEL_WORKER}={worker_id}",
         # docker reads --gpus as CSV: a list of devices needs the inner quotes.
         "--gpus", f'"device={devices}"', "--ipc=host", "-p", f"{host}:{port}:{port}", *mounts,
+        *(arg for name in env_from_host for arg in ("-e", name)),  # by name: the value stays out of argv
         image(engine.version), *vllm_args,
     ]  # fmt: skip

@@ -34,6 +34,7 @@ from thunderctl.cluster.transport import (
     in_parallel,
 )
 from thunderctl.cluster.tunnel import tunnel_command
+from thunderctl.cluster.worker_key import create_worker_key, read_worker_key
 from thunderctl.engines.local import (
     EngineStopError,
     ProcessIdentity,
@@ -43,6 +44,7 @@ from thunderctl.engines.local import (
     stop_recorded_group,
     tail_of_file,
 )
+from thunderctl.jsonapi import bearer_headers
 from thunderctl.profile import Profile, state_root
 
 DAEMON_START_TIMEOUT_S = 30.0
@@ -126,7 +128,7 @@ def open_tunnel(state: ClusterState, worker: WorkerRecord, remote_port: int, loc
     worker.url = f"http://127.0.0.1:{local_port}"
 
 
-def start_workers(state: ClusterState, plans: list[WorkerPlan], transports: Transports) -> None:
+def start_workers(state: ClusterState, plans: list[WorkerPlan], transports: Transports, worker_key: str) -> None:
     """Spawn every worker detached, nodes in parallel; each is recorded as soon as it runs, so a
     crash of `up` itself still leaves a state that `down` can clean up."""
     lock = threading.Lock()
@@ -141,7 +143,7 @@ def start_workers(state: ClusterState, plans: list[WorkerPlan], transports: Tran
         transport = transports.to(node_plans[0].ssh)
         for plan in node_plans:
             log_path = worker_log(state, plan)
-            process = transport.start_detached(plan.command, plan.env, log_path)
+            process = transport.start_detached(plan.command, plan.launch_env(worker_key), log_path)
             worker = WorkerRecord(plan.id, plan.node, plan.url, process.pid, log_path, ssh=plan.ssh,
                                   gpus=list(plan.gpus), container=plan.container, start_ticks=process.start_ticks)
             save(worker)
@@ -169,7 +171,7 @@ def start_failure(worker: WorkerRecord, state: ClusterState, transport: Transpor
 def wait_workers_healthy(state: ClusterState, timeout: float, report: Report, transports: Transports) -> None:
     started = time.monotonic()
     pending = {w.id: w for w in state.workers if not w.stopped}
-    with httpx.Client(timeout=2.0) as client:
+    with httpx.Client(timeout=2.0, headers=bearer_headers(read_worker_key(state.dir))) as client:
         while pending:
             elapsed = time.monotonic() - started
             for worker in list(pending.values()):
@@ -311,6 +313,7 @@ def recover(state: ClusterState, plans: list[WorkerPlan], timeout: float, report
     """A cluster whose daemon died: restart the workers that died with it (not those a drain
     stopped on purpose) and their tunnels, then a new daemon. Returns the ids of the workers restarted."""
     by_id = {plan.id: plan for plan in plans}
+    worker_key = read_worker_key(state.dir) or create_worker_key(state.dir)
     revived = []
     for worker in state.workers:
         if worker.stopped or worker.id not in by_id:
@@ -318,7 +321,7 @@ def recover(state: ClusterState, plans: list[WorkerPlan], timeout: float, report
         plan = by_id[worker.id]
         transport = transports.to(worker.ssh)
         if not transport.group_alive(worker.process):
-            process = transport.start_detached(plan.command, plan.env, worker.log_path)
+            process = transport.start_detached(plan.command, plan.launch_env(worker_key), worker.log_path)
             worker.pid, worker.start_ticks = process.pid, process.start_ticks
             revived.append(worker.id)
         if worker.tunnel is not None and not process_alive(worker.tunnel):
@@ -336,11 +339,12 @@ def launch(profile: Profile, profile_path: Path, plans: list[WorkerPlan], timeou
     failure stop all of it, and say whether that worked."""
     state = new_state(profile, profile_path)
     state.save()
+    worker_key = create_worker_key(state.dir)
     try:
         step = install_step(profile.engine)
         if step is not None:
             install_engines(state, plans, step, transports, report)
-        start_workers(state, plans, transports)
+        start_workers(state, plans, transports, worker_key)
         wait_workers_healthy(state, timeout, report, transports)
         start_daemon(state)
     except BaseException as error:

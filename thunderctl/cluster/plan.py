@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,9 +14,12 @@ from thunderctl.engines.local import (
     vllm_server_command,
     vllm_server_env,
 )
+from thunderctl.engines.vllm import API_KEY_ENV
+from thunderctl.gateway.auth import is_loopback_host
 from thunderctl.profile import BUILTIN_TINY_MODEL, NodeSpec, Profile
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+MASKED_WORKER_KEY = "<worker-key>"  # what --dry-run shows in the key's place
 
 
 @dataclass(frozen=True)
@@ -32,14 +34,19 @@ class WorkerPlan:
     gpus: tuple[int, ...] = ()
     container: str | None = None  # install: docker; removed after the worker stops
     tunnel: bool = False  # reached through an SSH tunnel from this machine
+    keyed: bool = False  # listens beyond loopback: vLLM asks for the cluster's worker key
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    def launch_env(self, worker_key: str | None) -> dict[str, str]:
+        """The environment it starts with: a keyed worker gets the key there, never in argv."""
+        return {**self.env, API_KEY_ENV: worker_key} if self.keyed and worker_key else dict(self.env)
+
     def shell_line(self) -> str:
-        """The command as one could paste it into a shell on the node."""
-        return shlex.join([*(f"{k}={v}" for k, v in self.env.items()), *self.command])
+        """The command as one could paste it into a shell on the node, the worker key masked."""
+        return shlex.join([*(f"{k}={v}" for k, v in self.launch_env(MASKED_WORKER_KEY).items()), *self.command])
 
 
 def gpu_partition(node: NodeSpec, replica: int) -> list[int]:
@@ -62,14 +69,7 @@ def bind_host(node: NodeSpec) -> str:
         return "127.0.0.1"  # only the tunnel reaches it
     # A loopback node is this machine under another address (the test nodes): stay there.
     # Elsewhere the address we dial may not be the node's own (NAT), so listen on all.
-    return node.host if is_loopback(node.host) else "0.0.0.0"
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
+    return node.host if is_loopback_host(node.host) else "0.0.0.0"
 
 
 def worker_python(profile: Profile, home: EngineHome) -> str | None:
@@ -131,7 +131,9 @@ def gpu_worker(profile: Profile, node: NodeSpec, replica: int, port: int, home: 
         args = gpu_args(profile, node, "0.0.0.0", port, home)
         worker_id = f"{node.name}/{replica}"
         bind = (bind_host(node), port)
-        return docker_command(profile.engine, profile.cluster, worker_id, gpus, bind, model_path(profile, home), args), {}
+        command = docker_command(profile.engine, profile.cluster, worker_id, gpus, bind, model_path(profile, home), args,
+                                 env_from_host=(API_KEY_ENV,))
+        return command, {}
     command = [python, "-m", VLLM_SERVER_MODULE, *gpu_args(profile, node, bind_host(node), port, home)]
     return command, {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
 
@@ -149,6 +151,7 @@ def plan_workers(profile: Profile, home: EngineHome | None = None) -> list[Worke
                 command, env = gpu_worker(profile, node, replica, port, home)
             container = container_name(profile.cluster, worker_id) if profile.engine.install == "docker" else None
             gpus = tuple(gpu_partition(node, replica)) if node.gpus else ()
+            keyed = not is_loopback_host(bind_host(node))
             plans.append(WorkerPlan(worker_id, node.name, node.host, port, command, env, ssh_target(node), gpus,
-                                    container, node.tunnel))
+                                    container, node.tunnel, keyed))
     return plans

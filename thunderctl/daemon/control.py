@@ -16,15 +16,27 @@ from starlette.routing import Route
 from thunderctl.cluster.lifecycle import stop_worker
 from thunderctl.cluster.state import WorkerRecord
 from thunderctl.cluster.transport import Transports
-from thunderctl.jsonapi import BadRequest, error, read_json_object
+from thunderctl.jsonapi import BadRequest, bad_request, error, read_json_object, shown
 from thunderctl.scheduler import Phase, Status
 
 if TYPE_CHECKING:
     from thunderctl.daemon.service import Daemon
 
 
+DEFAULT_SHUTDOWN_TIMEOUT_S = 60.0
+MAX_SHUTDOWN_TIMEOUT_S = 86400.0
+
+
 class UnknownTarget(LookupError):
     pass
+
+
+def shutdown_timeout(body: dict[str, Any]) -> float:
+    """Seconds `shutdown` lets requests in flight finish: a finite number, 0 to a day."""
+    value = body.get("timeout", DEFAULT_SHUTDOWN_TIMEOUT_S)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_SHUTDOWN_TIMEOUT_S:
+        raise BadRequest(f"timeout must be a number of seconds from 0 to {MAX_SHUTDOWN_TIMEOUT_S:g}, not {shown(value)}")
+    return float(value)
 
 
 def stop_one_worker(record: WorkerRecord) -> None:
@@ -77,6 +89,8 @@ def status_view(daemon: Daemon) -> dict[str, Any]:
         "endpoint": daemon.state.endpoint,
         "uptime_s": round(time.time() - daemon.started_at, 1),
         "daemon_pid": daemon.state.daemon_pid,
+        # Whether a key is asked for, never the key itself.
+        "gateway": {"api_key_set": daemon.auth.api_key is not None, "metrics_public": daemon.auth.metrics_public},
         "workers": workers,
         "scheduler": {
             "programs": {k: counts[k] for k in (Phase.REASONING.value, Phase.ACTING.value, "paused")},
@@ -105,7 +119,7 @@ def build_control_app(daemon: Daemon) -> Starlette:
         try:
             worker_ids = await targets_of(request)
         except BadRequest as exc:
-            return error(400, str(exc))
+            return bad_request(exc)
         except UnknownTarget as exc:
             return error(404, str(exc), "not_found")
         for worker_id in worker_ids:
@@ -139,10 +153,9 @@ def build_control_app(daemon: Daemon) -> Starlette:
     async def shutdown(request: Request) -> JSONResponse:
         """Drain everything (bounded), release every program, then exit after answering."""
         try:
-            body = await read_json_object(request)
-        except BadRequest:
-            body = {}
-        timeout = float(body.get("timeout", 60))
+            timeout = shutdown_timeout(await read_json_object(request) if await request.body() else {})
+        except BadRequest as exc:
+            return bad_request(exc)
         worker_ids = [w.id for w in daemon.state.workers]
         for worker_id in worker_ids:
             gateway.drain(worker_id)

@@ -14,8 +14,10 @@ from starlette.types import Receive, Scope, Send
 
 from thunderctl import aio
 from thunderctl.cluster.state import ClusterState
+from thunderctl.cluster.worker_key import read_worker_key
 from thunderctl.daemon.control import build_control_app
 from thunderctl.gateway import Gateway, Upstream, build_app
+from thunderctl.jsonapi import BodyLimits
 from thunderctl.profile import ProfileError, load_profile
 from thunderctl.sandbox import SandboxPool, render_sandbox_metrics, sandbox_routes
 from thunderctl.scheduler import EventKind, ProgramEvent
@@ -48,17 +50,21 @@ class Daemon:
         self.state = state
         self.profile = load_profile(Path(state.profile_path))
         upstreams = [Upstream(w.id, w.url, stopped=w.stopped) for w in state.workers]
-        self.gateway = Gateway(upstreams, self.profile.scheduler)
+        self.gateway = Gateway(upstreams, self.profile.scheduler, worker_key=read_worker_key(state.dir))
+        self.auth = self.profile.gateway.auth()
+        limits = BodyLimits(max_bytes=self.profile.gateway.max_body_bytes)
         self.started_at = time.time()
         self.server: uvicorn.Server | None = None
         self.sandboxes = self._sandbox_pool()
         self._background: set[asyncio.Task] = set()
         gateway_app = build_app(
             self.gateway,
-            extra_routes=sandbox_routes(self.sandboxes) if self.sandboxes else (),
+            extra_routes=sandbox_routes(self.sandboxes, limits) if self.sandboxes else (),
             extra_metrics=(lambda: render_sandbox_metrics(self.sandboxes.stats())) if self.sandboxes else None,
             on_docker_ids=self._adopt if self.sandboxes else None,
             on_release=self._collect if self.sandboxes else None,
+            auth=self.auth,
+            limits=limits,
         )
         control_app = build_control_app(self)
 

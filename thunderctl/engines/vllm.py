@@ -13,6 +13,11 @@ from dataclasses import dataclass, field
 
 import httpx
 
+# vLLM reads its --api-key from this variable too: in the environment the key stays out of
+# the command line (ps, --dry-run) and out of vLLM's own log of its arguments. vLLM asks
+# for it on /v1 routes only; /health, /metrics and /tokenize stay open.
+API_KEY_ENV = "VLLM_API_KEY"
+
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
 # Preferred name first. prometheus_client appends `_total` to counters, but the bare
 # name is accepted in case a version or exporter does not.

@@ -6,14 +6,16 @@ from collections.abc import Callable, Sequence
 
 import httpx
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
+from thunderctl.gateway.auth import GatewayAuth, RequireApiKey
 from thunderctl.gateway.gateway import BackendError, Gateway
 from thunderctl.gateway.metrics import render_metrics
-from thunderctl.gateway.requests import pop_docker_ids, pop_program_id, prompt_shape
-from thunderctl.jsonapi import BadRequest, error, read_json_object
+from thunderctl.gateway.requests import check_generation_fields, pop_docker_ids, pop_program_id, prompt_shape
+from thunderctl.jsonapi import BadRequest, BodyLimits, bad_request, error, read_json_object, valid_program_id
 
 
 def build_app(
@@ -22,17 +24,21 @@ def build_app(
     extra_metrics: Callable[[], str] | None = None,
     on_docker_ids: Callable[[str, list[str]], None] | None = None,
     on_release: Callable[[str], None] | None = None,
+    auth: GatewayAuth = GatewayAuth(),
+    limits: BodyLimits = BodyLimits(),
 ) -> Starlette:
     """The gateway's routes; the daemon adds the sandbox pool's routes, metrics, adoption and
-    collection at release (of any program: one may end before its first LLM request)."""
+    collection at release (of any program: one may end before its first LLM request). With
+    an API key in `auth`, every route but /health (and /metrics, if public) asks for it."""
     async def completions(request: Request) -> Response:
         try:
-            body = await read_json_object(request)
+            body = await read_json_object(request, limits)
             program_id = pop_program_id(body, dict(request.headers))
             docker_ids = pop_docker_ids(body)
+            check_generation_fields(body)
             shape = prompt_shape(body)
         except BadRequest as exc:
-            return error(400, str(exc))
+            return bad_request(exc)
         if docker_ids and program_id is not None and on_docker_ids is not None:
             on_docker_ids(program_id, docker_ids)
         try:
@@ -52,16 +58,16 @@ def build_app(
 
     async def release(request: Request) -> Response:
         try:
-            body = await read_json_object(request)
+            body = await read_json_object(request, limits)
+            if "program_id" not in body:
+                raise BadRequest('release needs {"program_id": "<id>"}')
+            program_id = valid_program_id(body["program_id"])
         except BadRequest as exc:
-            return error(400, str(exc))
-        program_id = body.get("program_id")
-        if not isinstance(program_id, str | int) or program_id == "":
-            return error(400, 'release needs {"program_id": "<id>"}')
-        released = gateway.scheduler.release(str(program_id))
+            return bad_request(exc)
+        released = gateway.scheduler.release(program_id)
         if on_release is not None:
-            on_release(str(program_id))
-        return JSONResponse({"program_id": str(program_id), "released": released})
+            on_release(program_id)
+        return JSONResponse({"program_id": program_id, "released": released})
 
     async def programs(_: Request) -> Response:
         return JSONResponse({"programs": gateway.programs_view()})
@@ -83,5 +89,6 @@ def build_app(
             Route("/metrics", metrics, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             *extra_routes,
-        ]
+        ],
+        middleware=[Middleware(RequireApiKey, auth=auth)],
     )

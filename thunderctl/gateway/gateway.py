@@ -21,6 +21,7 @@ import httpx
 from thunderctl.engines.vllm import EngineMetrics, fetch_metrics, is_healthy
 from thunderctl.gateway.recorder import TraceRecorder
 from thunderctl.gateway.requests import PromptShape, TokenEstimator
+from thunderctl.jsonapi import bearer_headers
 from thunderctl.scheduler import EventKind, ProgramEvent, Scheduler, SchedulerConfig, Status
 
 log = logging.getLogger(__name__)
@@ -120,6 +121,7 @@ class Gateway:
         clock: Callable[[], float] = time.monotonic,
         metrics_interval_s: float = 2.0,
         recorder: TraceRecorder | None = None,
+        worker_key: str | None = None,
     ) -> None:
         if not upstreams:
             raise ValueError("the gateway needs at least one backend")
@@ -133,7 +135,9 @@ class Gateway:
         self._clock = clock
         self._resumed: dict[str, asyncio.Event] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        # Every call to a worker (relay, health, metrics) carries the cluster's worker key.
         self._client = httpx.AsyncClient(
+            headers=bearer_headers(worker_key),
             timeout=httpx.Timeout(None, connect=10.0),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
         )
@@ -302,13 +306,16 @@ class Gateway:
             body["stream_options"] = {**options, "include_usage": True}
         if self.recorder is not None and program_id is not None:
             self.recorder.on_request(program_id)
+        # ASCII escapes: a lone surrogate from the client's JSON stays representable.
+        payload = json.dumps(body).encode()
         for attempt in (1, 2):
             upstream = await self.admit(program_id, shape)
             upstream.add_in_flight(1, self._clock())
             response = None
             try:
                 response = await self._client.send(
-                    self._client.build_request("POST", f"{upstream.url}{path}", json=body),
+                    self._client.build_request("POST", f"{upstream.url}{path}", content=payload,
+                                               headers={"content-type": "application/json"}),
                     stream=True,
                 )
                 if response.status_code == 200 and stream:

@@ -6,26 +6,27 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from thunderctl.jsonapi import BadRequest
+from thunderctl.jsonapi import MAX_CONTAINER_REF_CHARS, BadRequest, json_type, shown, valid_program_id
 
 PROGRAM_HEADER = "x-program-id"
 
 
 def pop_program_id(body: dict[str, Any], headers: dict[str, str]) -> str | None:
-    """Take the program id out of the body (top level or `extra_body`) or the header.
+    """Take the program id out of the body (top level or `extra_body`) or the header, in that
+    order of precedence; every one given must be a valid id.
 
-    The id is removed from the body so the engine never sees a field it does not know.
+    The id is removed from the body so the engine never sees a field it does not know. An
+    empty id is no id: the request is served unscheduled.
     """
-    program_id = body.pop("program_id", None)
+    found = [("program_id", body.pop("program_id", None))]
     extra = body.get("extra_body")
     if isinstance(extra, dict) and "program_id" in extra:
-        program_id = program_id or extra.pop("program_id")
+        found.append(("extra_body.program_id", extra.pop("program_id")))
         if not extra:
             del body["extra_body"]
-    program_id = program_id or headers.get(PROGRAM_HEADER)
-    if program_id is not None and not isinstance(program_id, str | int):
-        raise BadRequest(f"program_id must be a string, got {type(program_id).__name__}")
-    return None if program_id in (None, "") else str(program_id)
+    found.append((f"the {PROGRAM_HEADER} header", headers.get(PROGRAM_HEADER)))
+    ids = [valid_program_id(value, where) for where, value in found if value not in (None, "")]
+    return ids[0] if ids else None
 
 
 def pop_docker_ids(body: dict[str, Any]) -> list[str]:
@@ -34,16 +35,34 @@ def pop_docker_ids(body: dict[str, Any]) -> list[str]:
     ids = body.pop("docker_ids", None)
     if ids is None:
         return []
-    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
-        raise BadRequest("docker_ids must be a list of container ids")
+    if not isinstance(ids, list) or not all(isinstance(i, str) and 0 < len(i) <= MAX_CONTAINER_REF_CHARS for i in ids):
+        raise BadRequest(f"docker_ids must be an array of container ids or names (strings of 1-{MAX_CONTAINER_REF_CHARS} characters)")
     return ids
+
+
+def check_generation_fields(body: dict[str, Any]) -> None:
+    """The fields the gateway itself acts on have the types OpenAI documents; the rest is the
+    engine's to judge."""
+    if "stream" in body and not isinstance(body["stream"], bool | None):
+        raise BadRequest(f"stream must be true or false, not {json_type(body['stream'])}")
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise BadRequest(f"stream_options must be an object or null, not {json_type(options)}")
+        if not isinstance(options.get("include_usage"), bool | None):
+            raise BadRequest(f"stream_options.include_usage must be true or false, not {json_type(options['include_usage'])}")
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise BadRequest(f"{name} must be a positive integer or null, not {shown(value)}")
 
 
 def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):  # multi-part content: count the text parts
-        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        texts = (part.get("text") for part in content if isinstance(part, dict))
+        return "".join(text for text in texts if isinstance(text, str))
     return ""
 
 
@@ -64,7 +83,7 @@ def prompt_shape(body: dict[str, Any]) -> PromptShape:
         texts = [_content_text(m.get("content")) if isinstance(m, dict) else "" for m in messages]
         first = messages[0] if isinstance(messages[0], dict) else {}
         if first.get("role") == "system" and texts[0]:
-            key = hashlib.blake2b(texts[0].encode(), digest_size=12).hexdigest()
+            key = hashlib.blake2b(texts[0].encode(errors="surrogatepass"), digest_size=12).hexdigest()
             return PromptShape(sum(map(len, texts)), prefix_key=key, prefix_chars=len(texts[0]))
         return PromptShape(sum(map(len, texts)))
     prompt = body.get("prompt", "")

@@ -7,7 +7,9 @@ from collections.abc import Callable
 import uvicorn
 
 from thunderctl.gateway.app import build_app
+from thunderctl.gateway.auth import GatewayAuth
 from thunderctl.gateway.gateway import Gateway, Upstream
+from thunderctl.jsonapi import BodyLimits
 
 
 def parse_backend(spec: str, index: int) -> Upstream:
@@ -22,12 +24,13 @@ def parse_backend(spec: str, index: int) -> Upstream:
 
 
 async def serve_gateway(
-    gateway: Gateway, host: str, port: int, on_ready: Callable[[list[str]], None]
+    gateway: Gateway, host: str, port: int, on_ready: Callable[[list[str]], None],
+    auth: GatewayAuth = GatewayAuth(), limits: BodyLimits = BodyLimits(),
 ) -> None:
     """Check the backends, then serve until interrupted; the gateway's loops stop with it."""
     warnings = await gateway.start()
     config = uvicorn.Config(
-        build_app(gateway), host=host, port=port, log_level="warning", access_log=False,
+        build_app(gateway, auth=auth, limits=limits), host=host, port=port, log_level="warning", access_log=False,
         lifespan="off",
     )
     server = uvicorn.Server(config)

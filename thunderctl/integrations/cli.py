@@ -18,6 +18,7 @@ from rich.table import Table
 
 from thunderctl.bench.cli import cluster_endpoints
 from thunderctl.cluster.state import ClusterNotFound
+from thunderctl.gateway.auth import API_KEY_ENV
 from thunderctl.integrations.cluster import ClusterError
 from thunderctl.integrations.tasks import AgentResult, TaskFileError, load_tasks
 
@@ -37,7 +38,7 @@ def run(
     tasks_file: Annotated[Path, typer.Argument(help="Tasks: JSONL, JSON or YAML records of {id, problem_statement, image?} (SWE-bench's instance_id / image_name work too).", exists=True, dir_okay=False)],
     cluster: Annotated[str | None, typer.Option("--cluster", "-c", help="The running cluster (default: the only one).")] = None,
     endpoint: Annotated[str | None, typer.Option(help="The cluster's endpoint URL instead of a local cluster's name.")] = None,
-    api_key: Annotated[str | None, typer.Option(envvar="THUNDERCTL_API_KEY", help="The gateway's API key, if it has one.")] = None,
+    api_key: Annotated[str | None, typer.Option(envvar=API_KEY_ENV, help="The gateway's API key, if it has one.")] = None,
     concurrency: Annotated[int, typer.Option("--concurrency", "-j", min=1, help="Agents running at once.")] = 4,
     config: Annotated[list[str] | None, typer.Option("--config", help="mini-swe-agent config: a file (its built-in ones by name) or key.path=value; repeat to merge. Default: swebench_backticks.yaml.")] = None,
     model: Annotated[str | None, typer.Option(help="litellm model name; default: openai/<the cluster's served model>.")] = None,
@@ -53,7 +54,9 @@ def run(
         raise fail(f"mini-swe-agent is not installed ({exc}); install it with pip install 'thunderctl[agents]'") from exc
     try:
         tasks = load_tasks(tasks_file)
-        url = endpoint or cluster_endpoints(cluster).endpoint
+        if endpoint is None:  # the running cluster's gateway, with its profile's key unless one is given
+            found = cluster_endpoints(cluster)
+            endpoint, api_key = found.endpoint, api_key or found.api_key
     except (TaskFileError, ClusterNotFound) as exc:
         raise fail(str(exc)) from exc
     results_file = None
@@ -69,10 +72,10 @@ def run(
 
     # A SIGTERM ends the batch as Ctrl-C does: every running program released.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    out.print(f"{len(tasks)} task(s) on {url}, at most {concurrency} at once")
+    out.print(f"{len(tasks)} task(s) on {endpoint}, at most {concurrency} at once")
     try:
         results = mini_swe_agent.run_batch(
-            url, tasks, concurrency=concurrency, config_specs=config or [mini_swe_agent.DEFAULT_CONFIG],
+            endpoint, tasks, concurrency=concurrency, config_specs=config or [mini_swe_agent.DEFAULT_CONFIG],
             model_name=model, api_key=api_key, output_dir=output, on_result=finished,
         )
     except KeyboardInterrupt:

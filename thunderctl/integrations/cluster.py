@@ -11,6 +11,8 @@ from typing import Any
 
 import httpx
 
+from thunderctl.jsonapi import bearer_headers
+
 # Sandbox preparation can include an image pull; the gateway waits at most this long per call.
 READY_WAIT_S = 600.0
 # Room above a command's own timeout for the HTTP round trip and the kill of a timed-out command.
@@ -50,9 +52,9 @@ class ClusterClient:
 
     def __post_init__(self) -> None:
         self.url = gateway_url(self.endpoint)
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         # trust_env=False: the gateway is on loopback or a tunnel, never behind the user's proxy.
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=self.timeout_s, trust_env=False)
+        self._http = httpx.Client(base_url=self.url, headers=bearer_headers(self.api_key), timeout=self.timeout_s,
+                                  trust_env=False)
 
     def close(self) -> None:
         self._http.close()
