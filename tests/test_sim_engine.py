@@ -85,9 +85,9 @@ def test_the_least_recently_freed_cached_block_is_evicted_first() -> None:
     # a1 a0 b1 b0; C needs one block and takes a1, the least recently freed.
     serve_one_by_one(engine, [req(1, 8), req(2, 8), req(3, 4)])
     cached = engine.pool.cached
-    a, b = TokenStream(1), TokenStream(2)
-    assert a.block_hash(1) not in cached
-    assert {a.block_hash(0), b.block_hash(0), b.block_hash(1)} <= cached.keys()
+    (a0, a1), b_blocks = TokenStream(1).block_hashes(0, 2), TokenStream(2).block_hashes(0, 2)
+    assert a1 not in cached
+    assert {a0, *b_blocks} <= cached.keys()
     hits_before = engine.counters.prefix_cache_hits
     serve_one_by_one(engine, [req(1, 9)])
     assert engine.counters.prefix_cache_hits - hits_before == 4, "A's first block still hits, its second does not"

@@ -36,8 +36,12 @@ class TokenStream:
     uid: int  # >= 1, unique per program in a run
     shared_blocks: int = 0
 
-    def block_hash(self, index: int) -> int:
-        return index if index < self.shared_blocks else (self.uid << 32) | index
+    def block_hashes(self, start: int, stop: int) -> list[int]:
+        """The hashes of blocks start..stop-1: small integers for the shared blocks, then the
+        program's (uid << 32) + index, made by ranges so that no loop runs per block."""
+        shared = self.shared_blocks
+        own = self.uid << 32
+        return [*range(start, min(stop, shared)), *range(own + max(start, shared), own + stop)]
 
 
 @dataclass(eq=False)
@@ -150,6 +154,11 @@ class Engine:
     @property
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        """Share of the shape's KV blocks in use (above 1 only for an unbounded cache)."""
+        return self.pool.in_use / self.shape.num_gpu_blocks
 
     @property
     def in_flight(self) -> int:
@@ -268,7 +277,7 @@ class Engine:
         blocks its first chunk needs are not free (it stays at the head, uncounted)."""
         size = self.block_size
         hashable = (request.num_tokens - 1) // size  # the last token is always computed
-        hashes = [request.stream.block_hash(i) for i in range(hashable)]
+        hashes = request.stream.block_hashes(0, hashable)
         hits = self.pool.cache_hits(hashes)
         host_blocks = 0
         if self.pool.host is not None and len(hits) < hashable:
@@ -356,13 +365,14 @@ class Engine:
     def _register(self, request: Request, tokens: int) -> None:
         """Blocks full of known tokens (of the first `tokens`) serve prefix hits from now on."""
         full = min(tokens, len(request.blocks) * self.block_size) // self.block_size
-        for index in range(request.registered_blocks, full):
-            self.pool.register(request.blocks[index], request.stream.block_hash(index))
-        request.registered_blocks = max(request.registered_blocks, full)
+        done = request.registered_blocks
+        if full > done:
+            self.pool.register(request.blocks[done:full], request.stream.block_hashes(done, full))
+            request.registered_blocks = full
 
     def _release_blocks(self, request: Request) -> None:
         self._register(request, request.computed_tokens)
-        self.pool.free(request.blocks[::-1])  # the tail is evicted first
+        self.pool.free(request.blocks, request.registered_blocks)
         request.blocks = []
         request.registered_blocks = 0
 

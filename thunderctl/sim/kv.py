@@ -52,7 +52,12 @@ class HostTier:
 
 
 class BlockPool:
-    """`num_blocks` blocks (None: as many as asked for, never evicting) and the prefix cache."""
+    """`num_blocks` blocks (None: as many as asked for, never evicting) and the prefix cache.
+
+    A request's blocks are handled in bulk (a program's context is thousands of blocks, and
+    every request of it looks them all up, adopts and frees them), so the common operations
+    are set and dict operations rather than a loop per block.
+    """
 
     def __init__(self, num_blocks: int | None, host: HostTier | None = None) -> None:
         if num_blocks is not None and num_blocks < 1:
@@ -62,90 +67,95 @@ class BlockPool:
         self._fresh = 0  # ids below this have been handed out at least once
         self._front: list[int] = []  # freed blocks without a hash; the last is reused first
         self._back: OrderedDict[int, None] = OrderedDict()  # freed cached blocks, LRU first
-        self._refs: dict[int, int] = {}
+        self._in_use: set[int] = set()
+        self._extra_refs: dict[int, int] = {}  # blocks several requests hold: references beyond one
         self._hash_of: dict[int, int] = {}
         self.cached: dict[int, int] = {}  # block hash -> the block holding it
-        self.in_use = 0  # blocks with a reference: what vLLM reports as KV cache usage
         self.evictions = 0
 
     @property
     def num_free(self) -> int:
-        fresh = float("inf") if self.num_blocks is None else self.num_blocks - self._fresh
-        return int(min(fresh, 2**62)) + len(self._front) + len(self._back)
+        free = len(self._front) + len(self._back)
+        return 2**62 if self.num_blocks is None else free + self.num_blocks - self._fresh
 
     @property
-    def usage(self) -> float:
-        """Share of the device blocks in use (0-1); 0 for an unbounded pool."""
-        return self.in_use / self.num_blocks if self.num_blocks else 0.0
+    def in_use(self) -> int:
+        return len(self._in_use)
 
     def cache_hits(self, hashes: Sequence[int]) -> list[int]:
         """The blocks holding `hashes`, from the first up to the first miss."""
-        blocks = []
-        for block_hash in hashes:
-            block = self.cached.get(block_hash)
-            if block is None:
-                break
-            blocks.append(block)
-        return blocks
+        found = list(map(self.cached.get, hashes))
+        try:
+            return found[: found.index(None)]  # type: ignore[return-value]
+        except ValueError:
+            return found  # type: ignore[return-value]
 
-    def blocks_to_take(self, hits: Iterable[int]) -> int:
+    def blocks_to_take(self, hits: Sequence[int]) -> int:
         """Free blocks that adopting `hits` removes from the free queue."""
-        return sum(1 for block in hits if self._refs.get(block, 0) == 0)
+        return len(set(hits) - self._in_use)
 
-    def take(self, hits: Iterable[int]) -> None:
+    def take(self, hits: Sequence[int]) -> None:
         """Reference cached blocks a request adopts as its prefix."""
+        held = self._in_use.intersection(hits)
+        for block in held:
+            self._extra_refs[block] = self._extra_refs.get(block, 0) + 1
+        back = self._back
         for block in hits:
-            refs = self._refs.get(block, 0)
-            if refs == 0:
-                del self._back[block]
-                self.in_use += 1
-            self._refs[block] = refs + 1
+            if block not in held:
+                del back[block]
+        self._in_use.update(hits)
 
     def allocate(self, count: int) -> list[int]:
         """`count` new blocks from the head of the free queue; the caller checked num_free."""
-        blocks = [self._pop_free() for _ in range(count)]
-        self.in_use += count
+        front = self._front
+        reused = min(count, len(front))
+        blocks = front[len(front) - reused :][::-1]
+        del front[len(front) - reused :]
+        fresh = count - reused
+        if self.num_blocks is not None:
+            fresh = min(fresh, self.num_blocks - self._fresh)
+        blocks += range(self._fresh, self._fresh + fresh)
+        self._fresh += fresh
+        if len(blocks) < count:
+            blocks += self._evict(count - len(blocks))
+        self._in_use.update(blocks)
         return blocks
 
-    def register(self, block: int, block_hash: int) -> None:
-        """A block became full of known tokens: it can serve prefix hits from now on."""
-        if block in self._hash_of:
-            return
-        self._hash_of[block] = block_hash
-        self.cached.setdefault(block_hash, block)
+    def register(self, blocks: Sequence[int], hashes: Sequence[int]) -> None:
+        """New blocks became full of known tokens: they serve prefix hits from now on."""
+        self._hash_of.update(zip(blocks, hashes))
+        cached = self.cached
+        for block_hash, block in zip(hashes, blocks):
+            if block_hash not in cached:
+                cached[block_hash] = block
 
-    def free(self, blocks: Sequence[int]) -> None:
-        """Drop one reference from each block, in eviction order (the first is evicted first)."""
-        for block in blocks:
-            refs = self._refs[block] - 1
-            if refs:
-                self._refs[block] = refs
-                continue
-            del self._refs[block]
-            self.in_use -= 1
-            if block in self._hash_of:
-                self._back[block] = None
-            else:
-                self._front.append(block)
+    def free(self, blocks: Sequence[int], hashed: int) -> None:
+        """Drop a request's reference to its blocks (in its order; the first `hashed` carry a
+        hash). They are evicted tail first, as vLLM frees them in reverse order."""
+        extra = self._extra_refs
+        shared = extra.keys() & set(blocks) if extra else set()
+        for block in shared:
+            extra[block] -= 1
+            if not extra[block]:
+                del extra[block]
+        with_hash, without_hash = blocks[:hashed], blocks[hashed:]
+        if shared:
+            with_hash = [b for b in with_hash if b not in shared]
+            without_hash = [b for b in without_hash if b not in shared]
+        self._in_use.difference_update(with_hash, without_hash)
+        self._back.update(dict.fromkeys(reversed(with_hash)))
+        self._front.extend(without_hash)
 
-    def _pop_free(self) -> int:
-        if self._front:
-            block = self._front.pop()
-        elif self.num_blocks is None or self._fresh < self.num_blocks:
-            block = self._fresh
-            self._fresh += 1
-        else:
-            block, _ = self._back.popitem(last=False)
-            self._evict(block)
-        self._refs[block] = 1
-        return block
-
-    def _evict(self, block: int) -> None:
-        block_hash = self._hash_of.pop(block, None)
-        if block_hash is None:
-            return
-        self.evictions += 1
-        if self.cached.get(block_hash) == block:
-            del self.cached[block_hash]
+    def _evict(self, count: int) -> list[int]:
+        """Take the `count` least recently freed cached blocks out of the cache (to the host tier)."""
+        back, hash_of, cached = self._back, self._hash_of, self.cached
+        blocks = [back.popitem(last=False)[0] for _ in range(count)]
+        hashes = list(map(hash_of.pop, blocks))
+        for block_hash, block in zip(hashes, blocks):
+            if cached.get(block_hash) == block:
+                del cached[block_hash]
+        self.evictions += count
         if self.host is not None:
-            self.host.store(block_hash)
+            for block_hash in hashes:
+                self.host.store(block_hash)
+        return blocks
