@@ -125,6 +125,7 @@ class Engine:
         self.counters = EngineCounters()
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self._prefilling: list[Request] = []  # running and not decoding, in running order
         self.step_index = 0
         self._orders = 0
         self._decoders = 0
@@ -177,8 +178,8 @@ class Engine:
         preempted = self._schedule_decodes()
         budget -= self._decoders
         self._chunks = []
-        for request in [r for r in self.running if not r.decoding]:
-            if request not in self.running:
+        for request in list(self._prefilling):
+            if request not in self._prefilling:
                 continue  # preempted by an earlier request of this step
             chunk = min(request.num_tokens - request.computed_tokens, budget)
             if chunk <= 0:
@@ -269,6 +270,7 @@ class Engine:
             self._orders += 1
             request.order = self._orders
             self.running.append(request)
+            self._prefilling.append(request)
             self._extend(request, chunk)
             budget -= chunk
 
@@ -337,6 +339,8 @@ class Engine:
         self.running.pop()
         if request.decoding:
             self._stop_decoding(request, self.step_index)
+        else:
+            self._prefilling.remove(request)
         self._release_blocks(request)
         request.computed_tokens = 0
         request.preemptions += 1
@@ -344,6 +348,7 @@ class Engine:
         self.waiting.insert(0, request)
 
     def _start_decoding(self, request: Request, step: int) -> None:
+        self._prefilling.remove(request)
         request.decoding = True
         request.base = request.computed_tokens - step
         self._decoders += 1
@@ -378,6 +383,8 @@ class Engine:
 
     def _finish(self, request: Request, now: float) -> None:
         self.running.remove(request)
+        if request in self._prefilling:  # its answer was its prompt's one sampled token
+            self._prefilling.remove(request)
         self._release_blocks(request)
         request.finished_s = now
         self.counters.finished += 1
