@@ -290,9 +290,10 @@ class Engine:
         else:
             first_chunk = min(request.num_tokens - computed, budget)
             need = cdiv(computed + first_chunk, size) - len(hits)
-        if need + self.pool.blocks_to_take(hits) > self.pool.num_free:
+        held = self.pool.held(hits)
+        if need + len(hits) - len(held) > self.pool.num_free:
             return False
-        self.pool.take(hits)
+        self.pool.take(hits, held)
         request.blocks = hits + self.pool.allocate(host_blocks)
         request.registered_blocks = len(hits)
         request.computed_tokens = computed

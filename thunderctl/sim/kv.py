@@ -90,13 +90,13 @@ class BlockPool:
         except ValueError:
             return found  # type: ignore[return-value]
 
-    def blocks_to_take(self, hits: Sequence[int]) -> int:
-        """Free blocks that adopting `hits` removes from the free queue."""
-        return len(set(hits) - self._in_use)
+    def held(self, hits: Sequence[int]) -> set[int]:
+        """Those of `hits` other requests hold; the rest are free, and adopting them takes
+        them out of the free queue."""
+        return self._in_use.intersection(hits)
 
-    def take(self, hits: Sequence[int]) -> None:
-        """Reference cached blocks a request adopts as its prefix."""
-        held = self._in_use.intersection(hits)
+    def take(self, hits: Sequence[int], held: set[int]) -> None:
+        """Reference cached blocks a request adopts as its prefix (`held`: from `held(hits)`)."""
         for block in held:
             self._extra_refs[block] = self._extra_refs.get(block, 0) + 1
         back = self._back
@@ -133,7 +133,7 @@ class BlockPool:
         """Drop a request's reference to its blocks (in its order; the first `hashed` carry a
         hash). They are evicted tail first, as vLLM frees them in reverse order."""
         extra = self._extra_refs
-        shared = extra.keys() & set(blocks) if extra else set()
+        shared = extra.keys() & blocks if extra else set()
         for block in shared:
             extra[block] -= 1
             if not extra[block]:
