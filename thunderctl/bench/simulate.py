@@ -6,6 +6,7 @@ Commands only: parse, build the workload and the spec, run the sweep (thunderctl
 from __future__ import annotations
 
 import sys
+import time
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
@@ -171,8 +172,14 @@ def simulate(
         runs[(point, arm.value)] = now
         bar.update(task, completed=sum(runs.values()), description=f"concurrency {point}, {arm.value}")
 
+    def finished(point: int, arm: ArmName, summary: dict[str, Any]) -> None:
+        bar.console.print(
+            f"{time.strftime('%H:%M:%S')} concurrency {point}, {arm.value}: {summary['steps_per_min']:.1f} steps/min, "
+            f"hit rate {fmt(summary['hit_rate'])}, p90 {fmt(summary['p90_s'], ' s')}, {summary['preemptions']} preemptions"
+        )
+
     with bar:
-        report = run_sweep(spec, concurrencies, arm_names, describe(programs), progress)
+        report = run_sweep(spec, concurrencies, arm_names, describe(programs), progress, finished)
     for point in report["points"]:
         console.print(point_table(report, point))
     console.print(f"simulated in {report['wall_s']:.1f} s wall, {report['cpu_s']:.1f} s CPU")

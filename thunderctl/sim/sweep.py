@@ -15,6 +15,8 @@ BASELINE = ArmName.STICKY
 
 # (concurrency, arm, virtual seconds so far)
 Progress = Callable[[int, ArmName, float], None]
+# (concurrency, arm, its summary), when an arm has run
+Finished = Callable[[int, ArmName, dict[str, Any]], None]
 
 
 def ratios(arms: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
@@ -38,6 +40,7 @@ def run_sweep(
     arms: Sequence[ArmName],
     workload: dict[str, Any],
     progress: Progress | None = None,
+    finished: Finished | None = None,
 ) -> dict[str, Any]:
     started, cpu_started = time.monotonic(), time.process_time()
     points = []
@@ -47,6 +50,8 @@ def run_sweep(
         for arm in arms:
             tick = None if progress is None else (lambda now, c=concurrency, a=arm: progress(c, a, now))
             summaries[arm.value] = run_arm(arm, point_spec, tick).summary(spec.warmup_s)
+            if finished is not None:
+                finished(concurrency, arm, summaries[arm.value])
         points.append({"concurrency": concurrency, "arms": summaries, "ratios": ratios(summaries)})
     return {
         "benchmark": "simulate",
