@@ -12,9 +12,13 @@ leaves the queue. With a host tier, a cached block evicted from the device lands
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+
+# Block hashes looked up at a time: a prefix that misses early is not looked up in full.
+LOOKUP_RUN = 64
 
 
 @dataclass
@@ -83,12 +87,16 @@ class BlockPool:
         return len(self._in_use)
 
     def cache_hits(self, hashes: Sequence[int]) -> list[int]:
-        """The blocks holding `hashes`, from the first up to the first miss."""
-        found = list(map(self.cached.get, hashes))
-        try:
-            return found[: found.index(None)]  # type: ignore[return-value]
-        except ValueError:
-            return found  # type: ignore[return-value]
+        """The blocks holding `hashes`, from the first up to the first miss (looked up a run
+        at a time, so that a prefix that misses early costs little)."""
+        get, hits, start = self.cached.get, [], 0
+        while start < len(hashes):
+            found = list(map(get, hashes[start : start + LOOKUP_RUN]))
+            if None in found:
+                return hits + found[: found.index(None)]  # type: ignore[operator]
+            hits += found
+            start += LOOKUP_RUN
+        return hits
 
     def held(self, hits: Sequence[int]) -> set[int]:
         """Those of `hits` other requests hold; the rest are free, and adopting them takes
@@ -99,10 +107,8 @@ class BlockPool:
         """Reference cached blocks a request adopts as its prefix (`held`: from `held(hits)`)."""
         for block in held:
             self._extra_refs[block] = self._extra_refs.get(block, 0) + 1
-        back = self._back
-        for block in hits:
-            if block not in held:
-                del back[block]
+        free = held.symmetric_difference(hits) if held else hits  # held is a subset of hits
+        deque(map(self._back.__delitem__, free), maxlen=0)  # out of the free queue, at C speed
         self._in_use.update(hits)
 
     def allocate(self, count: int) -> list[int]:
@@ -125,7 +131,10 @@ class BlockPool:
         """New blocks became full of known tokens: they serve prefix hits from now on."""
         self._hash_of.update(zip(blocks, hashes))
         cached = self.cached
-        for block_hash, block in zip(hashes, blocks):
+        if cached.keys().isdisjoint(hashes):
+            cached.update(zip(hashes, blocks))
+            return
+        for block_hash, block in zip(hashes, blocks):  # the first block holding a hash keeps it
             if block_hash not in cached:
                 cached[block_hash] = block
 
