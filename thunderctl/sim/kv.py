@@ -147,10 +147,9 @@ class BlockPool:
             extra[block] -= 1
             if not extra[block]:
                 del extra[block]
-        with_hash, without_hash = blocks[:hashed], blocks[hashed:]
-        if shared:
-            with_hash = [b for b in with_hash if b not in shared]
-            without_hash = [b for b in without_hash if b not in shared]
+        with_hash, without_hash = list(blocks[:hashed]), blocks[hashed:]
+        for block in shared:  # cached blocks others adopted too: few (a shared prompt), found early
+            with_hash.remove(block)
         self._in_use.difference_update(with_hash, without_hash)
         self._back.update(dict.fromkeys(reversed(with_hash)))
         self._front.extend(without_hash)
