@@ -171,6 +171,13 @@ def run_arm(arm: ArmName, spec: SimSpec, progress: Callable[[float], None] | Non
     loop = ClosedLoop(spec.workload, spec.seed, spec.concurrency, clock, router, preset.engine.block_size)
     occupancy: list[OccupancySample] = []
     at_warmup: list[EngineCounters] = []
+    policy_at_warmup: dict[str, int] = {}
+
+    def policy_counters() -> dict[str, int]:
+        if policy is None:
+            return {}
+        c = policy.scheduler.counters
+        return {"pauses": c.pauses, "resumes": c.resumes, "forced_resumes": c.forced_resumes}
 
     def sample() -> None:
         if clock.now >= spec.warmup_s:
@@ -179,6 +186,7 @@ def run_arm(arm: ArmName, spec: SimSpec, progress: Callable[[float], None] | Non
 
     def snapshot() -> None:
         at_warmup.append(add_counters([replace(w.engine.counters) for w in workers]))
+        policy_at_warmup.update(policy_counters())
 
     clock.at(spec.warmup_s, snapshot)
     clock.after(0.0, sample)
@@ -189,10 +197,7 @@ def run_arm(arm: ArmName, spec: SimSpec, progress: Callable[[float], None] | Non
         if progress is not None:
             progress(clock.now)
     window = subtract_counters(add_counters([w.engine.counters for w in workers]), at_warmup[0])
-    scheduler_counters = {}
-    if policy is not None:
-        c = policy.scheduler.counters
-        scheduler_counters = {"pauses": c.pauses, "resumes": c.resumes, "forced_resumes": c.forced_resumes}
+    scheduler_counters = {name: value - policy_at_warmup[name] for name, value in policy_counters().items()}
     return ArmResult(
         arm=arm.value, workers=spec.workers, window_s=spec.duration_s - spec.warmup_s, records=loop.records, window=window,
         occupancy=occupancy, programs_started=loop.programs_started, programs_completed=loop.programs_completed,
