@@ -102,6 +102,7 @@ class ArmResult:
             "prefill_tokens": w.prefill_tokens,
             "decode_tokens": w.decode_tokens,
             "host_hit_tokens": w.host_hit_tokens,
+            "transfer_s": w.transfer_s,
             "engine_steps": w.steps,
             "engine_busy": w.busy_s / self.window_s / self.workers,
             "kv_imbalance": imbalance(self.occupancy),

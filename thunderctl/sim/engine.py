@@ -63,7 +63,6 @@ class Request:
     epoch: int = 0  # bumped when it leaves decoding, so its queued events go stale
     order: int = 0  # position in the running queue: admission order
     ready_s: float | None = None  # a host-tier load in flight until then
-    loaded_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -153,17 +152,9 @@ class Engine:
         self.waiting.append(request)
 
     @property
-    def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
-
-    @property
     def kv_usage(self) -> float:
         """Share of the shape's KV blocks in use (above 1 only for an unbounded cache)."""
         return self.pool.in_use / self.shape.num_gpu_blocks
-
-    @property
-    def in_flight(self) -> int:
-        return len(self.running) + len(self.waiting)
 
     def wake_s(self) -> float | None:
         """When a host-tier load that holds up the waiting queue completes, if any."""
@@ -304,7 +295,6 @@ class Engine:
             seconds = self.transfer_seconds(tokens)
             start = max(now, self._link_free_s)
             self._link_free_s = request.ready_s = start + seconds
-            request.loaded_tokens += tokens
             self.counters.host_hit_tokens += tokens
             self.counters.transfer_s += seconds
         return True
