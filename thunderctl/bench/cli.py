@@ -6,13 +6,12 @@ Commands only: parse, find the endpoint, call the replayer, render the report.
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 import time
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import httpx
 import typer
@@ -25,9 +24,10 @@ from thunderctl.bench.replay import Arm, ArmOutcome, TraceWorkload, run_arms
 from thunderctl.bench.report import (
     LiveProgress,
     build_report,
-    plot_report,
     report_table,
+    write_outputs,
 )
+from thunderctl.bench.simulate import simulate
 from thunderctl.bench.swe_lite import (
     SHARED_PREFIX_TOKENS,
     TOOL_SECONDS,
@@ -153,17 +153,6 @@ class WorkloadChoice:
         else:
             programs, source, name = read_trace(self.trace), str(self.trace), "trace"
         return TraceWorkload(scale, shared_prefix, max_context, programs=tuple(programs), source=source, name=name)
-
-
-def write_outputs(report: dict[str, Any], out: Path | None, plot: Path | None, console: Console) -> None:
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n")
-        console.print(f"report: {out}")
-    plot = plot or (out.with_suffix(".png") if out is not None else None)
-    if plot is not None:
-        plot_report(report, plot)
-        console.print(f"plot: {plot}")
 
 
 @bench_app.command("swe-lite")
@@ -339,3 +328,6 @@ def import_command(
     except (OSError, ValueError) as exc:
         raise fail(console, str(exc)) from exc
     console.print(f"{count} programs written to {out}")
+
+
+bench_app.command("simulate")(simulate)

@@ -6,8 +6,9 @@ The JSON report is the source of the table and the plot, so a saved report can b
 from __future__ import annotations
 
 import itertools
+import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
@@ -163,6 +164,24 @@ def plot_report(report: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=100)
     pyplot.close(figure)
+
+
+def write_outputs(
+    report: dict[str, Any],
+    out: Path | None,
+    plot: Path | None,
+    console: Console,
+    draw: Callable[[dict[str, Any], Path], None] = plot_report,
+) -> None:
+    """The JSON report to `out`, and its plot (by `draw`) to `plot` or beside `out`."""
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        console.print(f"report: {out}")
+    plot = plot or (out.with_suffix(".png") if out is not None else None)
+    if plot is not None:
+        draw(report, plot)
+        console.print(f"plot: {plot}")
 
 
 class LiveProgress:

@@ -22,7 +22,8 @@ from thunderctl.engines.vllm import EngineMetrics, fetch_metrics, is_healthy
 from thunderctl.gateway.recorder import TraceRecorder
 from thunderctl.gateway.requests import PromptShape, TokenEstimator
 from thunderctl.jsonapi import bearer_headers
-from thunderctl.scheduler import EventKind, ProgramEvent, Scheduler, SchedulerConfig, Status
+from thunderctl.scheduler import EventKind, ProgramEvent, Scheduler, SchedulerConfig
+from thunderctl.scheduler.front import WAKING_EVENTS, BusyMeter, account, beat, mean_utilization, woken
 
 log = logging.getLogger(__name__)
 
@@ -46,35 +47,6 @@ class WorkerState(StrEnum):
     DRAINED = "drained"
     UNHEALTHY = "unhealthy"
     STOPPED = "stopped"
-
-
-@dataclass
-class BusyMeter:
-    """The fraction of time a worker had at least one request in flight."""
-
-    _busy: bool = False
-    _since: float = 0.0
-    _integral: float = 0.0
-    _period_start: float | None = None
-
-    def set(self, in_flight: int, now: float) -> None:
-        self._accumulate(now)
-        self._busy = in_flight > 0
-
-    def take(self, now: float) -> float:
-        """Utilisation since the last take (0-1); starts a new period."""
-        self._accumulate(now)
-        start = self._period_start if self._period_start is not None else now
-        value = self._integral / (now - start) if now > start else float(self._busy)
-        self._integral, self._period_start = 0.0, now
-        return value
-
-    def _accumulate(self, now: float) -> None:
-        if self._period_start is None:
-            self._period_start = now
-        else:
-            self._integral += self._busy * (now - self._since)
-        self._since = now
 
 
 @dataclass
@@ -179,17 +151,12 @@ class Gateway:
     async def _tick_loop(self) -> None:
         while True:
             await asyncio.sleep(self.scheduler.config.tick_interval_s)
-            self.scheduler.adapt(self.utilization())
-            try:
-                self.scheduler.tick()
-            except Exception:
-                pass  # logged by the scheduler, which has already let every paused program go
+            beat(self.scheduler, self.utilization())
 
     def utilization(self) -> float:
         """Mean utilisation of the workers in service since the last call."""
-        now = self._clock()
-        values = [u.meter.take(now) for u in self.upstreams.values() if u.usable]
-        self.last_utilization = sum(values) / len(values) if values else 0.0
+        meters = [u.meter for u in self.upstreams.values() if u.usable]
+        self.last_utilization = mean_utilization(meters, self._clock())
         return self.last_utilization
 
     async def _metrics_loop(self) -> None:
@@ -258,7 +225,7 @@ class Gateway:
     def _on_program_event(self, event: ProgramEvent) -> None:
         if self.recorder is not None and event.kind in (EventKind.RELEASED, EventKind.EXPIRED):
             self.recorder.on_end(event.program.id)
-        if event.kind in (EventKind.RESUMED, EventKind.RELEASED, EventKind.EXPIRED):
+        if event.kind in WAKING_EVENTS:
             waiter = self._resumed.pop(event.program.id, None)
             if waiter is not None:
                 waiter.set()
@@ -278,11 +245,9 @@ class Gateway:
                 return self.upstreams[backend]
             waiter = self._resumed.setdefault(program_id, asyncio.Event())
             await waiter.wait()
-            program = self.scheduler.programs.get(program_id)
-            if program is None:  # released while it waited: serve it unscheduled
-                return self.least_loaded()
-            if program.status is Status.ACTIVE:
-                return self.upstreams[program.backend]
+            placement = woken(self.scheduler, program_id)
+            if placement is not None:
+                return self.upstreams[placement.backend] if placement.backend else self.least_loaded()
 
     def least_loaded(self) -> Upstream:
         candidates = [u for u in self.upstreams.values() if u.usable] or list(self.upstreams.values())
@@ -386,14 +351,9 @@ class Gateway:
         upstream.add_in_flight(-1, self._clock())
         if usage and usage.get("prompt_tokens"):
             self.estimator.observe(shape, usage["prompt_tokens"])
-        if program_id is not None and usage:
-            if self.recorder is not None:
-                self.recorder.on_usage(program_id, usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0))
-            self.scheduler.on_response(
-                program_id, usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
-            )
-        else:
-            self._finish_failed(program_id)
+        if program_id is not None and usage and self.recorder is not None:
+            self.recorder.on_usage(program_id, usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0))
+        account(self.scheduler, program_id, usage)
 
     def _finish_failed(self, program_id: str | None) -> None:
         if program_id is not None:

@@ -53,3 +53,200 @@ class Preset:
     def transfer_seconds(self, tokens: int) -> float:
         """Time to bring `tokens` of KV from the host tier back to the GPU."""
         return tokens * self.kv_bytes_per_token / self.host_link_bytes_per_s
+
+
+# --- GPU roofline ----------------------------------------------------------------------
+
+GIB = 2**30
+ACTIVATION_BYTES = 2  # BF16 hidden states: what a TP all-reduce moves per element
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One accelerator's published peaks (dense, no sparsity)."""
+
+    name: str
+    bf16_flops_per_s: float
+    fp8_flops_per_s: float
+    memory_bytes: int
+    hbm_bytes_per_s: float
+    nvlink_bytes_per_s: float  # one direction, what a ring all-reduce step can use
+    host_link_bytes_per_s: float  # PCIe, one direction
+
+    def matmul_flops_per_s(self, weight_bytes_per_param: float) -> float:
+        """FP8 weights run on the FP8 tensor cores (W8A8, as vLLM's FP8 checkpoints do)."""
+        return self.fp8_flops_per_s if weight_bytes_per_param <= 1 else self.bf16_flops_per_s
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only transformer's shape, enough for FLOPs and bytes per token."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    total_params: float  # every weight, embeddings and output head included
+    # Weights a token multiplies by, without the input embedding (a lookup) and the output
+    # head (which vLLM applies only to the one position per sequence that it samples).
+    active_body_params: float
+    weight_bytes_per_param: float
+    kv_bytes_per_element: int
+    # MoE: routed experts are read only when some token in the step is routed to them.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    routed_expert_params: float = 0.0
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_bytes_per_element
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.total_params * self.weight_bytes_per_param
+
+    @property
+    def head_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    def matmul_flops(self, tokens: int, seqs: int) -> float:
+        return 2 * self.active_body_params * tokens + 2 * self.head_params * seqs
+
+    def attention_flops(self, attention_pairs: int) -> float:
+        # Per (query, key) pair, layer and head: q·k and p·v, head_dim multiply-adds each.
+        return 4 * self.num_layers * self.num_heads * self.head_dim * attention_pairs
+
+    def weight_bytes_read(self, tokens: int) -> float:
+        """Bytes of weights one step streams from HBM: the dense part and the experts hit."""
+        if self.num_experts == 0 or tokens == 0:
+            return self.weight_bytes
+        # Uniform routing: an expert is missed by all `tokens` with (1 - k/E)^tokens.
+        missed = (1 - self.experts_per_token / self.num_experts) ** tokens
+        return self.weight_bytes - self.routed_expert_params * missed * self.weight_bytes_per_param
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """A model on `tp` GPUs of one kind: one vLLM worker and the KV cache it can hold."""
+
+    model: ModelConfig
+    gpu: Gpu
+    tp: int
+    gpu_memory_utilization: float = 0.9
+    # Per GPU, kept out of the KV cache besides the weights: the profiled forward pass at
+    # max_num_batched_tokens, the sampler's FP32 logits for max_num_seqs, CUDA graphs, NCCL.
+    reserve_bytes_per_gpu: int = 2 * GIB
+
+    @property
+    def kv_heads_per_gpu(self) -> int:
+        # Fewer KV heads than GPUs: vLLM replicates them, one (or more) per GPU.
+        return -(-self.model.num_kv_heads // self.tp)
+
+    @property
+    def kv_bytes_per_token_per_gpu(self) -> int:
+        return self.model.kv_bytes_per_token * self.kv_heads_per_gpu // self.model.num_kv_heads
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Over all the worker's GPUs: the bytes a host tier stores per token."""
+        return self.kv_bytes_per_token_per_gpu * self.tp
+
+    @property
+    def kv_bytes_per_gpu(self) -> float:
+        budget = self.gpu.memory_bytes * self.gpu_memory_utilization
+        return budget - self.model.weight_bytes / self.tp - self.reserve_bytes_per_gpu
+
+    def kv_capacity_tokens(self) -> int:
+        if self.kv_bytes_per_gpu <= 0:
+            raise ValueError(
+                f"{self.model.name} does not fit {self.tp}× {self.gpu.name}: "
+                f"{self.model.weight_bytes / self.tp / GIB:.1f} GiB of weights per GPU leave "
+                f"{self.kv_bytes_per_gpu / GIB:.1f} GiB for the KV cache; use a larger tp"
+            )
+        return int(self.kv_bytes_per_gpu // self.kv_bytes_per_token_per_gpu)
+
+    def num_gpu_blocks(self, block_size: int) -> int:
+        return self.kv_capacity_tokens() // block_size
+
+
+@dataclass(frozen=True)
+class AllReduce:
+    """Time of one TP all-reduce: vLLM's one-shot kernel for small messages, NCCL's ring above."""
+
+    latency_s: float
+    small_message_limit_bytes: int  # vLLM's custom all-reduce takes messages up to this size
+    small_message_bytes_per_s: float  # message bytes per second it achieves
+    ring_efficiency: float  # achieved ÷ NVLink bandwidth for NCCL's ring on large messages
+
+    def seconds(self, message_bytes: int, tp: int, gpu: Gpu) -> float:
+        if message_bytes <= self.small_message_limit_bytes:
+            return self.latency_s + message_bytes / self.small_message_bytes_per_s
+        # A ring all-reduce sends 2(tp−1)/tp of the message from every GPU.
+        ring_bytes = 2 * (tp - 1) / tp * message_bytes
+        return self.latency_s + ring_bytes / (gpu.nvlink_bytes_per_s * self.ring_efficiency)
+
+
+@dataclass(frozen=True)
+class RooflineCost:
+    """Step time of a GPU worker: the slower of compute and HBM traffic, plus TP and host costs.
+
+    Every GPU of the worker does 1/tp of the FLOPs and reads 1/tp of the weights and KV;
+    tensor parallelism adds two all-reduces of the hidden states per layer, not overlapped
+    with compute (vLLM runs them in line).
+    """
+
+    deployment: Deployment
+    compute_efficiency: float  # achieved ÷ peak tensor FLOP/s (MFU) in a prefill-heavy step
+    memory_efficiency: float  # achieved ÷ peak HBM bandwidth in a decode step
+    step_overhead_s: float  # per step: scheduling, input preparation, sampling, launch
+    allreduce: AllReduce
+
+    def compute_seconds(self, load: StepLoad) -> float:
+        model, gpu, tp = self.deployment.model, self.deployment.gpu, self.deployment.tp
+        matmul = model.matmul_flops(load.scheduled_tokens, load.num_seqs)
+        matmul_s = matmul / (gpu.matmul_flops_per_s(model.weight_bytes_per_param) * self.compute_efficiency)
+        # Attention runs in the KV cache's dtype, BF16 here, whatever the weights are.
+        attention_s = model.attention_flops(load.attention_pairs) / (gpu.bf16_flops_per_s * self.compute_efficiency)
+        return (matmul_s + attention_s) / tp
+
+    def memory_seconds(self, load: StepLoad) -> float:
+        deployment = self.deployment
+        kv_bytes = (load.context_tokens + load.scheduled_tokens) * deployment.kv_bytes_per_token_per_gpu
+        weight_bytes = deployment.model.weight_bytes_read(load.scheduled_tokens) / deployment.tp
+        return (weight_bytes + kv_bytes) / (deployment.gpu.hbm_bytes_per_s * self.memory_efficiency)
+
+    def communication_seconds(self, load: StepLoad) -> float:
+        tp = self.deployment.tp
+        if tp == 1 or load.scheduled_tokens == 0:
+            return 0.0
+        model = self.deployment.model
+        message = model.hidden_size * load.scheduled_tokens * ACTIVATION_BYTES
+        # Two all-reduces of the hidden states per layer: after attention and after the MLP.
+        return 2 * model.num_layers * self.allreduce.seconds(message, tp, self.deployment.gpu)
+
+    def step_seconds(self, load: StepLoad) -> float:
+        busy = max(self.compute_seconds(load), self.memory_seconds(load))
+        return busy + self.communication_seconds(load) + self.step_overhead_s
+
+
+@dataclass(frozen=True)
+class LinearStepCost:
+    """A step time fitted to measurements: linear in what the step computes."""
+
+    base_s: float
+    per_token_s: float
+    per_attention_pair_s: float
+    per_seq_s: float
+    per_context_token_s: float
+
+    def step_seconds(self, load: StepLoad) -> float:
+        return (
+            self.base_s
+            + self.per_token_s * load.scheduled_tokens
+            + self.per_attention_pair_s * load.attention_pairs
+            + self.per_seq_s * load.num_seqs
+            + self.per_context_token_s * load.context_tokens
+        )

@@ -1,0 +1,114 @@
+"""The arms on a small simulated cluster: bounds between them, determinism, and the CLI around them."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from thunderctl.bench.closed_loop import AgentShape, Uniform
+from thunderctl.cli import app
+from thunderctl.sim.arms import ArmName, SimSpec, run_arm
+from thunderctl.sim.cost import EngineShape, LinearStepCost, Preset
+from thunderctl.sim.sweep import run_sweep
+
+# Programs of ~1-3k tokens: 16 of them per worker want far more than the 16k-token cache.
+WORKLOAD = AgentShape(
+    system_prompt_tokens=200,
+    task_tokens=Uniform(300, 600),
+    observation_tokens=Uniform(100, 300),
+    completion_tokens=Uniform(20, 60),
+    steps=Uniform(6, 12),
+    tool_seconds=Uniform(1.0, 4.0),
+    max_context_tokens=4096,
+)
+SMALL = Preset(
+    name="small",
+    summary="a test worker: 16k KV tokens, a linear step cost",
+    cost=LinearStepCost(base_s=5e-3, per_token_s=20e-6, per_attention_pair_s=1e-9, per_seq_s=1e-4, per_context_token_s=0.0),
+    engine=EngineShape(num_gpu_blocks=1024, block_size=16, max_num_batched_tokens=512, max_num_seqs=64, max_model_len=4096),
+    kv_bytes_per_token=1024,
+    host_link_bytes_per_s=1e9,
+)
+PRESSURE = SimSpec(SMALL, WORKLOAD, concurrency=48, duration_s=150, workers=2, warmup_s=30)
+
+
+@pytest.fixture(scope="module")
+def under_pressure() -> dict[str, dict]:
+    return {arm.value: run_arm(arm, PRESSURE).summary(PRESSURE.warmup_s) for arm in ArmName}
+
+
+def test_the_engines_alone_thrash_under_pressure(under_pressure: dict[str, dict]) -> None:
+    assert under_pressure["sticky"]["preemptions"] > 0
+    assert under_pressure["least-loaded"]["preemptions"] > 0
+
+
+@pytest.mark.parametrize("arm", [a.value for a in ArmName if a is not ArmName.LIMIT])
+def test_the_limit_makes_at_least_as_many_steps_as_any_arm(under_pressure: dict[str, dict], arm: str) -> None:
+    assert under_pressure["limit"]["steps_per_min"] >= under_pressure[arm]["steps_per_min"]
+    assert under_pressure["limit"]["preemptions"] == 0
+
+
+@pytest.mark.parametrize("engine_alone", ["sticky", "least-loaded"])
+def test_the_reference_policy_preempts_no_more_than_the_engine_alone(
+    under_pressure: dict[str, dict], engine_alone: str
+) -> None:
+    assert under_pressure["reference"]["preemptions"] <= under_pressure[engine_alone]["preemptions"]
+    assert under_pressure["reference"]["pauses"] > 0, "the policy held programs back: it is in the loop"
+
+
+def test_the_same_seed_gives_the_same_report_and_another_seed_another() -> None:
+    spec = replace(PRESSURE, duration_s=80, warmup_s=20)
+    arms = [ArmName.STICKY, ArmName.THUNDERCTL]
+    first = run_sweep(spec, [8, 24], arms, {"name": "shape"})
+    second = run_sweep(spec, [8, 24], arms, {"name": "shape"})
+    other = run_sweep(replace(spec, seed=1), [8, 24], arms, {"name": "shape"})
+    assert first["points"] == second["points"]
+    assert first["points"] != other["points"]
+
+
+def test_a_host_tier_turns_evictions_into_transfers() -> None:
+    spec = replace(PRESSURE, concurrency=24, duration_s=80, warmup_s=20, host_kv_gib=0.25)
+    with_host = run_arm(ArmName.STICKY, spec).summary(spec.warmup_s)
+    without = run_arm(ArmName.STICKY, replace(spec, host_kv_gib=0.0)).summary(spec.warmup_s)
+    assert with_host["host_hit_tokens"] > 0
+    assert with_host["prefill_tokens"] < without["prefill_tokens"]
+
+
+def test_bench_simulate_writes_the_report_the_table_and_the_plot(tmp_path: Path) -> None:
+    out = tmp_path / "sim.json"
+    result = CliRunner().invoke(
+        app,
+        ["bench", "simulate", "--preset", "cpu-tiny", "--concurrency", "4,8", "--duration", "120", "--scale", "0.1",
+         "--arms", "sticky,thunderctl,limit", "--out", str(out)],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert [p["concurrency"] for p in report["points"]] == [4, 8]
+    for point in report["points"]:
+        assert set(point["arms"]) == {"sticky", "thunderctl", "limit"}
+        for figures in point["arms"].values():
+            assert {"steps_per_min", "hit_rate", "p50_s", "p90_s", "p99_s", "preemptions"} <= figures.keys()
+            assert figures["steps_per_min"] > 0
+        assert set(point["ratios"]) == {"thunderctl", "limit"}
+    assert report["preset"] == "cpu-tiny" and report["workload"]["name"] == "swe-lite"
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert "thunderctl ÷ sticky" in result.output
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--preset", "h200"], "unknown preset 'h200': choose one of"),
+        (["--arms", "sticky,fastest"], "unknown arm(s) fastest"),
+        (["--concurrency", "8,many"], "--concurrency"),
+        (["--duration", "60", "--warmup", "60"], "warm-up (60 s) must be shorter than the run (60 s)"),
+    ],
+)
+def test_bench_simulate_names_what_is_wrong(options: list[str], message: str) -> None:
+    result = CliRunner().invoke(app, ["bench", "simulate", *options])
+    assert result.exit_code != 0
+    assert message in result.output

@@ -1,0 +1,142 @@
+"""Agent programs in virtual time: a closed loop of `concurrency` slots, as `thunderctl bench` runs them.
+
+A program sends step k's prompt, gets its answer (exactly `completion_tokens`, like ignore_eos),
+waits out the step's tool time and sends step k+1; when it ends it is released and its slot
+starts the next program. Programs come from the same workloads as the benchmark (anything with
+`program(seed, index)`), so every arm of a simulation, and a real run, sees the same programs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from thunderctl.sim.clock import VirtualClock
+from thunderctl.sim.engine import Request, TokenStream
+from thunderctl.sim.worker import Worker
+
+
+class Step(Protocol):
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def completion_tokens(self) -> int: ...
+    @property
+    def tool_s(self) -> float: ...
+
+
+class Program(Protocol):
+    @property
+    def steps(self) -> Sequence[Step]: ...
+    @property
+    def env_prep_s(self) -> float | None: ...
+
+
+class Workload(Protocol):
+    """What the simulator needs of a benchmark workload (bench's swe-lite, traces, shapes)."""
+
+    @property
+    def system_prompt_tokens(self) -> int: ...
+    @property
+    def max_context_tokens(self) -> int | None: ...
+    def program(self, seed: int, index: int) -> Program: ...
+
+
+class Router(Protocol):
+    """How a request finds its worker: one per arm."""
+
+    def send(self, program_id: str, prompt_tokens: int, shared_tokens: int, go: Callable[[Worker], None]) -> None:
+        """Place a request; `go(worker)` submits it there, now or once it is admitted."""
+        ...
+
+    def done(self, program_id: str, worker: Worker, prompt_tokens: int, completion_tokens: int) -> None: ...
+
+    def release(self, program_id: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    program_index: int
+    step: int
+    start_s: float
+    end_s: float
+    worker: str
+
+    @property
+    def latency_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+def steps_that_fit(steps: Sequence[Step], max_context_tokens: int | None) -> Sequence[Step]:
+    """The steps before the first whose prompt and answer exceed the context (at least one)."""
+    if max_context_tokens is None:
+        return steps
+    for k, step in enumerate(steps):
+        if k > 0 and step.prompt_tokens + step.completion_tokens > max_context_tokens:
+            return steps[:k]
+    return steps
+
+
+@dataclass
+class _Run:
+    index: int
+    program_id: str
+    stream: TokenStream
+    steps: Sequence[Step]
+    next_step: int = 0
+
+
+@dataclass
+class ClosedLoop:
+    workload: Workload
+    seed: int
+    concurrency: int
+    clock: VirtualClock
+    router: Router
+    block_size: int
+    records: list[StepRecord] = field(default_factory=list)
+    programs_started: int = 0
+    programs_completed: int = 0
+    steps_cut: int = 0
+    _next_index: int = 0
+
+    def start(self) -> None:
+        for _ in range(self.concurrency):
+            self._start_program()
+
+    def _start_program(self) -> None:
+        index = self._next_index
+        self._next_index += 1
+        program = self.workload.program(self.seed, index)
+        steps = steps_that_fit(program.steps, self.workload.max_context_tokens)
+        self.steps_cut += len(program.steps) - len(steps)
+        shared_blocks = self.workload.system_prompt_tokens // self.block_size
+        run = _Run(index, f"sim-{self.seed}-{index}", TokenStream(index + 1, shared_blocks), steps)
+        self.programs_started += 1
+        self.clock.after(program.env_prep_s or 0.0, lambda: self._send(run))
+
+    def _send(self, run: _Run) -> None:
+        step = run.steps[run.next_step]
+        start = self.clock.now
+
+        def submit(worker: Worker) -> None:
+            request = Request(
+                run.stream, step.prompt_tokens, max(1, step.completion_tokens), arrival_s=start,
+                on_finish=lambda finished: self._done(run, worker, finished),
+            )  # fmt: skip
+            worker.submit(request)
+
+        self.router.send(run.program_id, step.prompt_tokens, self.workload.system_prompt_tokens, submit)
+
+    def _done(self, run: _Run, worker: Worker, request: Request) -> None:
+        step = run.steps[run.next_step]
+        self.records.append(StepRecord(run.index, run.next_step, request.arrival_s, self.clock.now, worker.id))
+        self.router.done(run.program_id, worker, request.prompt_tokens, request.max_tokens)
+        run.next_step += 1
+        if run.next_step < len(run.steps):
+            self.clock.after(step.tool_s, lambda: self._send(run))
+            return
+        self.programs_completed += 1
+        self.router.release(run.program_id)
+        self._start_program()

