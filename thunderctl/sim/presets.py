@@ -67,11 +67,11 @@ GLM_4_6_FP8 = ModelConfig(
 H100_COMPUTE_EFFICIENCY = 0.38
 H100_MEMORY_EFFICIENCY = 0.53
 H100_STEP_OVERHEAD_S = 2e-3
-# vLLM's custom all-reduce on H100 at TP4/TP8 (sglang PR #2904's measurement of it), NCCL above
-# vLLM's 8 MiB custom all-reduce limit.
+# vLLM's custom all-reduce on H100 at TP4/TP8, 512 B to 1 MiB (sglang PR #2904's measurement of
+# it: ~9 µs, then ~40 GB/s of message); beyond, NCCL's ring at an assumed 80 % of NVLink.
 H100_ALLREDUCE = AllReduce(
     latency_s=9e-6,
-    small_message_limit_bytes=8 * MIB,
+    small_message_bytes=1 * MIB,
     small_message_bytes_per_s=40e9,
     ring_efficiency=0.8,
 )
