@@ -42,7 +42,7 @@ import statistics
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -289,7 +289,7 @@ class Prober:
         self.warm(prefix)
         prompts = [prefix + self.fresh_ids(SUFFIX_TOKENS) for _ in range(load.batch)]
         before = self.metrics()
-        list(self.pool.map(lambda prompt: self.complete(prompt, DECODE_TOKENS), prompts))
+        self.run_all([self.pool.submit(self.complete, prompt, DECODE_TOKENS) for prompt in prompts])
         after = self.metrics()
         count = after["decode_count"] - before["decode_count"]
         seconds = (after["decode_sum"] - before["decode_sum"]) / count
@@ -310,10 +310,15 @@ class Prober:
             contexts = [load.prefix + SUFFIX_TOKENS + round(generated)] * load.batch
             seconds, cached = self.timed_prefill(self.fresh_ids(load.new_tokens))
         finally:
-            # Whatever happened, the next load starts on an idle engine.
-            for decoder in decoders:
-                decoder.result()
+            self.run_all(decoders)
         return Measurement(load, seconds, prefill_steps(load.new_tokens - cached, cached, self.budget, contexts))
+
+    @staticmethod
+    def run_all(requests: list[Future[None]]) -> None:
+        """Wait for every request, even after one failed, so the next load starts on an idle engine."""
+        wait(requests)
+        for request in requests:
+            request.result()
 
     def wait_running(self, count: int, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
