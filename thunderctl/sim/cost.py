@@ -73,9 +73,9 @@ class Gpu:
     nvlink_bytes_per_s: float  # one direction, what a ring all-reduce step can use
     host_link_bytes_per_s: float  # PCIe, one direction
 
-    def matmul_flops_per_s(self, weight_bytes_per_param: float) -> float:
-        """FP8 weights run on the FP8 tensor cores (W8A8, as vLLM's FP8 checkpoints do)."""
-        return self.fp8_flops_per_s if weight_bytes_per_param <= 1 else self.bf16_flops_per_s
+    def tensor_flops_per_s(self, bytes_per_element: float) -> float:
+        """One-byte operands run on the FP8 tensor cores (W8A8, as vLLM's FP8 checkpoints do)."""
+        return self.fp8_flops_per_s if bytes_per_element <= 1 else self.bf16_flops_per_s
 
 
 @dataclass(frozen=True)
@@ -195,7 +195,7 @@ class AllReduce:
 
 @dataclass(frozen=True)
 class RooflineCost:
-    """Step time of a GPU worker: the slower of compute and HBM traffic, plus TP and host costs.
+    """Step time of a GPU worker: the slower of compute and HBM traffic, plus all-reduces and overhead.
 
     Every GPU of the worker does 1/tp of the FLOPs and reads 1/tp of the weights and KV;
     tensor parallelism adds two all-reduces of the hidden states per layer, not overlapped
@@ -211,9 +211,10 @@ class RooflineCost:
     def compute_seconds(self, load: StepLoad) -> float:
         model, gpu, tp = self.deployment.model, self.deployment.gpu, self.deployment.tp
         matmul = model.matmul_flops(load.scheduled_tokens, load.num_seqs)
-        matmul_s = matmul / (gpu.matmul_flops_per_s(model.weight_bytes_per_param) * self.compute_efficiency)
-        # Attention runs in the KV cache's dtype, BF16 here, whatever the weights are.
-        attention_s = model.attention_flops(load.attention_pairs) / (gpu.bf16_flops_per_s * self.compute_efficiency)
+        matmul_s = matmul / (gpu.tensor_flops_per_s(model.weight_bytes_per_param) * self.compute_efficiency)
+        # Attention runs in the KV cache's dtype, whatever the weights are.
+        attention = model.attention_flops(load.attention_pairs)
+        attention_s = attention / (gpu.tensor_flops_per_s(model.kv_bytes_per_element) * self.compute_efficiency)
         return (matmul_s + attention_s) / tp
 
     def memory_seconds(self, load: StepLoad) -> float:
