@@ -73,9 +73,9 @@ class Gpu:
     nvlink_bytes_per_s: float  # one direction, what a ring all-reduce step can use
     host_link_bytes_per_s: float  # PCIe, one direction
 
-    def matmul_flops_per_s(self, weight_bytes_per_param: float) -> float:
-        """FP8 weights run on the FP8 tensor cores (W8A8, as vLLM's FP8 checkpoints do)."""
-        return self.fp8_flops_per_s if weight_bytes_per_param <= 1 else self.bf16_flops_per_s
+    def tensor_flops_per_s(self, bytes_per_element: float) -> float:
+        """One-byte operands run on the FP8 tensor cores (W8A8, as vLLM's FP8 checkpoints do)."""
+        return self.fp8_flops_per_s if bytes_per_element <= 1 else self.bf16_flops_per_s
 
 
 @dataclass(frozen=True)
@@ -174,24 +174,28 @@ class Deployment:
 
 @dataclass(frozen=True)
 class AllReduce:
-    """Time of one TP all-reduce: vLLM's one-shot kernel for small messages, NCCL's ring above."""
+    """Time of one TP all-reduce: measured small messages, then NCCL's ring rate per extra byte.
+
+    Continuous and monotonic in the message size, so that a step never gets cheaper by
+    growing; the small-message part is a measurement of vLLM's custom all-reduce.
+    """
 
     latency_s: float
-    small_message_limit_bytes: int  # vLLM's custom all-reduce takes messages up to this size
-    small_message_bytes_per_s: float  # message bytes per second it achieves
+    small_message_bytes: int  # up to this size the measured rate applies
+    small_message_bytes_per_s: float  # message bytes per second at those sizes
     ring_efficiency: float  # achieved ÷ NVLink bandwidth for NCCL's ring on large messages
 
     def seconds(self, message_bytes: int, tp: int, gpu: Gpu) -> float:
-        if message_bytes <= self.small_message_limit_bytes:
-            return self.latency_s + message_bytes / self.small_message_bytes_per_s
+        small = min(message_bytes, self.small_message_bytes)
         # A ring all-reduce sends 2(tp−1)/tp of the message from every GPU.
-        ring_bytes = 2 * (tp - 1) / tp * message_bytes
-        return self.latency_s + ring_bytes / (gpu.nvlink_bytes_per_s * self.ring_efficiency)
+        ring_bytes = 2 * (tp - 1) / tp * (message_bytes - small)
+        ring_s = ring_bytes / (gpu.nvlink_bytes_per_s * self.ring_efficiency)
+        return self.latency_s + small / self.small_message_bytes_per_s + ring_s
 
 
 @dataclass(frozen=True)
 class RooflineCost:
-    """Step time of a GPU worker: the slower of compute and HBM traffic, plus TP and host costs.
+    """Step time of a GPU worker: the slower of compute and HBM traffic, plus all-reduces and overhead.
 
     Every GPU of the worker does 1/tp of the FLOPs and reads 1/tp of the weights and KV;
     tensor parallelism adds two all-reduces of the hidden states per layer, not overlapped
@@ -207,9 +211,10 @@ class RooflineCost:
     def compute_seconds(self, load: StepLoad) -> float:
         model, gpu, tp = self.deployment.model, self.deployment.gpu, self.deployment.tp
         matmul = model.matmul_flops(load.scheduled_tokens, load.num_seqs)
-        matmul_s = matmul / (gpu.matmul_flops_per_s(model.weight_bytes_per_param) * self.compute_efficiency)
-        # Attention runs in the KV cache's dtype, BF16 here, whatever the weights are.
-        attention_s = model.attention_flops(load.attention_pairs) / (gpu.bf16_flops_per_s * self.compute_efficiency)
+        matmul_s = matmul / (gpu.tensor_flops_per_s(model.weight_bytes_per_param) * self.compute_efficiency)
+        # Attention runs in the KV cache's dtype, whatever the weights are.
+        attention = model.attention_flops(load.attention_pairs)
+        attention_s = attention / (gpu.tensor_flops_per_s(model.kv_bytes_per_element) * self.compute_efficiency)
         return (matmul_s + attention_s) / tp
 
     def memory_seconds(self, load: StepLoad) -> float:
@@ -242,11 +247,15 @@ class LinearStepCost:
     per_seq_s: float
     per_context_token_s: float
 
-    def step_seconds(self, load: StepLoad) -> float:
+    def seconds_over(self, steps: int, summed: StepLoad) -> float:
+        """Wall time of `steps` steps whose loads add up to `summed` (the model is linear)."""
         return (
-            self.base_s
-            + self.per_token_s * load.scheduled_tokens
-            + self.per_attention_pair_s * load.attention_pairs
-            + self.per_seq_s * load.num_seqs
-            + self.per_context_token_s * load.context_tokens
+            self.base_s * steps
+            + self.per_token_s * summed.scheduled_tokens
+            + self.per_attention_pair_s * summed.attention_pairs
+            + self.per_seq_s * summed.num_seqs
+            + self.per_context_token_s * summed.context_tokens
         )
+
+    def step_seconds(self, load: StepLoad) -> float:
+        return self.seconds_over(1, load)

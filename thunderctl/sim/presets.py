@@ -67,11 +67,11 @@ GLM_4_6_FP8 = ModelConfig(
 H100_COMPUTE_EFFICIENCY = 0.38
 H100_MEMORY_EFFICIENCY = 0.53
 H100_STEP_OVERHEAD_S = 2e-3
-# vLLM's custom all-reduce on H100 at TP4/TP8 (sglang PR #2904's measurement of it), NCCL above
-# vLLM's 8 MiB custom all-reduce limit.
+# vLLM's custom all-reduce on H100 at TP4/TP8, 512 B to 1 MiB (sglang PR #2904's measurement of
+# it: ~9 µs, then ~40 GB/s of message); beyond, NCCL's ring at an assumed 80 % of NVLink.
 H100_ALLREDUCE = AllReduce(
     latency_s=9e-6,
-    small_message_limit_bytes=8 * MIB,
+    small_message_bytes=1 * MIB,
     small_message_bytes_per_s=40e9,
     ring_efficiency=0.8,
 )
@@ -89,16 +89,19 @@ CPU_TINY_MAX_NUM_BATCHED_TOKENS = 2048
 CPU_TINY_MAX_NUM_SEQS = 128
 # The tiny model (2 layers, 1 KV head of 64, FP32): 2 × 2 × 1 × 64 × 4 B.
 CPU_TINY_KV_BYTES_PER_TOKEN = 1024
-# PROVISIONAL (rough guesses) until benchmarks/fit_cpu_tiny.py writes the fitted figures.
+# Fitted by benchmarks/fit_cpu_tiny.py to thunderctl/sim/data/cpu_tiny_steps.csv: medians of up to
+# 5 repeats of 42 loads on this 2-core machine while other work ran on it (load average ~21).
+# Out of fold: R² 0.92 on per-step seconds, median relative error 23 %, p90 72 %.
 CPU_TINY_COST = LinearStepCost(
-    base_s=8e-3,
-    per_token_s=20e-6,
-    per_attention_pair_s=1e-9,
-    per_seq_s=0.2e-3,
-    per_context_token_s=0.0,
+    base_s=5.505e-3,
+    per_token_s=14.46e-6,
+    per_attention_pair_s=40.11e-9,
+    per_seq_s=171.9e-6,
+    per_context_token_s=59.52e-9,
 )
-# A host tier on the CPU engine is a copy within the same RAM: memcpy speed, not a bus.
-CPU_TINY_HOST_LINK_BYTES_PER_S = 5e9
+# A host tier on the CPU engine is a copy within the same RAM: this machine's memcpy rate
+# (a 256 MiB numpy copy, median of 7, under the usual load of other work).
+CPU_TINY_HOST_LINK_BYTES_PER_S = 4.6e9
 
 
 def gpu_preset(name: str, summary: str, deployment: Deployment, max_model_len: int) -> Preset:
