@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
@@ -19,8 +19,7 @@ from rich.console import Console
 
 from thunderctl.bench.closed_loop import LoadSpec, Routing, Target
 from thunderctl.bench.importers import import_runs
-from thunderctl.bench.recorded import RECORDED_SWE_LITE_SOURCE, recorded_swe_lite
-from thunderctl.bench.replay import Arm, ArmOutcome, TraceWorkload, run_arms
+from thunderctl.bench.replay import Arm, ArmOutcome, run_arms
 from thunderctl.bench.report import (
     LiveProgress,
     build_report,
@@ -31,10 +30,9 @@ from thunderctl.bench.simulate import simulate
 from thunderctl.bench.swe_lite import (
     SHARED_PREFIX_TOKENS,
     TOOL_SECONDS,
-    LogNormal,
-    SweLite,
 )
-from thunderctl.bench.trace import TraceFormatError, read_trace, write_trace
+from thunderctl.bench.trace import TraceFormatError, write_trace
+from thunderctl.bench.workloads import WorkloadChoice
 from thunderctl.cluster.lifecycle import control_client, daemon_answers
 from thunderctl.cluster.state import ClusterNotFound, find_cluster
 from thunderctl.cluster.worker_key import read_worker_key
@@ -117,42 +115,6 @@ def build_arms(endpoints: Endpoints, info: EndpointInfo, arms: list[TargetArm], 
         else:  # any OpenAI-compatible endpoint: no program ids to send, nothing to release
             built.append(Arm("cluster", Target.direct([endpoints.endpoint], name="cluster", api_key=endpoints.api_key)))
     return built
-
-
-@dataclass(frozen=True)
-class WorkloadChoice:
-    """What `swe-lite` replays: the recorded runs (default), a trace file, or the generator."""
-
-    trace: Path | None = None
-    synthetic: bool = False
-    tool_median: float | None = None
-    tool_sigma: float | None = None
-    tool_cap: float | None = None
-
-    def problem(self) -> str:
-        """Why the options do not go together, or ""."""
-        if self.synthetic and self.trace is not None:
-            return "--synthetic and --trace both name the workload: give one"
-        if self.tool_overrides() and not self.synthetic:
-            given = ", ".join(f"--tool-{name}" for name in self.tool_overrides())
-            return f"{given} shape the synthetic tool times: add --synthetic (a trace has its own)"
-        return ""
-
-    def tool_overrides(self) -> dict[str, float]:
-        given = {"median": self.tool_median, "sigma": self.tool_sigma, "cap": self.tool_cap}
-        return {name: value for name, value in given.items() if value is not None}
-
-    def tool_seconds(self) -> LogNormal:
-        return replace(TOOL_SECONDS, **self.tool_overrides())
-
-    def load(self, scale: float, shared_prefix: int, max_context: int | None) -> SweLite | TraceWorkload:
-        if self.synthetic:
-            return SweLite(scale, shared_prefix, max_context, tool_seconds=self.tool_seconds())
-        if self.trace is None:
-            programs, source, name = recorded_swe_lite(), RECORDED_SWE_LITE_SOURCE, "swe-lite"
-        else:
-            programs, source, name = read_trace(self.trace), str(self.trace), "trace"
-        return TraceWorkload(scale, shared_prefix, max_context, programs=tuple(programs), source=source, name=name)
 
 
 @bench_app.command("swe-lite")

@@ -20,14 +20,16 @@ from thunderctl.bench.closed_loop import AgentShape
 from thunderctl.bench.replay import TraceWorkload
 from thunderctl.bench.report import fmt, write_outputs
 from thunderctl.bench.swe_lite import SHARED_PREFIX_TOKENS, SweLite
-from thunderctl.bench.trace import TraceFormatError, read_trace
+from thunderctl.bench.trace import TraceFormatError
+from thunderctl.bench.workloads import WorkloadChoice
 from thunderctl.sim.arms import ArmName, SimSpec
 from thunderctl.sim.presets import UnknownPreset, get_preset, preset_names
 from thunderctl.sim.sweep import BASELINE, run_sweep
 
 
 class WorkloadName(StrEnum):
-    SWE_LITE = "swe-lite"
+    SWE_LITE = "swe-lite"  # the recorded runs, as `bench swe-lite` replays them
+    SYNTHETIC = "swe-lite-synthetic"  # `bench swe-lite --synthetic`: the seeded generator, programs without end
     SHAPE = "shape"  # AgentShape's uniform ranges, the closed-loop benchmark's default
 
 
@@ -53,12 +55,11 @@ def parse_arms(text: str) -> list[ArmName]:
 def build_workload(
     workload: WorkloadName, trace: Path | None, scale: float, shared_prefix: int, max_context: int
 ) -> SweLite | TraceWorkload | AgentShape:
-    if trace is not None:
-        programs = tuple(read_trace(trace))
-        return TraceWorkload(scale, shared_prefix, max_context, programs=programs, source=str(trace))
+    if trace is not None and workload is not WorkloadName.SWE_LITE:
+        raise ValueError(f"--workload {workload} and --trace both name the programs: give one")
     if workload is WorkloadName.SHAPE:
         return AgentShape(max_context_tokens=max_context)
-    return SweLite(scale, shared_prefix, max_context)
+    return WorkloadChoice(trace, synthetic=workload is WorkloadName.SYNTHETIC).load(scale, shared_prefix, max_context)
 
 
 def describe(workload: SweLite | TraceWorkload | AgentShape) -> dict[str, Any]:
