@@ -16,7 +16,7 @@ from thunderctl.bench.recorded import RECORDED_SWE_LITE_SOURCE
 from thunderctl.bench.replay import ArmOutcome, TraceWorkload, slice_order
 from thunderctl.bench.swe_lite import TOOL_SECONDS, SweLite
 from thunderctl.bench.trace import read_trace
-from thunderctl.bench.report import arm_summary, plot_report, ratios, report_table, timeline
+from thunderctl.bench.report import arm_summary, plot_report, ratios, report_table, timeline, verdict
 from thunderctl.engines.local import LocalEngine
 from thunderctl.engines.vllm import parse_samples
 
@@ -191,6 +191,21 @@ def test_ratios_are_cluster_over_direct_and_missing_figures_give_none() -> None:
     assert got["steps_per_min"] == 1.5 and got["hit_rate"] == 2.0 and got["p90_s"] == 0.5
     assert got["ttft_p50_s"] is None
     assert ratios({"cluster": arm(1.0, None, 1.0)}) == {}
+
+
+def test_a_comparison_ends_with_a_verdict_that_reads_without_the_table() -> None:
+    arms = {"cluster": arm(150.0, 0.81, 2.4), "direct": arm(100.0, 0.34, 4.0)}
+    report = {"arms": arms, "ratios": ratios(arms)}
+    assert verdict(report) == "thunderctl: 1.50× the steps/min of vLLM alone, hit rate 0.81 vs 0.34, p90 0.60×"
+
+
+def test_the_verdict_says_which_figures_are_missing() -> None:
+    arms = {"cluster": arm(150.0, None, 2.0), "direct": arm(0.0, 0.34, 0.0)}
+    assert verdict({"arms": arms, "ratios": ratios(arms)}) == (
+        "thunderctl: steps/min not comparable (a figure is missing or 0), hit rate unknown vs 0.34, p90 not comparable"
+    )
+    one_arm = {"cluster": arm(150.0, 0.8, 2.0)}
+    assert verdict({"arms": one_arm, "ratios": ratios(one_arm)}) is None
 
 
 def test_a_saved_report_renders_as_a_table_and_a_plot(tmp_path: Path) -> None:

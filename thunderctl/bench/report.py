@@ -156,6 +156,22 @@ def report_table(report: dict[str, Any]) -> Table:
     return table
 
 
+def verdict(report: dict[str, Any]) -> str | None:
+    """The comparison in one line a person reads without the table (None without both arms)."""
+    arms, r = report["arms"], report["ratios"]
+    if not r:
+        return None
+
+    def shown(value: float | None) -> str:
+        return "unknown" if value is None else f"{value:.2f}"
+
+    steps = ("steps/min not comparable (a figure is missing or 0)" if r["steps_per_min"] is None
+             else f"{r['steps_per_min']:.2f}× the steps/min of vLLM alone")
+    hit = f"hit rate {shown(arms['cluster']['hit_rate'])} vs {shown(arms['direct']['hit_rate'])}"
+    p90 = "p90 not comparable" if r["p90_s"] is None else f"p90 {r['p90_s']:.2f}×"
+    return f"thunderctl: {steps}, {hit}, {p90}"
+
+
 def plot_report(report: dict[str, Any], path: Path) -> None:
     """Steps/min and hit rate over each arm's time, one line per arm, as a PNG."""
     import matplotlib  # imported here: only a finished run draws, and it is slow to import
