@@ -116,11 +116,12 @@ async def gateway_app(fake_backend) -> AsyncIterator[Callable[..., object]]:
         limits: BodyLimits = BodyLimits(),
         worker_key: str | None = None,
         extra_routes: list[BaseRoute] | None = None,
+        on_release: Callable[[str], None] | None = None,
     ) -> tuple[httpx.AsyncClient, FakeBackend]:
         backend = fake_backend(worker_key)
         gateway = Gateway([Upstream("fake", backend.url)], worker_key=worker_key)
         await gateway.start()
-        app = build_app(gateway, extra_routes=extra_routes or (), auth=auth, limits=limits)
+        app = build_app(gateway, extra_routes=extra_routes or (), on_release=on_release, auth=auth, limits=limits)
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway")
         started.append((gateway, client))
         return client, backend

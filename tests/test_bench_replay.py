@@ -11,12 +11,12 @@ from trajectories import write_trajectory
 from typer.testing import CliRunner
 
 from thunderctl.bench.cli import WorkloadChoice, bench_app
-from thunderctl.bench.closed_loop import CacheDelta, CounterSample, StepRecord
+from thunderctl.bench.closed_loop import CacheDelta, CounterSample, LoadResult, StepRecord
 from thunderctl.bench.recorded import RECORDED_SWE_LITE_SOURCE
-from thunderctl.bench.replay import TraceWorkload, slice_order
+from thunderctl.bench.replay import ArmOutcome, TraceWorkload, slice_order
 from thunderctl.bench.swe_lite import TOOL_SECONDS, SweLite
 from thunderctl.bench.trace import read_trace
-from thunderctl.bench.report import plot_report, ratios, report_table, timeline
+from thunderctl.bench.report import arm_summary, plot_report, ratios, report_table, timeline, verdict
 from thunderctl.engines.local import LocalEngine
 from thunderctl.engines.vllm import parse_samples
 
@@ -145,9 +145,36 @@ def test_the_timeline_gives_steps_per_minute_and_hit_rate_per_interval() -> None
     samples = [CounterSample(10.0, CacheDelta(100, 80)), CounterSample(20.0, CacheDelta(0, 0)), CounterSample(25.0, CacheDelta(50, 10))]
     records = [step(0, 4), step(3, 9), step(5, 12), step(6, 12.5, ok=False), step(20, 24)]
     points = timeline(samples, records)
-    assert [p.t_s for p in points] == [10.0, 20.0, 25.0]
-    assert [p.steps_per_min for p in points] == [12.0, 6.0, 12.0]
-    assert [p.hit_rate for p in points] == [0.8, None, 0.2]
+    # The partial last interval (20-25 s) is counted with the one before: 2 steps in 10-25 s.
+    assert [p.t_s for p in points] == [10.0, 25.0]
+    assert [p.steps_per_min for p in points] == [12.0, 8.0]
+    assert [p.hit_rate for p in points] == [0.8, 0.2]
+
+
+def timed_slice(slice_s: float = 60.0, interval_s: float = 10.0) -> LoadResult:
+    """A timed slice as `run_load` records one: a step ends every half second until the
+    deadline, the sampler drifts by its scrape time (so its last sample lands just after the
+    deadline), and the run ends a little later, once the programs left open are released."""
+    records = [step(t - 2.0, t) for t in (0.5 * k for k in range(1, int(slice_s * 2)))]
+    ticks = [round(interval_s * k * 1.001, 3) for k in range(1, int(slice_s / interval_s) + 1)]
+    wall_s = ticks[-1] + 0.2
+    samples = [CounterSample(t, CacheDelta(100, 80)) for t in ticks] + [CounterSample(wall_s, CacheDelta(2, 1))]
+    return LoadResult(
+        target="gateway", concurrency=8, salt="s", tokens_per_word=1.0, wall_s=wall_s, window_s=slice_s,
+        steps_ok=len(records), steps_failed=0, steps_cancelled=8, steady_latencies_s=[2.0] * len(records),
+        programs_started=8, programs_completed=0, engines=CacheDelta(602, 481), records=records, samples=samples,
+    )  # fmt: skip
+
+
+def test_the_plotted_timeline_has_no_drop_at_slice_boundaries() -> None:
+    first, second = timed_slice(), timed_slice()
+    points = arm_summary(ArmOutcome(slices=[first, second]))["timeline"]
+    rates = [p["steps_per_min"] for p in points]
+    assert min(rates) > 100, rates  # a step every half second is 120/min, in every interval
+    ends = [p["t_s"] for p in points]
+    assert ends == sorted(ends) and len(ends) == 12
+    assert ends[5] == pytest.approx(first.wall_s) and ends[-1] == pytest.approx(first.wall_s + second.wall_s)
+    assert all(p["hit_rate"] == pytest.approx(0.8, abs=0.01) for p in points)
 
 
 def arm(steps_per_min: float, hit_rate: float | None, p90_s: float) -> dict:
@@ -164,6 +191,21 @@ def test_ratios_are_cluster_over_direct_and_missing_figures_give_none() -> None:
     assert got["steps_per_min"] == 1.5 and got["hit_rate"] == 2.0 and got["p90_s"] == 0.5
     assert got["ttft_p50_s"] is None
     assert ratios({"cluster": arm(1.0, None, 1.0)}) == {}
+
+
+def test_a_comparison_ends_with_a_verdict_that_reads_without_the_table() -> None:
+    arms = {"cluster": arm(150.0, 0.81, 2.4), "direct": arm(100.0, 0.34, 4.0)}
+    report = {"arms": arms, "ratios": ratios(arms)}
+    assert verdict(report) == "thunderctl: 1.50× the steps/min of vLLM alone, hit rate 0.81 vs 0.34, p90 0.60×"
+
+
+def test_the_verdict_says_which_figures_are_missing() -> None:
+    arms = {"cluster": arm(150.0, None, 2.0), "direct": arm(0.0, 0.34, 0.0)}
+    assert verdict({"arms": arms, "ratios": ratios(arms)}) == (
+        "thunderctl: steps/min not comparable (a figure is missing or 0), hit rate unknown vs 0.34, p90 not comparable"
+    )
+    one_arm = {"cluster": arm(150.0, 0.8, 2.0)}
+    assert verdict({"arms": one_arm, "ratios": ratios(one_arm)}) is None
 
 
 def test_a_saved_report_renders_as_a_table_and_a_plot(tmp_path: Path) -> None:

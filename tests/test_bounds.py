@@ -90,6 +90,7 @@ async def test_an_integer_too_long_to_read_is_a_400(gateway_app) -> None:
         ("program_id", lambda pid: {"json": CHAT | {"program_id": pid}}),
         ("extra_body.program_id", lambda pid: {"json": CHAT | {"extra_body": {"program_id": pid}}}),
         ("x-program-id header", lambda pid: {"json": CHAT, "headers": {"X-Program-Id": pid}}),
+        ("x-dynamo-session-id header", lambda pid: {"json": CHAT, "headers": {"x-dynamo-session-id": pid}}),
     ],
 )
 async def test_program_ids_are_at_most_256_printable_characters(gateway_app, where, request_parts) -> None:

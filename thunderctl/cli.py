@@ -333,13 +333,21 @@ def get_status(state: ClusterState) -> dict:
 
 
 def status_renderable(view: dict) -> Group:
-    workers = Table(title=f"cluster {view['cluster']} · {view['endpoint']} · up {view['uptime_s']:.0f} s")
-    for column in ("worker", "state", "url", "KV capacity", "reserved", "programs", "in flight", "hit rate", "preempt"):
-        workers.add_column(column)
+    """The status view laid out for an 80-column terminal: numbers in full, each worker's URL on
+    a line of its own below the table, where a long one cannot squeeze the numbers."""
+    workers = Table(title=f"cluster {view['cluster']} · {view['endpoint']} · up {view['uptime_s']:.0f} s",
+                    box=None, pad_edge=False, title_justify="left")
+    workers.add_column("worker", no_wrap=True)
+    workers.add_column("state", no_wrap=True)
+    for column in ("KV\nreserved", "KV\ncapacity", "programs", "in\nflight", "hit\nrate", "preempted"):
+        workers.add_column(column, justify="right")
+    urls = Table.grid(padding=(0, 2))
     for w in view["workers"]:
         hit = "-" if w["prefix_cache_hit_rate"] is None else f"{w['prefix_cache_hit_rate']:.2f}"
-        workers.add_row(w["id"], w["state"], w["url"], str(w["kv_capacity_tokens"] or "-"), str(w["kv_reserved_tokens"]),
-                        str(w["programs_active"]), str(w["requests_in_flight"]), hit, str(w["preemptions"]))
+        capacity = "-" if w["kv_capacity_tokens"] is None else f"{w['kv_capacity_tokens']:,}"
+        workers.add_row(w["id"], w["state"], f"{w['kv_reserved_tokens']:,}", capacity, f"{w['programs_active']:,}",
+                        f"{w['requests_in_flight']:,}", hit, f"{w['preemptions']:,}")
+        urls.add_row(w["id"], w["url"])
     sched = view["scheduler"]
     programs = sched["programs"]
     boxes = view["sandboxes"]
@@ -347,8 +355,12 @@ def status_renderable(view: dict) -> Group:
                  if boxes.get("available", True) else f"unavailable ({boxes.get('reason', '')})")
     return Group(
         workers,
-        f"programs: reasoning {programs['reasoning']} · acting {programs['acting']} · paused {programs['paused']}"
-        f"   pauses {sched['pauses_total']} · resumes {sched['resumes_total']} · forced {sched['forced_resumes_total']}",
+        "",
+        urls,
+        "",
+        f"programs: reasoning {programs['reasoning']:,} · acting {programs['acting']:,} · paused {programs['paused']:,}",
+        f"scheduler: pauses {sched['pauses_total']:,} · resumes {sched['resumes_total']:,}"
+        f" · forced {sched['forced_resumes_total']:,}",
         "admission: open gate (the engines admit by their own KV cache)" if sched["admission_gate_open"]
         else f"admission: ACTING weight {sched['acting_weight']:.2f} · workers busy {sched['utilization']:.0%}",
         f"sandboxes: {sandboxes}",

@@ -24,6 +24,7 @@ from thunderctl.bench.report import (
     LiveProgress,
     build_report,
     report_table,
+    verdict,
     write_outputs,
 )
 from thunderctl.bench.simulate import simulate
@@ -237,6 +238,8 @@ def swe_lite(
     report = build_report(workload.describe(), parameters, outcomes, time.monotonic() - started)
     console.print(report_table(report))
     write_outputs(report, out, plot, console)
+    if line := verdict(report):
+        console.print(line)
     check_served(outcomes, console)
 
 

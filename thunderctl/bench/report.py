@@ -9,7 +9,7 @@ import itertools
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Self
 
@@ -39,14 +39,35 @@ class TimelinePoint:
 
 
 def timeline(samples: Sequence[CounterSample], records: Sequence[StepRecord]) -> list[TimelinePoint]:
-    """Steps/min and hit rate over each sampling interval (steps counted where they end)."""
+    """Steps/min and hit rate over each sampling interval of one slice (steps counted where
+    they end).
+
+    A slice's last interval, from its last periodic sample to its end, is partial: typically a
+    fraction of a second after the deadline, in which in-flight steps were cancelled and no step
+    can end. On its own it would draw a drop to 0 steps/min (or a spike, if one step ended
+    there), so it is counted with the interval before it.
+    """
+    intervals = list(samples)
+    if len(intervals) >= 2:
+        *intervals, before, last = intervals
+        intervals.append(CounterSample(last.t_s, before.engines + last.engines))
     points = []
     start = 0.0
-    for sample in samples:
+    for sample in intervals:
         ended = sum(1 for r in records if r.ok and start < r.end_s <= sample.t_s)
         points.append(TimelinePoint(sample.t_s, per_minute(ended, sample.t_s - start), sample.engines.hit_rate))
         start = sample.t_s
     return points
+
+
+def arm_timeline(slices: Sequence[LoadResult]) -> list[TimelinePoint]:
+    """Each slice's timeline, the slices back to back in the arm's own time."""
+    offsets = itertools.accumulate((result.wall_s for result in slices[:-1]), initial=0.0)
+    return [
+        replace(point, t_s=point.t_s + offset)
+        for result, offset in zip(slices, offsets)
+        for point in timeline(result.samples, result.records)
+    ]
 
 
 def arm_summary(outcome: ArmOutcome) -> dict[str, Any]:
@@ -76,7 +97,7 @@ def arm_summary(outcome: ArmOutcome) -> dict[str, Any]:
         "programs_released": counters.get("thunderctl_programs_released_total") if counters else None,
         "warnings": outcome.warnings,
         "slices": [result.summary() for result in outcome.slices],
-        "timeline": [vars(point) for point in timeline(combined.samples, combined.records)],
+        "timeline": [vars(point) for point in arm_timeline(outcome.slices)],
     }
 
 
@@ -133,6 +154,22 @@ def report_table(report: dict[str, Any]) -> Table:
             fmt(r["p90_s"], "x"), fmt(r["p99_s"], "x"), fmt(r["ttft_p50_s"], "x"), "", "", "", "",
         )  # fmt: skip
     return table
+
+
+def verdict(report: dict[str, Any]) -> str | None:
+    """The comparison in one line a person reads without the table (None without both arms)."""
+    arms, r = report["arms"], report["ratios"]
+    if not r:
+        return None
+
+    def shown(value: float | None) -> str:
+        return "unknown" if value is None else f"{value:.2f}"
+
+    steps = ("steps/min not comparable (a figure is missing or 0)" if r["steps_per_min"] is None
+             else f"{r['steps_per_min']:.2f}× the steps/min of vLLM alone")
+    hit = f"hit rate {shown(arms['cluster']['hit_rate'])} vs {shown(arms['direct']['hit_rate'])}"
+    p90 = "p90 not comparable" if r["p90_s"] is None else f"p90 {r['p90_s']:.2f}×"
+    return f"thunderctl: {steps}, {hit}, {p90}"
 
 
 def plot_report(report: dict[str, Any], path: Path) -> None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import httpx
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -14,7 +16,13 @@ from starlette.routing import BaseRoute, Route
 from thunderctl.gateway.auth import GatewayAuth, RequireApiKey
 from thunderctl.gateway.gateway import BackendError, Gateway
 from thunderctl.gateway.metrics import render_metrics
-from thunderctl.gateway.requests import check_generation_fields, pop_docker_ids, pop_program_id, prompt_shape
+from thunderctl.gateway.requests import (
+    check_generation_fields,
+    ends_session,
+    pop_docker_ids,
+    pop_program_id,
+    prompt_shape,
+)
 from thunderctl.jsonapi import BadRequest, BodyLimits, bad_request, error, read_json_object, valid_program_id
 
 
@@ -30,10 +38,29 @@ def build_app(
     """The gateway's routes; the daemon adds the sandbox pool's routes, metrics, adoption and
     collection at release (of any program: one may end before its first LLM request). With
     an API key in `auth`, every route but /health (and /metrics, if public) asks for it."""
+    def release_program(program_id: str) -> bool:
+        released = gateway.scheduler.release(program_id)
+        if on_release is not None:
+            on_release(program_id)
+        return released
+
     async def completions(request: Request) -> Response:
         try:
             body = await read_json_object(request, limits)
-            program_id = pop_program_id(body, dict(request.headers))
+            headers = dict(request.headers)
+            program_id = pop_program_id(body, headers)
+            final = ends_session(headers, program_id)
+        except BadRequest as exc:
+            return bad_request(exc)
+        response = await answer(request.url.path, body, program_id)
+        if final:
+            # The session's last request, whatever its answer: released once the response has
+            # gone out (a stream, after its last byte), as POST /programs/release would.
+            response.background = BackgroundTask(release_program, program_id)
+        return response
+
+    async def answer(path: str, body: dict[str, Any], program_id: str | None) -> Response:
+        try:
             docker_ids = pop_docker_ids(body)
             check_generation_fields(body)
             shape = prompt_shape(body)
@@ -42,7 +69,7 @@ def build_app(
         if docker_ids and program_id is not None and on_docker_ids is not None:
             on_docker_ids(program_id, docker_ids)
         try:
-            relayed = await gateway.relay(request.url.path, body, program_id, shape)
+            relayed = await gateway.relay(path, body, program_id, shape)
         except (BackendError, httpx.HTTPError) as exc:
             return error(502, str(exc), "backend_error")
         if isinstance(relayed.body, bytes):
@@ -64,10 +91,7 @@ def build_app(
             program_id = valid_program_id(body["program_id"])
         except BadRequest as exc:
             return bad_request(exc)
-        released = gateway.scheduler.release(program_id)
-        if on_release is not None:
-            on_release(program_id)
-        return JSONResponse({"program_id": program_id, "released": released})
+        return JSONResponse({"program_id": program_id, "released": release_program(program_id)})
 
     async def programs(_: Request) -> Response:
         return JSONResponse({"programs": gateway.programs_view()})

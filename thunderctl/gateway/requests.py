@@ -9,11 +9,14 @@ from typing import Any
 from thunderctl.jsonapi import MAX_CONTAINER_REF_CHARS, BadRequest, json_type, shown, valid_program_id
 
 PROGRAM_HEADER = "x-program-id"
+# Dynamo's clients name an agent's session, and mark its last request, with these.
+SESSION_HEADER = "x-dynamo-session-id"
+SESSION_FINAL_HEADER = "x-dynamo-session-final"
 
 
 def pop_program_id(body: dict[str, Any], headers: dict[str, str]) -> str | None:
-    """Take the program id out of the body (top level or `extra_body`) or the header, in that
-    order of precedence; every one given must be a valid id.
+    """Take the program id out of the body (top level or `extra_body`), the X-Program-Id header
+    or Dynamo's session header, in that order of precedence; every one given must be a valid id.
 
     The id is removed from the body so the engine never sees a field it does not know. An
     empty id is no id: the request is served unscheduled.
@@ -25,8 +28,26 @@ def pop_program_id(body: dict[str, Any], headers: dict[str, str]) -> str | None:
         if not extra:
             del body["extra_body"]
     found.append((f"the {PROGRAM_HEADER} header", headers.get(PROGRAM_HEADER)))
+    found.append((f"the {SESSION_HEADER} header", headers.get(SESSION_HEADER)))
     ids = [valid_program_id(value, where) for where, value in found if value not in (None, "")]
     return ids[0] if ids else None
+
+
+def ends_session(headers: dict[str, str], program_id: str | None) -> bool:
+    """Whether this request is its program's last (`x-dynamo-session-final: true`): the program
+    is released once the answer has gone out."""
+    value = headers.get(SESSION_FINAL_HEADER)
+    if value is None:
+        return False
+    flag = value.strip().lower()
+    if flag not in ("true", "false"):
+        raise BadRequest(f"the {SESSION_FINAL_HEADER} header must be true or false, not {value[:40]!r}")
+    if flag == "true" and program_id is None:
+        raise BadRequest(
+            f"{SESSION_FINAL_HEADER}: true ends a program, but the request names none: "
+            f"send its id in the {SESSION_HEADER} header (or {PROGRAM_HEADER}, or program_id in the body)"
+        )
+    return flag == "true"
 
 
 def pop_docker_ids(body: dict[str, Any]) -> list[str]:
