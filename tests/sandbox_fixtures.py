@@ -8,6 +8,7 @@ and whatever containers carry that name are removed after the test, whatever the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import hashlib
 import io
@@ -25,7 +26,7 @@ import docker
 import httpx
 import pytest
 import uvicorn
-from docker.errors import DockerException
+from docker.errors import DockerException, ImageNotFound
 from starlette.applications import Starlette
 
 from thunderctl.engines.local import pick_free_port
@@ -64,10 +65,11 @@ def sandbox_image(docker_client: docker.DockerClient, tmp_path_factory: pytest.T
         container.remove(force=True, v=True)
     # Images built from it (and pulled copies of them) carry the label too; pools are shut down by
     # now, so no container holds any of them.
-    for made in docker_client.images.list(all=True, filters={"label": TEST_LABEL}):
-        if made.id != image.id:
-            docker_client.images.remove(made.id, force=True)
-    docker_client.images.remove(image.id, force=True)
+    made_ids = [made.id for made in docker_client.images.list(all=True, filters={"label": TEST_LABEL})]
+    for image_id in [*(i for i in made_ids if i != image.id), image.id]:
+        # Another test run on the same engine may have removed it already: gone is what we want.
+        with contextlib.suppress(ImageNotFound):
+            docker_client.images.remove(image_id, force=True)
 
 
 @pytest.fixture

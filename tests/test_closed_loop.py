@@ -248,7 +248,7 @@ def requests_served(metrics_text: str) -> int:
 
 
 @pytest.mark.engine
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(900)  # counts the session's engine starting when this test is the first to use it
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_small_direct_run_is_served_and_measured(engine: LocalEngine, stream: bool) -> None:
     # Three programs of ~1k tokens fit the pair's 4,096-token cache together.
