@@ -65,6 +65,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="Simulated seconds of the second, long simulation (a sixth of it warm-up): the steady state.",
     )  # fmt: skip
     parser.add_argument("--resimulate", action="store_true", help="Redo the simulated side of the rows in --out; no engine.")
+    parser.add_argument("--markdown", action="store_true", help="Print the table as Markdown too (for docs/simulator.md).")
     parser.add_argument("--out", type=Path, default=Path("results/calibrate_sim.jsonl"))
     parser.add_argument("--log-dir", type=Path, default=Path("results/logs-calibrate"))
     args = parser.parse_args(argv)
@@ -221,6 +222,32 @@ def table(rows: list[dict[str, Any]]) -> Table:
     return view
 
 
+def markdown(rows: list[dict[str, Any]]) -> str:
+    header = (
+        "cache", "programs", "arm", "steps/min real", "sim (÷ real)", "steady sim (÷ real)", "hit rate real",
+        "sim (− real)", "steady sim (− real)", "preemptions real", "sim", "steady sim, per real window",
+        "p50 real", "sim", "steady sim", "load 1 min",
+    )  # fmt: skip
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in sorted(rows, key=row_key):
+        real, sim, steady = row["real"], row["sim"], row["sim_steady"]
+        steady_window = steady["duration_s"] - steady["warmup_s"]
+        window = row["duration_s"] - row["warmup_s"]
+        cells = [
+            f"{row['kv_tokens']:,}", str(row["concurrency"]), row["arm"], fmt(real["steps_per_min"], digits=1),
+            f"{fmt(sim['steps_per_min'], digits=1)} ({fmt(ratio(real['steps_per_min'], sim['steps_per_min']), 'x')})",
+            f"{fmt(steady['steps_per_min'], digits=1)} ({fmt(ratio(real['steps_per_min'], steady['steps_per_min']), 'x')})",
+            fmt(real["prefix_cache_hit_rate"]),
+            f"{fmt(sim['hit_rate'])} ({fmt(difference(real['prefix_cache_hit_rate'], sim['hit_rate']))})",
+            f"{fmt(steady['hit_rate'])} ({fmt(difference(real['prefix_cache_hit_rate'], steady['hit_rate']))})",
+            str(real["preemptions"]), str(sim["preemptions"]), f"{steady['preemptions'] * window / steady_window:.0f}",
+            fmt(real["p50_s"], " s"), fmt(sim["p50_s"], " s"), fmt(steady["p50_s"], " s"),
+            f"{row['load_before'][0]:.1f} → {row['load_after'][0]:.1f}",
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     console = Console() if sys.stdout.isatty() else Console(width=200)
@@ -238,7 +265,10 @@ def main(argv: list[str] | None = None) -> None:
             if todo:
                 console.print(f"[bold]{kv_blocks * args.block_size:,}-token cache[/]: {len(todo)} rows to measure")
                 measure_cache(args, kv_blocks, todo, workload, console)
-    console.print(table(read_rows(args.out)))
+    rows = read_rows(args.out)
+    console.print(table(rows))
+    if args.markdown:
+        print(markdown(rows))
     console.print(f"wall time {time.monotonic() - started:.0f} s; rows in {args.out}")
 
 
