@@ -70,6 +70,16 @@ def test_the_same_seed_gives_the_same_report_and_another_seed_another() -> None:
     assert first["points"] != other["points"]
 
 
+def test_runs_in_parallel_processes_give_the_serial_report() -> None:
+    spec = replace(PRESSURE, duration_s=80, warmup_s=20)
+    arms = [ArmName.STICKY, ArmName.REFERENCE, ArmName.LIMIT]
+    finished: list[tuple[int, str]] = []
+    serial = run_sweep(spec, [8, 24], arms, {"name": "shape"})
+    parallel = run_sweep(spec, [8, 24], arms, {"name": "shape"}, finished=lambda c, a, _: finished.append((c, a.value)), jobs=2)
+    assert parallel["points"] == serial["points"]
+    assert sorted(finished) == sorted((c, a.value) for c in (8, 24) for a in arms)
+
+
 def test_a_host_tier_turns_evictions_into_transfers() -> None:
     spec = replace(PRESSURE, concurrency=24, duration_s=80, warmup_s=20, host_kv_gib=0.25)
     with_host = run_arm(ArmName.STICKY, spec).summary(spec.warmup_s)

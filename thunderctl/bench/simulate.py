@@ -5,6 +5,7 @@ Commands only: parse, build the workload and the spec, run the sweep (thunderctl
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from enum import StrEnum
@@ -146,6 +147,7 @@ def simulate(
     seed: Annotated[int, typer.Option(help="Which programs (the same seed gives the same report).")] = 0,
     out: Annotated[Path | None, typer.Option(help="Write the JSON report here (and the plot beside it).")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write the PNG plot here (default: --out with .png).")] = None,
+    jobs: Annotated[int | None, typer.Option(min=1, help="Runs (arm × concurrency) at once, each in its own process (default: the CPU count).")] = None,
 ) -> None:
     """Simulate every arm on the same programs at each concurrency: steps/min, hit rate, latency, KV balance."""
     console = Console() if sys.stdout.isatty() else Console(width=140)
@@ -180,7 +182,9 @@ def simulate(
         )
 
     with bar:
-        report = run_sweep(spec, concurrencies, arm_names, describe(programs), progress, finished)
+        report = run_sweep(
+            spec, concurrencies, arm_names, describe(programs), progress, finished, jobs=jobs or os.cpu_count() or 1
+        )
     for point in report["points"]:
         console.print(point_table(report, point))
     console.print(f"simulated in {report['wall_s']:.1f} s wall, {report['cpu_s']:.1f} s CPU")

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 
 # Block hashes looked up at a time: a prefix that misses early is not looked up in full.
@@ -89,9 +90,17 @@ class BlockPool:
     def cache_hits(self, hashes: Sequence[int]) -> list[int]:
         """The blocks holding `hashes`, from the first up to the first miss (looked up a run
         at a time, so that a prefix that misses early costs little)."""
-        get, hits, start = self.cached.get, [], 0
+        cached, hits, start = self.cached, [], 0
         while start < len(hashes):
-            found = list(map(get, hashes[start : start + LOOKUP_RUN]))
+            run = hashes[start : start + LOOKUP_RUN]
+            if len(run) > 1:  # itemgetter of one key gives the value, not a tuple
+                try:  # a run that hits in full, in one C call (it stops at the first miss)
+                    hits += itemgetter(*run)(cached)
+                    start += LOOKUP_RUN
+                    continue
+                except KeyError:
+                    pass
+            found = list(map(cached.get, run))
             if None in found:
                 return hits + found[: found.index(None)]  # type: ignore[operator]
             hits += found

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import replace
 from typing import Any
 
@@ -34,6 +35,13 @@ def ratios(arms: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]
     }
 
 
+def summarise_arm(arm: ArmName, spec: SimSpec, progress: Callable[[float], None] | None = None) -> tuple[dict[str, Any], float]:
+    """One arm's summary and the CPU seconds it took (in whichever process ran it)."""
+    cpu_started = time.process_time()
+    summary = run_arm(arm, spec, progress).summary(spec.warmup_s)
+    return summary, time.process_time() - cpu_started
+
+
 def run_sweep(
     spec: SimSpec,
     concurrencies: Sequence[int],
@@ -41,17 +49,42 @@ def run_sweep(
     workload: dict[str, Any],
     progress: Progress | None = None,
     finished: Finished | None = None,
+    jobs: int = 1,
 ) -> dict[str, Any]:
-    started, cpu_started = time.monotonic(), time.process_time()
+    """Every arm at every concurrency; with `jobs` > 1 the runs go to that many processes.
+
+    Each run is independent and seeded, so the report is the same whatever `jobs` is. Run in
+    other processes, a run reports `progress` once, when it has finished.
+    """
+    if jobs < 1:
+        raise ValueError(f"jobs must be at least 1, got {jobs}")
+    started = time.monotonic()
+    runs = [(concurrency, arm) for concurrency in concurrencies for arm in arms]
+    results: dict[tuple[int, ArmName], tuple[dict[str, Any], float]] = {}
+
+    def record(concurrency: int, arm: ArmName, result: tuple[dict[str, Any], float]) -> None:
+        results[(concurrency, arm)] = result
+        if finished is not None:
+            finished(concurrency, arm, result[0])
+
+    if jobs == 1 or len(runs) == 1:
+        for concurrency, arm in runs:
+            tick = None if progress is None else (lambda now, c=concurrency, a=arm: progress(c, a, now))
+            record(concurrency, arm, summarise_arm(arm, replace(spec, concurrency=concurrency), tick))
+    else:
+        with ProcessPoolExecutor(max_workers=min(jobs, len(runs))) as pool:
+            pending = {
+                pool.submit(summarise_arm, arm, replace(spec, concurrency=concurrency)): (concurrency, arm)
+                for concurrency, arm in runs
+            }
+            for future in as_completed(pending):
+                concurrency, arm = pending[future]
+                if progress is not None:
+                    progress(concurrency, arm, spec.duration_s)
+                record(concurrency, arm, future.result())
     points = []
     for concurrency in concurrencies:
-        point_spec = replace(spec, concurrency=concurrency)
-        summaries = {}
-        for arm in arms:
-            tick = None if progress is None else (lambda now, c=concurrency, a=arm: progress(c, a, now))
-            summaries[arm.value] = run_arm(arm, point_spec, tick).summary(spec.warmup_s)
-            if finished is not None:
-                finished(concurrency, arm, summaries[arm.value])
+        summaries = {arm.value: results[(concurrency, arm)][0] for arm in arms}
         points.append({"concurrency": concurrency, "arms": summaries, "ratios": ratios(summaries)})
     return {
         "benchmark": "simulate",
@@ -72,5 +105,5 @@ def run_sweep(
         },
         "points": points,
         "wall_s": time.monotonic() - started,
-        "cpu_s": time.process_time() - cpu_started,
+        "cpu_s": sum(cpu_s for _, cpu_s in results.values()),
     }
