@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import secrets
 import shutil
+import time
 from pathlib import Path
 
 import docker
@@ -44,6 +45,13 @@ class BenchCluster:
     def sandbox_containers(self) -> list:
         labels = [f"thunderctl.cluster={self.name}", "thunderctl.role=sandbox"]
         return self.docker.containers.list(all=True, sparse=True, filters={"label": labels})
+
+    def wait_for_no_sandboxes(self, timeout_s: float = 30) -> list:
+        """The cluster's sandbox containers once there are none, or those still there after timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while (left := self.sandbox_containers()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return left
 
     def bench(self, out: Path, *options: str) -> dict:
         self.cli("bench", "swe-lite", "--sandboxes", "--trace", str(self.trace), "--programs", str(PROGRAMS),
@@ -146,4 +154,4 @@ def test_without_collection_the_sandboxes_pile_up_until_down(bench_cluster: Benc
     assert written == sandboxes["execs"] * OBSERVATION_TOKENS * BYTES_PER_TOKEN
 
     bench_cluster.cli("down")
-    assert bench_cluster.sandbox_containers() == []
+    assert bench_cluster.wait_for_no_sandboxes() == []
