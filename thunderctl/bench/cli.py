@@ -27,6 +27,7 @@ from thunderctl.bench.report import (
     verdict,
     write_outputs,
 )
+from thunderctl.bench.sandboxes import SandboxTools, sandbox_line
 from thunderctl.bench.simulate import simulate
 from thunderctl.bench.swe_lite import (
     SHARED_PREFIX_TOKENS,
@@ -39,6 +40,7 @@ from thunderctl.cluster.state import ClusterNotFound, find_cluster
 from thunderctl.cluster.worker_key import read_worker_key
 from thunderctl.engines.vllm import API_KEY_ENV as ENGINE_KEY_ENV
 from thunderctl.gateway.auth import API_KEY_ENV
+from thunderctl.integrations.cluster import ClusterClient
 from thunderctl.jsonapi import bearer_headers
 from thunderctl.profile import ProfileError, load_profile, state_root
 
@@ -196,6 +198,23 @@ def swe_lite(
     engine_api_key: Annotated[
         str | None, typer.Option(envvar=ENGINE_KEY_ENV, show_default=False, help="The --engine servers' API key (a cluster's is its worker key).")
     ] = None,
+    sandboxes: Annotated[
+        bool,
+        typer.Option(
+            help="Run each tool step in the program's sandbox on the cluster (/v1/sandboxes): a command that "
+            "sleeps the tool time and appends the observation's bytes to a file, instead of sleeping here."
+        ),
+    ] = False,
+    collect: Annotated[
+        bool,
+        typer.Option(
+            help="With --sandboxes: tie each sandbox to its program, so the program's release removes it. "
+            "--no-collect gives sandboxes an owner the gateway never releases: they stay until idle expiry or `down`.",
+        ),
+    ] = True,
+    sandbox_image: Annotated[
+        str | None, typer.Option(help="With --sandboxes: the sandboxes' image (default: the cluster profile's).")
+    ] = None,
 ) -> None:
     """Replay mini-swe-agent's recorded SWE-bench Lite runs (closed loop) and report steps/min, hit rate, latency."""
     console = Console() if sys.stdout.isatty() else Console(width=140)
@@ -223,20 +242,38 @@ def swe_lite(
         f"{' vs '.join(arms)}: {endpoints.endpoint} ({'thunderctl' if info.thunderctl else 'plain endpoint'}), "
         f"engines {', '.join(endpoints.engines) or 'unknown (no hit rate)'}, model {info.model}"
     )
+    if sandboxes and not info.thunderctl:
+        raise fail(console, f"--sandboxes needs a thunderctl cluster's /v1/sandboxes; {endpoints.endpoint} is a plain endpoint")
+    if not collect and not sandboxes:
+        raise fail(console, "--no-collect is about sandboxes: give --sandboxes too")
     started = time.monotonic()
-    with LiveProgress(rounds * len(arms), console) as live:
-        arm_list = build_arms(endpoints, info, arms, routing)
-        outcomes = asyncio.run(
-            run_arms(arm_list, spec, endpoints.engines, rounds=rounds, observer=live, engine_key=endpoints.engine_key)
-        )
+    tools = (
+        SandboxTools(ClusterClient(endpoints.endpoint, endpoints.api_key), time_scale, collect, sandbox_image,
+                     threads=concurrency + 4)
+        if sandboxes else None
+    )
+    try:
+        with LiveProgress(rounds * len(arms), console) as live:
+            arm_list = build_arms(endpoints, info, arms, routing)
+            outcomes = asyncio.run(
+                run_arms(arm_list, spec, endpoints.engines, rounds=rounds, observer=live,
+                         engine_key=endpoints.engine_key, tools=tools)
+            )
+    finally:
+        if tools is not None:
+            tools.close()
     parameters = {
         "concurrency": concurrency, "programs": programs, "duration_s": duration, "warmup_s": warmup,
         "slices": rounds, "seed": seed, "stream": stream, "arms": arms, "routing": routing,
         "time_scale": time_scale, "endpoint": endpoints.endpoint, "engines": endpoints.engines,
         "model": info.model, "max_model_len": info.max_model_len, "thunderctl": info.thunderctl,
+        "sandboxes": sandboxes, "collect_at_release": collect, "sandbox_image": sandbox_image,
     }  # fmt: skip
     report = build_report(workload.describe(), parameters, outcomes, time.monotonic() - started)
     console.print(report_table(report))
+    for name, arm in report["arms"].items():
+        if arm["sandboxes"] is not None:
+            console.print(sandbox_line(name, arm["sandboxes"]))
     write_outputs(report, out, plot, console)
     if line := verdict(report):
         console.print(line)

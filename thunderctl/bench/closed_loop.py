@@ -28,13 +28,16 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 
 from thunderctl.bench.trace import TraceProgram, TraceStep
 from thunderctl.engines.vllm import EngineMetrics, fetch_metrics
 from thunderctl.jsonapi import bearer_headers
+
+if TYPE_CHECKING:  # sandboxes.py builds on this module
+    from thunderctl.bench.sandboxes import SandboxSample, SandboxTools, ToolRecord
 
 # Ordinary English words; each is a single token (with its leading space) in the tiny test
 # model's tokenizer and in the common BPE vocabularies, so token counts are predictable.
@@ -218,6 +221,7 @@ class StepPlan:
     tool_seconds: float
     # Appended as the next user message after this step's answer ("" after the last step).
     observation: str
+    observation_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -298,7 +302,7 @@ def plan_program(
         answer = word_text(text_rng, words_for_tokens(sized[k].completion_tokens, tokens_per_word))
         messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": observations[k]}]
     steps = tuple(
-        StepPlan(step.completion_tokens, step.tool_seconds, observations[k])
+        StepPlan(step.completion_tokens, step.tool_seconds, observations[k], step.observation_tokens if observations[k] else 0)
         for k, step in enumerate(sized)
         if k >= first_step
     )
@@ -428,6 +432,10 @@ class LoadResult:
     steady_ttfts_s: list[float] = field(default_factory=list)  # streaming only
     samples: list[CounterSample] = field(default_factory=list)
     steps_cut: int = 0  # steps of started programs left out to fit the context limit
+    # With tool steps in sandboxes (`bench swe-lite --sandboxes`):
+    tool_records: list[ToolRecord] = field(default_factory=list)
+    sandbox_samples: list[SandboxSample] = field(default_factory=list)
+    sandbox_create_failures: int = 0
 
     @property
     def steady_steps(self) -> int:
@@ -518,6 +526,9 @@ def combine_results(results: Sequence[LoadResult]) -> LoadResult:
         steady_ttfts_s=[x for r in results for x in r.steady_ttfts_s],
         samples=[replace(s, t_s=s.t_s + offset) for r, offset in zip(results, offsets) for s in r.samples],
         steps_cut=sum(r.steps_cut for r in results),
+        tool_records=[replace(t, start_s=t.start_s + offset) for r, offset in zip(results, offsets) for t in r.tool_records],
+        sandbox_samples=[replace(s, t_s=s.t_s + offset) for r, offset in zip(results, offsets) for s in r.sandbox_samples],
+        sandbox_create_failures=sum(r.sandbox_create_failures for r in results),
     )
 
 
@@ -572,8 +583,10 @@ class ClosedLoop:
         salt: str,
         tokens_per_word: float,
         observer: Observer | None = None,
+        tools: SandboxTools | None = None,
     ):
         self.client = client
+        self.tools = tools  # None: tool steps are slept
         self.target = target
         self.spec = spec
         self.salt = salt
@@ -644,7 +657,19 @@ class ClosedLoop:
         messages = list(plan.messages)
         self.programs_started += 1
         self.steps_cut += plan.steps_cut
-        await asyncio.sleep(plan.prepare_s * self.spec.time_scale)
+        if self.tools is None:
+            await asyncio.sleep(plan.prepare_s * self.spec.time_scale)
+            await self.run_steps(plan, messages, None)
+            return
+        # A real sandbox replaces the slept preparation: asked for now, prepared while the program
+        # runs its first step (or waits for it), waited for by the first tool step.
+        sandbox_id = await self.tools.open(plan)
+        try:
+            await self.run_steps(plan, messages, sandbox_id)
+        finally:
+            await self.tools.finish(sandbox_id, released=self.target.program_ids)
+
+    async def run_steps(self, plan: ProgramPlan, messages: list[dict[str, str]], sandbox_id: str | None) -> None:
         if self.target.program_ids:
             self.open_programs.add(plan.program_id)
         completed = True
@@ -660,7 +685,10 @@ class ClosedLoop:
             messages.append({"role": "assistant", "content": text})
             if offset < len(plan.steps) - 1:
                 messages.append({"role": "user", "content": step.observation})
-                await asyncio.sleep(step.tool_seconds * self.spec.time_scale)
+                if self.tools is None:
+                    await asyncio.sleep(step.tool_seconds * self.spec.time_scale)
+                else:
+                    await self.tools.run_step(sandbox_id, plan, plan.first_step + offset, step, self.now)
         if completed:
             self.programs_completed += 1
         await self.release(plan.program_id)
@@ -796,11 +824,13 @@ async def run_load(
     engine_urls: list[str],
     observer: Observer | None = None,
     engine_key: str | None = None,
+    tools: SandboxTools | None = None,
 ) -> LoadResult:
     """Run closed-loop agent load against `target`; read cache counters from `engine_urls`.
 
     `engine_urls` are the vLLM servers behind the target (the same as `target.urls` for a
     direct run); the first one also calibrates tokens per word. `engine_key` is their API key.
+    `tools`: run tool steps in the cluster's sandboxes instead of sleeping them.
     """
     salt = spec.salt or secrets.token_hex(4)
     limits = httpx.Limits(max_connections=spec.concurrency + 8, max_keepalive_connections=spec.concurrency + 8)
@@ -816,16 +846,22 @@ async def run_load(
             if engine_urls
             else DEFAULT_TOKENS_PER_WORD
         )
-        loop = ClosedLoop(client, target, spec, salt, tokens_per_word, observer)
+        loop = ClosedLoop(client, target, spec, salt, tokens_per_word, observer, tools)
         before = await scrape_engines(client, engine_urls)
         loop.start_clock()
-        sampler = asyncio.create_task(sample_engines(client, engine_urls, before, loop, samples))
+        samplers = [asyncio.create_task(sample_engines(client, engine_urls, before, loop, samples))]
+        if tools is not None:
+            samplers.append(asyncio.create_task(tools.sample_every(client, loop.now)))
         try:
             wall_s = await loop.execute()
         finally:
-            sampler.cancel()
-            await asyncio.gather(sampler, return_exceptions=True)
+            for sampler in samplers:
+                sampler.cancel()
+            await asyncio.gather(*samplers, return_exceptions=True)
         after = await scrape_engines(client, engine_urls)
+        if tools is not None:
+            await tools.settle(client, loop.now)
+    tool_records, sandbox_samples, create_failures = tools.drain() if tools is not None else ([], [], 0)
     engines = CacheDelta.between(before, after)
     sampled = CacheDelta()
     for sample in samples:
@@ -853,4 +889,7 @@ async def run_load(
         steady_ttfts_s=[r.ttft_s for r in steady if r.ttft_s is not None],
         samples=samples,
         steps_cut=loop.steps_cut,
+        tool_records=tool_records,
+        sandbox_samples=sandbox_samples,
+        sandbox_create_failures=create_failures,
     )

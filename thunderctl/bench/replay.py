@@ -26,6 +26,7 @@ from thunderctl.bench.closed_loop import (
     combine_results,
     run_load,
 )
+from thunderctl.bench.sandboxes import SandboxTools
 from thunderctl.bench.swe_lite import ScaledWorkload
 from thunderctl.bench.trace import TraceProgram
 from thunderctl.engines.vllm import fetch_metrics, parse_samples
@@ -157,9 +158,11 @@ async def run_arms(
     flip: int = 0,
     observer: SliceObserver | None = None,
     engine_key: str | None = None,
+    tools: SandboxTools | None = None,
 ) -> dict[str, ArmOutcome]:
     """Every arm runs `rounds` slices of `spec`, interleaved; returns each arm's outcome.
-    `engine_key` is the API key of the engines at `engine_urls`."""
+    `engine_key` is the API key of the engines at `engine_urls`; `tools` runs the tool steps in
+    the cluster's sandboxes."""
     by_name = {arm.name: arm for arm in arms}
     outcomes = {arm.name: ArmOutcome() for arm in arms}
     gateways = list({arm.gateway_url: arm for arm in arms if arm.gateway_url}.values())
@@ -170,7 +173,7 @@ async def run_arms(
             if observer is not None:
                 observer.slice_started(name, round_index, sliced)
             before = await gateway_counters(client, arm) if arm.gateway_url else {}
-            result = await run_load(arm.target, sliced, engine_urls, observer, engine_key)
+            result = await run_load(arm.target, sliced, engine_urls, observer, engine_key, tools)
             warnings = [await wait_until_quiet(client, engine_urls, gateway) for gateway in gateways or [None]]
             warning = "; ".join(w for w in warnings if w)
             if arm.gateway_url:

@@ -26,6 +26,7 @@ from thunderctl.bench.closed_loop import (
     per_minute,
 )
 from thunderctl.bench.replay import ArmOutcome
+from thunderctl.bench.sandboxes import sandbox_summary
 
 # Compared between arms as cluster ÷ direct (above 1 is better for the first two only).
 RATIO_FIGURES = ("steps_per_min", "hit_rate", "p50_s", "p90_s", "p99_s", "ttft_p50_s")
@@ -98,6 +99,7 @@ def arm_summary(outcome: ArmOutcome) -> dict[str, Any]:
         "warnings": outcome.warnings,
         "slices": [result.summary() for result in outcome.slices],
         "timeline": [vars(point) for point in arm_timeline(outcome.slices)],
+        "sandboxes": sandbox_summary(combined.tool_records, combined.sandbox_samples, combined.sandbox_create_failures),
     }
 
 

@@ -48,6 +48,7 @@ from thunderctl.jsonapi import bearer_headers
 from thunderctl.profile import Profile, state_root
 
 DAEMON_START_TIMEOUT_S = 30.0
+DAEMON_EXIT_TIMEOUT_S = 60.0
 WORKER_STOP_TIMEOUT_S = 15.0
 LOG_TAIL_LINES = 30
 HEALTH_POLL_S = 0.5
@@ -278,6 +279,10 @@ def stop_daemon(state: ClusterState, drain_timeout: float) -> dict | None:
                 report = client.post("/shutdown", json={"timeout": drain_timeout}).json()
         except httpx.HTTPError:
             report = None
+    # An acknowledged shutdown ends with the sandbox pool removing its containers: let it finish.
+    deadline = time.monotonic() + DAEMON_EXIT_TIMEOUT_S
+    while report is not None and process_alive(state.daemon_process) and time.monotonic() < deadline:
+        time.sleep(HEALTH_POLL_S)
     if process_alive(state.daemon_process):
         try:
             stop_recorded_group(state.daemon_process, timeout=10)

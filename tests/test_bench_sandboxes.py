@@ -1,0 +1,157 @@
+"""`bench swe-lite --sandboxes` on a local cluster: a real vLLM-CPU worker behind `thunderctl up` and
+real Docker sandboxes of the test image. Every tool step is an exec in its program's sandbox; with
+collection at release the sandboxes go with their programs, with `--no-collect` they pile up
+until `down`. One cluster serves the module; its vLLM worker costs a minute to start.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+import time
+from pathlib import Path
+
+import docker
+import pytest
+from sandbox_fixtures import BUSYBOX, DOCKERFILE
+from test_cluster import Cli, consecutive_free_ports, write_profile
+
+from thunderctl.bench.closed_loop import MESSAGE_OVERHEAD_TOKENS, StepPlan
+from thunderctl.bench.sandboxes import (
+    BYTES_PER_TOKEN,
+    OBSERVATION_FILE,
+    read_sandbox_sample,
+    tool_command,
+)
+from thunderctl.engines.local import pick_free_port
+
+PROGRAMS = 4
+STEPS = 4
+TOOL_S = 0.3
+GROWTH = 100
+COMPLETION = 8
+# What each step's prompt grows by beyond its answer and the two messages' template tokens.
+OBSERVATION_TOKENS = GROWTH - COMPLETION - 2 * MESSAGE_OVERHEAD_TOKENS
+
+
+class BenchCluster:
+    def __init__(self, cli: Cli, name: str, docker_client: docker.DockerClient, trace: Path) -> None:
+        self.cli = cli
+        self.name = name
+        self.docker = docker_client
+        self.trace = trace
+
+    def sandbox_containers(self) -> list:
+        labels = [f"thunderctl.cluster={self.name}", "thunderctl.role=sandbox"]
+        return self.docker.containers.list(all=True, sparse=True, filters={"label": labels})
+
+    def wait_for_no_sandboxes(self, timeout_s: float = 30) -> list:
+        """The cluster's sandbox containers once there are none, or those still there after timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while (left := self.sandbox_containers()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return left
+
+    def bench(self, out: Path, *options: str) -> dict:
+        self.cli("bench", "swe-lite", "--sandboxes", "--trace", str(self.trace), "--programs", str(PROGRAMS),
+                 "--concurrency", "2", "--warmup", "0", "--shared-prefix", "64", "--out", str(out), *options)
+        return json.loads(out.read_text())["arms"]["cluster"]
+
+
+def write_trace(path: Path) -> Path:
+    """Short programs whose prompts grow by GROWTH tokens a step."""
+    lines = [
+        {"id": f"p{i}", "steps": [{"prompt_tokens": 200 + GROWTH * k, "completion_tokens": COMPLETION,
+                                   "tool_s": TOOL_S if k < STEPS - 1 else 0.0} for k in range(STEPS)]}
+        for i in range(PROGRAMS)
+    ]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+@pytest.fixture(scope="module")
+def own_sandbox_image(tmp_path_factory: pytest.TempPathFactory, docker_client: docker.DockerClient):
+    """The test image's busybox under a tag and label of this module's: the session-wide test image
+    is removed by id when any pytest session on the machine ends, and these runs last minutes."""
+    context = tmp_path_factory.mktemp("bench-sandbox-image")
+    shutil.copy(BUSYBOX, context / "busybox")
+    (context / "Dockerfile").write_text(DOCKERFILE)
+    tag = f"thunderctl-test/bench-busybox:{secrets.token_hex(3)}"
+    image, _ = docker_client.images.build(path=str(context), tag=tag, rm=True, labels={"thunderctl.bench-test": tag})
+    yield tag
+    docker_client.images.remove(image.id, force=True)
+
+
+@pytest.fixture(scope="module")
+def bench_cluster(tmp_path_factory: pytest.TempPathFactory, engine_home, own_sandbox_image: str,
+                  docker_client: docker.DockerClient):
+    """A one-worker local cluster whose sandboxes are the test image, measuring disk every second;
+    down and its containers removed (by its cluster label) afterwards, whatever the tests did."""
+    directory = tmp_path_factory.mktemp("bench-sandboxes")
+    cli = Cli(directory / "state")
+    name = f"sbxbench-{secrets.token_hex(3)}"
+    sandbox_image = own_sandbox_image
+    nodes = [{"name": "local", "transport": "local", "replicas": 1, "base_port": consecutive_free_ports(1)}]
+    sandboxes = {"image": sandbox_image, "memory": "64m", "pids": 64, "cpus": 0.5, "maintenance_interval_s": 1}
+    profile = write_profile(directory, cluster=name, nodes=nodes, sandboxes=sandboxes,
+                            gateway={"host": "127.0.0.1", "port": pick_free_port()})
+    try:
+        cli("up", "-f", str(profile), "--timeout", "480")  # a loaded machine needs minutes
+        yield BenchCluster(cli, name, docker_client, write_trace(directory / "trace.jsonl"))
+    finally:
+        cli("down", check=False)
+        for container in docker_client.containers.list(all=True, filters={"label": f"thunderctl.cluster={name}"}):
+            container.remove(force=True, v=True)
+
+
+def test_the_tool_command_sleeps_the_tool_time_and_writes_the_observation_bytes() -> None:
+    step = StepPlan(completion_tokens=8, tool_seconds=2.0, observation="...", observation_tokens=100)
+    assert tool_command(step, time_scale=0.5) == f"sleep 1.000; head -c {100 * BYTES_PER_TOKEN} /dev/zero >> {OBSERVATION_FILE}"
+
+
+def test_a_sample_counts_the_pools_containers_and_disk_per_host_from_metrics() -> None:
+    metrics = """\
+thunderctl_sandboxes{state="warm"} 1
+thunderctl_sandboxes{state="bound"} 3
+thunderctl_sandboxes{state="preparing"} 2
+thunderctl_sandboxes{state="failed"} 5
+thunderctl_sandbox_disk_bytes{host="unix:///a"} 4096
+thunderctl_sandbox_disk_bytes{host="ssh://b"} 10
+"""
+    sample = read_sandbox_sample(7.0, metrics)
+    assert (sample.t_s, sample.containers) == (7.0, 6)  # a failed preparation leaves no container
+    assert sample.disk_bytes == {"unix:///a": 4096, "ssh://b": 10}
+
+
+def test_every_tool_step_runs_in_a_sandbox_collected_at_release(bench_cluster: BenchCluster, tmp_path: Path) -> None:
+    arm = bench_cluster.bench(tmp_path / "collect.json")
+
+    assert arm["steps_failed"] == 0 and arm["programs_completed"] == PROGRAMS
+    sandboxes = arm["sandboxes"]
+    # Every step but a program's last is followed by its tool, one exec each, none failed.
+    assert sandboxes["execs"] == arm["steps_ok"] - PROGRAMS > 0
+    assert (sandboxes["exec_failures"], sandboxes["create_failures"]) == (0, 0)
+    assert sandboxes["wait_p50_s"] is not None and sandboxes["wait_max_s"] >= sandboxes["wait_p50_s"] >= 0
+    assert sandboxes["containers_peak"] >= 1  # sampled while programs held sandboxes
+    assert (sandboxes["containers_end"], sandboxes["disk_bytes_end"]) == (0, 0)
+    assert bench_cluster.sandbox_containers() == []
+
+
+def test_without_collection_the_sandboxes_pile_up_until_down(bench_cluster: BenchCluster, tmp_path: Path) -> None:
+    arm = bench_cluster.bench(tmp_path / "no-collect.json", "--no-collect")
+
+    sandboxes = arm["sandboxes"]
+    assert sandboxes["execs"] == arm["steps_ok"] - PROGRAMS > 0 and sandboxes["exec_failures"] == 0
+    assert sandboxes["containers_end"] == PROGRAMS  # one per program, none released
+    assert sandboxes["disk_bytes_end"] > 0
+    left = bench_cluster.sandbox_containers()
+    assert len(left) == PROGRAMS
+    # A program that started part-way at its last step ran no tool and wrote nothing.
+    sizes = [bench_cluster.docker.containers.get(c.id).exec_run(["sh", "-c", f"cat {OBSERVATION_FILE} 2>/dev/null | wc -c"])
+             for c in left]
+    written = sum(int(size.output) for size in sizes)
+    assert written == sandboxes["execs"] * OBSERVATION_TOKENS * BYTES_PER_TOKEN
+
+    bench_cluster.cli("down")
+    assert bench_cluster.wait_for_no_sandboxes() == []
