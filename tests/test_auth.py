@@ -337,9 +337,13 @@ def test_up_with_a_key_enforces_it_and_keeps_both_keys_out_of_sight(engine_home:
         assert httpx.post(f"{endpoint}/v1/chat/completions", json=body, timeout=60).status_code == 401
         assert httpx.get(f"{endpoint}/metrics", timeout=10).status_code == 401
         assert httpx.get(f"{endpoint}/health", timeout=10).status_code == 200
+        keyed = {"Authorization": "Bearer cluster-gateway-key"}
         served = httpx.post(f"{endpoint}/v1/chat/completions", json=body | {"program_id": "keyed"}, timeout=60,
-                            headers={"Authorization": "Bearer cluster-gateway-key"})
+                            headers=keyed)
         assert served.status_code == 200, served.text
+        # Released, so the bench below finds the gateway quiet between its slices at once.
+        assert httpx.post(f"{endpoint}/programs/release", json={"program_id": "keyed"}, headers=keyed,
+                          timeout=10).json()["released"]
         shown = cli("status").stdout + cli("status", "--json").stdout + cli("logs", "daemon", "-n", "500").stdout
         shown += cli("logs", "local/0", "-n", "2000").stdout + (state_dir / "state.json").read_text()
         assert "gateway key: set" in shown
