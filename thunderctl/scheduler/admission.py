@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from thunderctl.scheduler.policy import SchedulerConfig
+    from thunderctl.scheduler.config import SchedulerConfig
 
 OPEN = None  # the last rung: no gate at all, the engine admits by its own KV cache
 

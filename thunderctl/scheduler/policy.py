@@ -11,70 +11,17 @@ import bisect
 import logging
 import math
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 
-from pydantic import BaseModel, Field, model_validator
-
 from thunderctl.scheduler.admission import AdmissionTuner
+from thunderctl.scheduler.config import Decay, SchedulerConfig
+from thunderctl.scheduler.ledger import Ledger, Load
 from thunderctl.scheduler.program import Backend, Phase, Program, Status
 
 log = logging.getLogger(__name__)
-
-
-class Decay(StrEnum):
-    OFF = "off"
-    EXP = "exp"
-    LINEAR = "linear"
-
-
-class SchedulerConfig(BaseModel):
-    """Knobs of the policy; fractions are of a backend's KV capacity."""
-
-    model_config = {"extra": "forbid"}
-
-    tick_interval_s: float = Field(5.0, gt=0)
-    pause_threshold: float = Field(0.95, gt=0, le=1.5)
-    pause_target: float = Field(0.85, gt=0, le=1.5)
-    resume_threshold: float = Field(0.90, gt=0, le=1.5)
-    buffer_tokens: int = Field(256, ge=0, description="decode headroom charged per program")
-    resume_timeout_s: float = Field(600.0, gt=0)
-    idle_ttl_s: float = Field(900.0, gt=0)
-    acting_decay: Decay = Decay.OFF
-    acting_decay_tau_s: float = Field(30.0, gt=0)
-    acting_overbook: float = Field(
-        1.0, ge=0, le=1, description="weight of an ACTING reservation on the resume side"
-    )
-    adaptive: bool = Field(True, description="seek the ACTING weight that gives the most steps/s")
-    acting_weight_min: float = Field(0.0, ge=0, le=1)
-    adapt_utilization_low: float = Field(
-        0.80, gt=0, le=1, description="workers busy less than this while requests wait: admit more"
-    )
-    adapt_step: float = Field(0.5, gt=0, le=1, description="ACTING weight between rungs of the ladder")
-    adapt_window_s: float = Field(15.0, gt=0, description="seconds of steps/s measured per move")
-    adapt_settle_s: float = Field(10.0, ge=0, description="seconds not measured after a move")
-    adapt_tolerance: float = Field(0.1, ge=0, lt=1, description="change of steps/s taken as level")
-    adapt_probe_windows: int = Field(8, ge=1, description="windows before a neighbouring rung is measured again")
-    adapt_open_gate: bool = Field(
-        True, description="last rung: no gate, the engine admits by its own KV cache (vLLM alone)"
-    )
-
-    @model_validator(mode="after")
-    def _bands_are_ordered(self) -> SchedulerConfig:
-        if not self.pause_target < self.pause_threshold:
-            raise ValueError(
-                f"pause_target ({self.pause_target}) must be below pause_threshold "
-                f"({self.pause_threshold}), or pausing never gets usage back under the threshold"
-            )
-        if not self.resume_threshold < self.pause_threshold:
-            raise ValueError(
-                f"resume_threshold ({self.resume_threshold}) must be below pause_threshold "
-                f"({self.pause_threshold}), or a resumed program is paused again at once"
-            )
-        return self
 
 
 class EventKind(StrEnum):
@@ -106,62 +53,6 @@ class Counters:
     steps: int = 0  # responses with usage: the throughput the admission law seeks
 
 
-@dataclass
-class _Load:
-    """Tokens charged on one backend, with each shared prefix counted once."""
-
-    tokens: float = 0.0
-    prefix_holders: Counter[str] = field(default_factory=Counter)
-
-    def need(self, program: Program, weight: float, buffer: int) -> float:
-        shared = program.prefix_key is not None and self.prefix_holders[program.prefix_key] > 0
-        prefix = 0 if shared else program.prefix_tokens
-        return weight * program.private_tokens + buffer + prefix
-
-    def add(self, program: Program, weight: float, buffer: int) -> None:
-        self.tokens += self.need(program, weight, buffer)
-        if program.prefix_key is not None:
-            self.prefix_holders[program.prefix_key] += 1
-
-    def remove(self, program: Program, weight: float, buffer: int) -> None:
-        if program.prefix_key is not None:
-            self.prefix_holders[program.prefix_key] -= 1
-        self.tokens -= self.need(program, weight, buffer)
-
-
-@dataclass
-class _Ledger:
-    """A backend's charges, kept up to date as programs come, go and change, so that a
-    resume pass costs O(backends) rather than O(programs)."""
-
-    private: int = 0  # Σ private tokens + buffer over its programs
-    acting_private: int = 0  # Σ private tokens of its ACTING programs
-    holders: Counter[str] = field(default_factory=Counter)
-    prefix_tokens: dict[str, int] = field(default_factory=dict)
-
-    def add(self, program: Program, buffer: int) -> None:
-        self.private += program.private_tokens + buffer
-        if program.phase is Phase.ACTING:
-            self.acting_private += program.private_tokens
-        if program.prefix_key is not None:
-            self.prefix_tokens.setdefault(program.prefix_key, program.prefix_tokens)
-            self.holders[program.prefix_key] += 1
-
-    def remove(self, program: Program, buffer: int) -> None:
-        self.private -= program.private_tokens + buffer
-        if program.phase is Phase.ACTING:
-            self.acting_private -= program.private_tokens
-        key = program.prefix_key
-        if key is not None:
-            self.holders[key] -= 1
-            if self.holders[key] <= 0:
-                del self.holders[key], self.prefix_tokens[key]
-
-    def load(self, acting_weight: float) -> _Load:
-        tokens = self.private - (1.0 - acting_weight) * self.acting_private
-        return _Load(tokens + sum(self.prefix_tokens.values()), Counter(self.holders))
-
-
 class Scheduler:
     """Programs, backends and the policy over them."""
 
@@ -176,7 +67,7 @@ class Scheduler:
         self.listeners = list(listeners)
         self.programs: dict[str, Program] = {}
         self.backends: dict[str, Backend] = {}
-        self._ledgers: dict[str, _Ledger] = {}
+        self._ledgers: dict[str, Ledger] = {}
         # Paused programs whose request waits, kept in resume order: a waiting program's
         # order key does not change until it resumes, so insertion keeps the list sorted.
         self._waiting: list[tuple[tuple[int, int, float], str]] = []
@@ -189,7 +80,7 @@ class Scheduler:
 
     def add_backend(self, backend_id: str, capacity: int | None) -> Backend:
         backend = self.backends.setdefault(backend_id, Backend(backend_id, capacity))
-        self._ledgers.setdefault(backend_id, _Ledger())
+        self._ledgers.setdefault(backend_id, Ledger())
         backend.capacity = capacity
         return backend
 
@@ -363,10 +254,10 @@ class Scheduler:
                 decay = 1.0
         return self.acting_weight * decay
 
-    def _load(self, backend: Backend, physical: bool) -> _Load:
+    def _load(self, backend: Backend, physical: bool) -> Load:
         if physical or self.config.acting_decay is Decay.OFF:
             return self._ledgers[backend.id].load(1.0 if physical else self.acting_weight)
-        load = _Load()
+        load = Load()
         for program_id in backend.programs:
             program = self.programs[program_id]
             load.add(program, self._weight(program, physical), self.config.buffer_tokens)
@@ -421,7 +312,7 @@ class Scheduler:
             waiting = self._force_overdue(list(waiting), targets, loads)
         self._place_all(self._admit_in_order(waiting, targets, loads), targets, loads)
 
-    def _place_all(self, chosen: list[Program], targets: list[Backend], loads: dict[str, _Load]) -> None:
+    def _place_all(self, chosen: list[Program], targets: list[Backend], loads: dict[str, Load]) -> None:
         # Best fit decreasing: the largest chosen program first, onto the most headroom.
         for program in sorted(chosen, key=lambda p: p.tokens, reverse=True):
             backend = self._roomiest_fit(program, targets, loads)
@@ -429,7 +320,7 @@ class Scheduler:
                 self._place(program, backend, loads[backend.id])
 
     def _force_overdue(
-        self, queue: list[Program], targets: list[Backend], loads: dict[str, _Load]
+        self, queue: list[Program], targets: list[Backend], loads: dict[str, Load]
     ) -> list[Program]:
         deadline = self.clock() - self.config.resume_timeout_s
         waiting = []
@@ -441,13 +332,13 @@ class Scheduler:
         return waiting
 
     def _place_on_roomiest(
-        self, program: Program, targets: list[Backend], loads: dict[str, _Load], forced: bool = False
+        self, program: Program, targets: list[Backend], loads: dict[str, Load], forced: bool = False
     ) -> None:
         backend = max(targets, key=lambda b: self._headroom(b, loads[b.id]))
         self._place(program, backend, loads[backend.id], forced=forced)
 
     def _admit_in_order(
-        self, queue: Iterable[Program], targets: list[Backend], loads: dict[str, _Load]
+        self, queue: Iterable[Program], targets: list[Backend], loads: dict[str, Load]
     ) -> list[Program]:
         """The head of the queue that fits in the total headroom; nobody jumps the queue."""
         headroom = sum(self._headroom(b, loads[b.id]) for b in targets)
@@ -460,7 +351,7 @@ class Scheduler:
             chosen.append(program)
         return chosen
 
-    def _headroom(self, backend: Backend, load: _Load) -> float:
+    def _headroom(self, backend: Backend, load: Load) -> float:
         if backend.capacity is None:
             return math.inf
         return backend.capacity * self.config.resume_threshold - load.tokens
@@ -469,7 +360,7 @@ class Scheduler:
         return not backend.programs
 
     def _roomiest_fit(
-        self, program: Program, targets: list[Backend], loads: dict[str, _Load]
+        self, program: Program, targets: list[Backend], loads: dict[str, Load]
     ) -> Backend | None:
         def fits(backend: Backend) -> bool:
             need = loads[backend.id].need(program, 1.0, self.config.buffer_tokens)
@@ -482,7 +373,7 @@ class Scheduler:
             return None
         return max(fitting, key=lambda b: self._headroom(b, loads[b.id]))
 
-    def _place(self, program: Program, backend: Backend, load: _Load, forced: bool = False) -> None:
+    def _place(self, program: Program, backend: Backend, load: Load, forced: bool = False) -> None:
         now = self.clock()
         load.add(program, 1.0, self.config.buffer_tokens)
         backend.programs.add(program.id)
@@ -581,7 +472,7 @@ class Scheduler:
             return
         for program in self.paused():
             backend = min(targets, key=lambda b: len(b.programs))
-            self._place(program, backend, _Load(), forced=True)
+            self._place(program, backend, Load(), forced=True)
 
     def _emit(self, kind: EventKind, program: Program, forced: bool = False) -> None:
         event = ProgramEvent(kind, program, forced)
