@@ -43,6 +43,20 @@ class SchedulerConfig(BaseModel):
     adapt_open_gate: bool = Field(
         True, description="last rung: no gate, the engine admits by its own KV cache (vLLM alone)"
     )
+    retention: bool = Field(
+        True, description="pause an ACTING program while others wait when keeping its KV costs more than its re-prefill"
+    )
+    retention_price_scale: float = Field(1.0, gt=0, description="multiplies the price of KV held while others wait")
+    prefill_tokens_per_s: float = Field(
+        10_000.0, gt=0, description="re-prefill rate until the engines' own is measured (uncached tokens / TTFT)"
+    )
+    tool_time_window: int = Field(256, ge=1, description="recent tool times kept per program, tool kind and cluster")
+    tool_time_min_samples: int = Field(8, ge=1, description="tool times longer than the elapsed one to trust a key")
+    resume_aging_tokens_per_s: float | None = Field(
+        1000.0, gt=0, description="a waiting program's place: when it began waiting + its tokens / this; "
+        "None: shortest first, new programs last (the reference order, unbounded waits)"
+    )
+    new_program_delay_s: float = Field(60.0, ge=0, description="how far behind paused programs a new one queues")
 
     @model_validator(mode="after")
     def _bands_are_ordered(self) -> SchedulerConfig:

@@ -12,7 +12,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from thunderctl.scheduler.policy import EventKind, Scheduler
+from thunderctl.scheduler.events import EventKind
+from thunderctl.scheduler.policy import Scheduler
 from thunderctl.scheduler.program import Status
 
 # Events after which a waiting request asks again where it goes.

@@ -13,44 +13,21 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from enum import StrEnum
 
 from thunderctl.scheduler.admission import AdmissionTuner
 from thunderctl.scheduler.config import Decay, SchedulerConfig
+from thunderctl.scheduler.events import Counters, EventKind, Listener, ProgramEvent
 from thunderctl.scheduler.ledger import Ledger, Load
 from thunderctl.scheduler.program import Backend, Phase, Program, Status
+from thunderctl.scheduler.retention import (
+    Holding,
+    PrefillRate,
+    Returns,
+    ToolTimes,
+    priced_drops,
+)
 
 log = logging.getLogger(__name__)
-
-
-class EventKind(StrEnum):
-    CREATED = "created"
-    PAUSED = "paused"
-    RESUMED = "resumed"
-    RELEASED = "released"
-    EXPIRED = "expired"
-
-
-@dataclass(frozen=True)
-class ProgramEvent:
-    kind: EventKind
-    program: Program
-    forced: bool = False
-
-
-Listener = Callable[[ProgramEvent], None]
-
-
-@dataclass
-class Counters:
-    pauses: int = 0
-    resumes: int = 0
-    forced_resumes: int = 0
-    released: int = 0
-    expired: int = 0
-    tick_failures: int = 0
-    steps: int = 0  # responses with usage: the throughput the admission law seeks
 
 
 class Scheduler:
@@ -70,7 +47,11 @@ class Scheduler:
         self._ledgers: dict[str, Ledger] = {}
         # Paused programs whose request waits, kept in resume order: a waiting program's
         # order key does not change until it resumes, so insertion keeps the list sorted.
-        self._waiting: list[tuple[tuple[int, int, float], str]] = []
+        self._waiting: list[tuple[tuple[int, float, float], str]] = []
+        cfg = self.config
+        self.tool_times = ToolTimes(cfg.tool_time_window, cfg.tool_time_min_samples)
+        self.returns = Returns()
+        self.prefill = PrefillRate(cfg.prefill_tokens_per_s)
         self.counters = Counters()
         self.tuner = AdmissionTuner(self.config)
         self._waited = False  # a request waited for admission since the last adapt()
@@ -132,6 +113,10 @@ class Scheduler:
             program = Program(program_id, created_at=now, paused_at=now)
             self.programs[program_id] = program
             self._emit(EventKind.CREATED, program)
+        if program.responded_at is not None:
+            self.tool_times.observe(program_id, program.tool, now - program.responded_at)
+            self.returns.returned += 1
+            program.responded_at = None
         waiting_since = program.waiting_since or now
         with self._recharged(program):
             program.tokens = max(program.tokens, prompt_tokens)
@@ -149,8 +134,11 @@ class Scheduler:
             return None
         return program.backend
 
-    def on_response(self, program_id: str, prompt_tokens: int, completion_tokens: int) -> None:
-        """A response ended: the engine's usage becomes the program's size; it now ACTs."""
+    def on_response(
+        self, program_id: str, prompt_tokens: int, completion_tokens: int, tool: str | None = None
+    ) -> None:
+        """A response ended: the engine's usage becomes the program's size; it now ACTs, in
+        `tool` when the answer names the tool it called."""
         program = self.programs.get(program_id)
         if program is None or program.status is Status.TERMINATED:
             return
@@ -161,7 +149,8 @@ class Scheduler:
             program.phase = Phase.ACTING
             program.steps += 1
         self.counters.steps += 1
-        program.acting_since = now
+        program.acting_since = program.responded_at = now
+        program.tool = tool
         program.last_activity = now
         if program.pause_at_boundary:
             self._pause(program)
@@ -177,9 +166,14 @@ class Scheduler:
         with self._recharged(program):
             program.phase = Phase.ACTING
         program.acting_since = program.last_activity = self.clock()
+        program.responded_at = None  # no tool runs: the gap to its retry is not a tool time
         if program.pause_at_boundary:
             self._pause(program)
         self._resume_waiting()
+
+    def observe_prefill(self, uncached_tokens: int, seconds: float) -> None:
+        """A request's uncached prompt tokens and its time to first token: the re-prefill rate."""
+        self.prefill.observe(uncached_tokens, seconds)
 
     def release(self, program_id: str) -> bool:
         """The program ended; idempotent. Returns whether it was known."""
@@ -204,6 +198,7 @@ class Scheduler:
         waited, waited_throughout = self._waited or waiting, waiting and self._waiting_at_adapt
         self._waited, self._waiting_at_adapt = False, waiting
         if self.config.adaptive:
+            self.tuner.retention_pays = self.config.retention and self._retention_pays()
             before = self.tuner.label
             self.tuner.observe(self.clock(), self.counters.steps, utilization, waited, waited_throughout)
             if self.tuner.label != before:
@@ -219,6 +214,7 @@ class Scheduler:
             self._expire_idle()
             self._resume()
             self._pause_overfull()
+            self._pause_priced()
         except Exception:
             self.counters.tick_failures += 1
             log.exception("scheduler tick failed; resuming every paused program")
@@ -271,12 +267,17 @@ class Scheduler:
                 self._terminate(program, EventKind.EXPIRED)
                 self.counters.expired += 1
 
-    def _resume_order(self, program: Program) -> tuple[int, int, float]:
-        if program.waiting_since is not None:
-            group = 1 if program.is_new else 0  # a new program waits behind paused ones
-        else:
-            group = 2
-        return group, program.tokens, program.paused_at or 0.0
+    def _resume_order(self, program: Program) -> tuple[int, float, float]:
+        cfg = self.config
+        if program.waiting_since is None:
+            return 1, program.tokens, program.paused_at or 0.0
+        if cfg.resume_aging_tokens_per_s is None:
+            return 0, float(program.is_new), program.tokens
+        # Shorter first, but aged: a program is behind none that began waiting more than
+        # tokens / rate (+ the delay of a new program) after it. The key is fixed while it
+        # waits, so the waiting list stays sorted by insertion.
+        place = program.waiting_since + program.tokens / cfg.resume_aging_tokens_per_s
+        return 0, place + cfg.new_program_delay_s * program.is_new, program.tokens
 
     def _resume_waiting(self) -> None:
         """The event-driven resume: only programs whose request waits, nobody forced."""
@@ -418,6 +419,40 @@ class Scheduler:
                         program.pause_at_boundary = True
                         load.remove(program, 1.0, cfg.buffer_tokens)
 
+    def _pause_priced(self) -> None:
+        """While requests wait, pause the ACTING programs whose KV costs more to hold than to
+        recompute (retention.py); the room goes to the queue at once."""
+        if not (self.config.retention and self._waiting) or self.tuner.gate_open:
+            return
+        demand = sum(self.programs[i].tokens + self.config.buffer_tokens for _, i in self._waiting)
+        now = self.clock()
+        holdings = [
+            Holding(p.id, p.private_tokens, self._expected_tool_s(p, now), backend.capacity)
+            for backend in self.backends.values()
+            if backend.capacity
+            for p in (self.programs[i] for i in backend.programs)
+            if p.phase is Phase.ACTING
+        ]
+        drops = priced_drops(holdings, demand, self.returns.chance, self.prefill, self.config.retention_price_scale)
+        for program_id in drops:
+            self._pause(self.programs[program_id])
+        self.counters.priced_pauses += len(drops)
+        if drops:
+            self._resume_waiting()
+
+    def _retention_pays(self) -> bool:
+        """Whether a typical tool call, at the full price of KV, costs less held than recomputed."""
+        mean_tool_s = self.tool_times.cluster.remaining(0.0, self.config.tool_time_min_samples)
+        capacities = [b.capacity for b in self.backends.values() if b.capacity]
+        if mean_tool_s is None or not capacities:
+            return False
+        full_price = self.config.retention_price_scale * mean_tool_s / min(capacities)
+        return full_price < self.returns.chance / self.prefill.tokens_per_s
+
+    def _expected_tool_s(self, program: Program, now: float) -> float:
+        since = program.responded_at if program.responded_at is not None else program.acting_since
+        return self.tool_times.remaining(program.id, program.tool, max(now - since, 0.0))
+
     def _pause(self, program: Program) -> None:
         self._detach(program)
         program.status = Status.PAUSED
@@ -460,6 +495,9 @@ class Scheduler:
                 self._enqueue(program, waiting_since)
 
     def _terminate(self, program: Program, kind: EventKind) -> None:
+        if program.responded_at is not None:
+            self.returns.ended += 1
+        self.tool_times.forget(program.id)
         self._detach(program)
         self._dequeue(program)
         program.status = Status.TERMINATED

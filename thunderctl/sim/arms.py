@@ -24,6 +24,7 @@ from thunderctl.sim.routing import LeastLoadedRouter, PolicyRouter, StickyRouter
 from thunderctl.sim.worker import Worker
 
 GIB = 2**30
+PRICED_CONTEXT_TOKENS = 16_384  # an agent's context mid-run, at which re-prefill is priced
 
 
 class ArmName(StrEnum):
@@ -144,14 +145,21 @@ def subtract_counters(after: EngineCounters, before: EngineCounters) -> EngineCo
     return EngineCounters(**{name: value - getattr(before, name) for name, value in vars(after).items()})
 
 
-def build_router(arm: ArmName, workers: list[Worker], clock: VirtualClock) -> tuple[Router, PolicyRouter | None]:
+def build_router(
+    arm: ArmName, workers: list[Worker], clock: VirtualClock, preset: Preset
+) -> tuple[Router, PolicyRouter | None]:
     match arm:
         case ArmName.STICKY | ArmName.LIMIT:
             return StickyRouter(workers), None
         case ArmName.LEAST_LOADED:
             return LeastLoadedRouter(workers), None
-        case ArmName.REFERENCE | ArmName.THUNDERCTL:
-            config = SchedulerConfig(adaptive=False) if arm is ArmName.REFERENCE else SchedulerConfig()
+        case ArmName.REFERENCE:
+            router = PolicyRouter(workers, clock, SchedulerConfig(adaptive=False, retention=False, resume_aging_tokens_per_s=None))
+            return router, router
+        case ArmName.THUNDERCTL:
+            # What the gateway measures from usage and time to first token, from the cost model.
+            rate = preset.prefill_tokens_per_s(min(PRICED_CONTEXT_TOKENS, preset.engine.max_model_len))
+            config = SchedulerConfig(prefill_tokens_per_s=rate)
             router = PolicyRouter(workers, clock, config)
             return router, router
 
@@ -168,7 +176,7 @@ def run_arm(arm: ArmName, spec: SimSpec, progress: Callable[[float], None] | Non
             unbounded_kv=arm is ArmName.LIMIT,
         )  # fmt: skip
         workers.append(Worker(f"w{index}", engine, clock))
-    router, policy = build_router(arm, workers, clock)
+    router, policy = build_router(arm, workers, clock, preset)
     loop = ClosedLoop(spec.workload, spec.seed, spec.concurrency, clock, router, preset.engine.block_size)
     occupancy: list[OccupancySample] = []
     at_warmup: list[EngineCounters] = []
@@ -178,7 +186,7 @@ def run_arm(arm: ArmName, spec: SimSpec, progress: Callable[[float], None] | Non
         if policy is None:
             return {}
         c = policy.scheduler.counters
-        return {"pauses": c.pauses, "resumes": c.resumes, "forced_resumes": c.forced_resumes}
+        return {"pauses": c.pauses, "resumes": c.resumes, "forced_resumes": c.forced_resumes, "priced_pauses": c.priced_pauses}
 
     def sample() -> None:
         if clock.now >= spec.warmup_s:
