@@ -19,13 +19,7 @@ from thunderctl.scheduler.config import Decay, SchedulerConfig
 from thunderctl.scheduler.events import Counters, EventKind, Listener, ProgramEvent
 from thunderctl.scheduler.ledger import Ledger, Load
 from thunderctl.scheduler.program import Backend, Phase, Program, Status
-from thunderctl.scheduler.retention import (
-    Holding,
-    PrefillRate,
-    Returns,
-    ToolTimes,
-    priced_drops,
-)
+from thunderctl.scheduler.retention import PrefillRate, RetentionLaw, ToolTimes
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +43,10 @@ class Scheduler:
         # order key does not change until it resumes, so insertion keeps the list sorted.
         self._waiting: list[tuple[tuple[int, float, float], str]] = []
         cfg = self.config
-        self.tool_times = ToolTimes(cfg.tool_time_window, cfg.tool_time_min_samples)
-        self.returns = Returns()
-        self.prefill = PrefillRate(cfg.prefill_tokens_per_s)
+        self.retention = RetentionLaw(
+            cfg.retention_price_scale, cfg.tool_time_min_samples,
+            ToolTimes(cfg.tool_time_window, cfg.tool_time_min_samples), PrefillRate(cfg.prefill_tokens_per_s),
+        )  # fmt: skip
         self.counters = Counters()
         self.tuner = AdmissionTuner(self.config)
         self._waited = False  # a request waited for admission since the last adapt()
@@ -113,10 +108,7 @@ class Scheduler:
             program = Program(program_id, created_at=now, paused_at=now)
             self.programs[program_id] = program
             self._emit(EventKind.CREATED, program)
-        if program.responded_at is not None:
-            self.tool_times.observe(program_id, program.tool, now - program.responded_at)
-            self.returns.returned += 1
-            program.responded_at = None
+        self.retention.on_request(program, now)
         waiting_since = program.waiting_since or now
         with self._recharged(program):
             program.tokens = max(program.tokens, prompt_tokens)
@@ -173,7 +165,7 @@ class Scheduler:
 
     def observe_prefill(self, uncached_tokens: int, seconds: float) -> None:
         """A request's uncached prompt tokens and its time to first token: the re-prefill rate."""
-        self.prefill.observe(uncached_tokens, seconds)
+        self.retention.prefill.observe(uncached_tokens, seconds)
 
     def release(self, program_id: str) -> bool:
         """The program ended; idempotent. Returns whether it was known."""
@@ -198,7 +190,8 @@ class Scheduler:
         waited, waited_throughout = self._waited or waiting, waiting and self._waiting_at_adapt
         self._waited, self._waiting_at_adapt = False, waiting
         if self.config.adaptive:
-            self.tuner.retention_pays = self.config.retention and self._retention_pays()
+            capacities = [b.capacity for b in self.backends.values() if b.capacity]
+            self.tuner.retention_pays = self.config.retention and bool(capacities) and self.retention.pays(min(capacities))
             before = self.tuner.label
             self.tuner.observe(self.clock(), self.counters.steps, utilization, waited, waited_throughout)
             if self.tuner.label != before:
@@ -425,33 +418,19 @@ class Scheduler:
         if not (self.config.retention and self._waiting) or self.tuner.gate_open:
             return
         demand = sum(self.programs[i].tokens + self.config.buffer_tokens for _, i in self._waiting)
-        now = self.clock()
-        holdings = [
-            Holding(p.id, p.private_tokens, self._expected_tool_s(p, now), backend.capacity)
+        held = [
+            (self.programs[i], backend.capacity)
             for backend in self.backends.values()
             if backend.capacity
-            for p in (self.programs[i] for i in backend.programs)
-            if p.phase is Phase.ACTING
+            for i in backend.programs
+            if self.programs[i].phase is Phase.ACTING
         ]
-        drops = priced_drops(holdings, demand, self.returns.chance, self.prefill, self.config.retention_price_scale)
+        drops = self.retention.drops(held, demand, self.clock())
         for program_id in drops:
             self._pause(self.programs[program_id])
         self.counters.priced_pauses += len(drops)
         if drops:
             self._resume_waiting()
-
-    def _retention_pays(self) -> bool:
-        """Whether a typical tool call, at the full price of KV, costs less held than recomputed."""
-        mean_tool_s = self.tool_times.cluster.remaining(0.0, self.config.tool_time_min_samples)
-        capacities = [b.capacity for b in self.backends.values() if b.capacity]
-        if mean_tool_s is None or not capacities:
-            return False
-        full_price = self.config.retention_price_scale * mean_tool_s / min(capacities)
-        return full_price < self.returns.chance / self.prefill.tokens_per_s
-
-    def _expected_tool_s(self, program: Program, now: float) -> float:
-        since = program.responded_at if program.responded_at is not None else program.acting_since
-        return self.tool_times.remaining(program.id, program.tool, max(now - since, 0.0))
 
     def _pause(self, program: Program) -> None:
         self._detach(program)
@@ -495,9 +474,7 @@ class Scheduler:
                 self._enqueue(program, waiting_since)
 
     def _terminate(self, program: Program, kind: EventKind) -> None:
-        if program.responded_at is not None:
-            self.returns.ended += 1
-        self.tool_times.forget(program.id)
+        self.retention.on_end(program)
         self._detach(program)
         self._dequeue(program)
         program.status = Status.TERMINATED

@@ -7,6 +7,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from thunderctl.scheduler.program import Program
+
 
 @dataclass
 class GapSamples:
@@ -155,3 +157,43 @@ def priced_drops(
             dropped.append(holding.program_id)
             demand_tokens -= holding.tokens
     return dropped
+
+
+@dataclass
+class RetentionLaw:
+    """What the scheduler learns and decides for priced retention, fed by its events."""
+
+    price_scale: float
+    min_samples: int
+    tool_times: ToolTimes
+    prefill: PrefillRate
+    returns: Returns = field(default_factory=Returns)
+
+    def on_request(self, program: Program, now: float) -> None:
+        """The program's next request: the gap since its response was a tool call."""
+        if program.responded_at is not None:
+            self.tool_times.observe(program.id, program.tool, now - program.responded_at)
+            self.returns.returned += 1
+            program.responded_at = None
+
+    def on_end(self, program: Program) -> None:
+        if program.responded_at is not None:
+            self.returns.ended += 1
+        self.tool_times.forget(program.id)
+
+    def expected_tool_s(self, program: Program, now: float) -> float:
+        since = program.responded_at if program.responded_at is not None else program.acting_since
+        return self.tool_times.remaining(program.id, program.tool, max(now - since, 0.0))
+
+    def drops(self, held: Iterable[tuple[Program, int]], demand_tokens: float, now: float) -> list[str]:
+        """Of the ACTING programs held (each with its backend's capacity), those to pause."""
+        holdings = [Holding(p.id, p.private_tokens, self.expected_tool_s(p, now), capacity) for p, capacity in held]
+        return priced_drops(holdings, demand_tokens, self.returns.chance, self.prefill, self.price_scale)
+
+    def pays(self, capacity: int) -> bool:
+        """Whether a typical tool call, at the full price of KV, costs less held than recomputed:
+        its mean (cluster-wide) under the time to prefill the cache, times the chance of return."""
+        mean_tool_s = self.tool_times.cluster.remaining(0.0, self.min_samples)
+        if mean_tool_s is None:
+            return False
+        return self.price_scale * mean_tool_s / capacity < self.returns.chance / self.prefill.tokens_per_s
