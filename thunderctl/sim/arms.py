@@ -146,7 +146,7 @@ def subtract_counters(after: EngineCounters, before: EngineCounters) -> EngineCo
 
 
 def build_router(
-    arm: ArmName, workers: list[Worker], clock: VirtualClock, preset: Preset
+    arm: ArmName, workers: list[Worker], clock: VirtualClock, preset: Preset, host_kv_tokens: int = 0
 ) -> tuple[Router, PolicyRouter | None]:
     match arm:
         case ArmName.STICKY | ArmName.LIMIT:
@@ -157,10 +157,12 @@ def build_router(
             router = PolicyRouter(workers, clock, SchedulerConfig(adaptive=False, retention=False, resume_aging_tokens_per_s=None))
             return router, router
         case ArmName.THUNDERCTL:
-            # What the gateway measures from usage and time to first token, from the cost model.
+            # What the gateway measures from usage and time to first token, from the cost model;
+            # with a host tier a paused program comes back by a transfer, not a prefill.
             rate = preset.prefill_tokens_per_s(min(PRICED_CONTEXT_TOKENS, preset.engine.max_model_len))
-            config = SchedulerConfig(prefill_tokens_per_s=rate)
-            router = PolicyRouter(workers, clock, config)
+            if host_kv_tokens:
+                rate = max(rate, 1.0 / preset.transfer_seconds(1))
+            router = PolicyRouter(workers, clock, SchedulerConfig(prefill_tokens_per_s=rate), host_kv_tokens)
             return router, router
 
 
@@ -176,7 +178,7 @@ def run_arm(arm: ArmName, spec: SimSpec, progress: Callable[[float], None] | Non
             unbounded_kv=arm is ArmName.LIMIT,
         )  # fmt: skip
         workers.append(Worker(f"w{index}", engine, clock))
-    router, policy = build_router(arm, workers, clock, preset)
+    router, policy = build_router(arm, workers, clock, preset, spec.host_blocks * preset.engine.block_size)
     loop = ClosedLoop(spec.workload, spec.seed, spec.concurrency, clock, router, preset.engine.block_size)
     occupancy: list[OccupancySample] = []
     at_warmup: list[EngineCounters] = []
