@@ -1,4 +1,4 @@
-"""What an answer tells the scheduler: the tool it calls, and how fast its prompt was prefilled."""
+"""What passes between the gateway and an engine for the scheduler: an answer's tool and prefill rate, a resumed request's priority."""
 
 from __future__ import annotations
 
@@ -64,3 +64,19 @@ def uncached_prompt_tokens(usage: dict[str, Any]) -> int:
     """Prompt tokens the engine computed: all of them, less its prefix cache's hit when it says."""
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return max(int(usage.get("prompt_tokens") or 0) - int(cached), 0)
+
+
+# vLLM serves lower `priority` values first under --scheduling-policy priority; 0 is the default.
+RESUMED_PRIORITY = -1
+
+
+def resume_priority(engine_args: list[str]) -> int | None:
+    """The priority a resumed program's request gets: only when the workers schedule by priority
+    (otherwise vLLM refuses a request that carries one)."""
+    for i, arg in enumerate(engine_args):
+        value = arg.partition("=")[2] if arg.startswith("--scheduling-policy=") else None
+        if arg == "--scheduling-policy" and i + 1 < len(engine_args):
+            value = engine_args[i + 1]
+        if value == "priority":
+            return RESUMED_PRIORITY
+    return None

@@ -106,6 +106,7 @@ class Gateway:
         metrics_interval_s: float = 2.0,
         recorder: TraceRecorder | None = None,
         worker_key: str | None = None,
+        resumed_priority: int | None = None,
     ) -> None:
         if not upstreams:
             raise ValueError("the gateway needs at least one backend")
@@ -114,6 +115,7 @@ class Gateway:
         self.last_utilization = 0.0
         self.estimator = TokenEstimator()
         self.recorder = recorder
+        self.resumed_priority = resumed_priority  # sent with a request that waited for its resume
         self.metrics_interval_s = metrics_interval_s
         self.started_at = clock()
         self._clock = clock
@@ -242,10 +244,10 @@ class Gateway:
             if waiter is not None:
                 waiter.set()
 
-    async def admit(self, program_id: str | None, shape: PromptShape) -> Upstream:
-        """Where this request goes; a paused program's request waits here for its resume."""
+    async def admit(self, program_id: str | None, shape: PromptShape) -> tuple[Upstream, bool]:
+        """Where this request goes, and whether it waited here for its program's resume."""
         if program_id is None:
-            return self.least_loaded()
+            return self.least_loaded(), False
         while True:
             backend = self.scheduler.on_request(
                 program_id,
@@ -254,12 +256,12 @@ class Gateway:
                 self.estimator.estimate(shape.prefix_chars),
             )
             if backend is not None:
-                return self.upstreams[backend]
+                return self.upstreams[backend], False
             waiter = self._resumed.setdefault(program_id, asyncio.Event())
             await waiter.wait()
             placement = woken(self.scheduler, program_id)
             if placement is not None:
-                return self.upstreams[placement.backend] if placement.backend else self.least_loaded()
+                return (self.upstreams[placement.backend] if placement.backend else self.least_loaded()), True
 
     def least_loaded(self) -> Upstream:
         candidates = [u for u in self.upstreams.values() if u.usable] or list(self.upstreams.values())
@@ -286,7 +288,10 @@ class Gateway:
         # ASCII escapes: a lone surrogate from the client's JSON stays representable.
         payload = json.dumps(body).encode()
         for attempt in (1, 2):
-            upstream = await self.admit(program_id, shape)
+            upstream, waited = await self.admit(program_id, shape)
+            if waited and self.resumed_priority is not None:
+                # Resumed programs first inside the engine, as Dynamo's resume boost does.
+                payload = json.dumps({**body, "priority": self.resumed_priority}).encode()
             upstream.add_in_flight(1, self._clock())
             answer = StreamedAnswer(sent_at=self._clock())
             response = None
