@@ -53,7 +53,7 @@ class SchedulerConfig(BaseModel):
     tool_time_window: int = Field(256, ge=1, description="recent tool times kept per program, tool kind and cluster")
     tool_time_min_samples: int = Field(8, ge=1, description="tool times longer than the elapsed one to trust a key")
     resume_aging_tokens_per_s: float | None = Field(
-        1000.0, gt=0, description="a waiting program's place: when it began waiting + its tokens / this; "
+        250.0, gt=0, description="a waiting program's place: when it began waiting + its tokens / this; "
         "None: shortest first, new programs last (the reference order, unbounded waits)"
     )
     new_program_delay_s: float = Field(60.0, ge=0, description="how far behind paused programs a new one queues")
