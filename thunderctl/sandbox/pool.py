@@ -1,6 +1,9 @@
-"""The sandbox pool: per-program Docker sandboxes over one or more engines, prepared in the
-background in the scheduler's resume order, kept warm per image, and reclaimed the moment their
-program ends. It knows programs only by id: the daemon calls it on lifecycle events."""
+"""The sandbox pool: per-program Docker sandboxes, handed out warm or prepared, reclaimed with their program.
+
+Sandboxes live on one or more engines, are prepared in the background in the scheduler's resume
+order and kept warm per image. The pool knows programs only by id: the daemon calls it on
+lifecycle events.
+"""
 
 from __future__ import annotations
 

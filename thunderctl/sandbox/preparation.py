@@ -1,5 +1,7 @@
-"""Preparing sandboxes in the background: in the scheduler's resume order, a bounded number at
-a time, each one's container created (its image pulled if missing) and its setup commands run."""
+"""Preparing sandboxes in the background, in the scheduler's resume order, a bounded number at a time.
+
+Preparing one is creating its container (pulling its image if missing) and running its setup commands.
+"""
 
 from __future__ import annotations
 

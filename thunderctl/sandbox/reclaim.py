@@ -1,5 +1,8 @@
-"""Taking back what the pool's sandboxes hold: containers released, orphaned, adopted before a
-crash or idle too long, and pulled images once the disk is above its high watermark."""
+"""Taking back containers (released, orphaned, adopted, idle) and pulled images (above the disk watermark).
+
+Orphans are containers of the cluster that no live sandbox owns; adopted ones are remembered in the
+state file, so a daemon that crashed has its programs' containers collected at the next start.
+"""
 
 from __future__ import annotations
 
