@@ -107,6 +107,7 @@ class Gateway:
         recorder: TraceRecorder | None = None,
         worker_key: str | None = None,
         resumed_priority: int | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,  # the workers' HTTP; tests pass a fake
     ) -> None:
         if not upstreams:
             raise ValueError("the gateway needs at least one backend")
@@ -126,6 +127,7 @@ class Gateway:
             headers=bearer_headers(worker_key),
             timeout=httpx.Timeout(None, connect=10.0),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            transport=transport,
         )
 
     # ---- life -----------------------------------------------------------------------------

@@ -1,9 +1,4 @@
-"""The program-aware scheduling policy of DESIGN.md: pure, synchronous, clock injected.
-
-The gateway tells it what happens (a request arrives, a response ends, a program is released)
-and drives `tick()`; the policy decides where each program runs and which wait. It does no
-I/O: decisions reach the outside world through the listeners it is given.
-"""
+"""The program-aware scheduling policy of DESIGN.md: pure, synchronous, clock injected; no I/O (listeners)."""
 
 from __future__ import annotations
 
@@ -85,6 +80,7 @@ class Scheduler:
             return
         self._pause(program)
         program.phase = Phase.REASONING
+        assert program.paused_at is not None, "_pause stamps it"
         self._enqueue(program, program.paused_at)
         self._resume_waiting()
 
@@ -190,8 +186,7 @@ class Scheduler:
         waited, waited_throughout = self._waited or waiting, waiting and self._waiting_at_adapt
         self._waited, self._waiting_at_adapt = False, waiting
         if self.config.adaptive:
-            capacities = [b.capacity for b in self.backends.values() if b.capacity]
-            self.tuner.retention_pays = self.config.retention and bool(capacities) and self.retention.pays(min(capacities))
+            self.tuner.retention_pays = self.config.retention and self.retention.pays(self.backends.values())
             before = self.tuner.label
             self.tuner.observe(self.clock(), self.counters.steps, utilization, waited, waited_throughout)
             if self.tuner.label != before:
@@ -460,7 +455,9 @@ class Scheduler:
         """Around a change of a program's size or phase: its backend's ledger is debited
         before and credited after, and a waiting program takes its place in the queue
         again, so ledgers and queue always match the programs."""
-        ledger = self._ledgers.get(program.backend) if program.status is Status.ACTIVE else None
+        ledger = None
+        if program.status is Status.ACTIVE and program.backend is not None:
+            ledger = self._ledgers.get(program.backend)
         if ledger is not None:
             ledger.remove(program, self.config.buffer_tokens)
         waiting_since = program.waiting_since

@@ -7,7 +7,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from thunderctl.scheduler.program import Program
+from thunderctl.scheduler.program import Backend, Program
 
 
 @dataclass
@@ -190,10 +190,11 @@ class RetentionLaw:
         holdings = [Holding(p.id, p.private_tokens, self.expected_tool_s(p, now), capacity) for p, capacity in held]
         return priced_drops(holdings, demand_tokens, self.returns.chance, self.prefill, self.price_scale)
 
-    def pays(self, capacity: int) -> bool:
+    def pays(self, backends: Iterable[Backend]) -> bool:
         """Whether a typical tool call, at the full price of KV, costs less held than recomputed:
-        its mean (cluster-wide) under the time to prefill the cache, times the chance of return."""
+        its mean (cluster-wide) under the time to prefill the smallest cache, times the chance of return."""
         mean_tool_s = self.tool_times.cluster.remaining(0.0, self.min_samples)
-        if mean_tool_s is None:
+        capacities = [b.capacity for b in backends if b.capacity]
+        if mean_tool_s is None or not capacities:
             return False
-        return self.price_scale * mean_tool_s / capacity < self.returns.chance / self.prefill.tokens_per_s
+        return self.price_scale * mean_tool_s / min(capacities) < self.returns.chance / self.prefill.tokens_per_s

@@ -113,7 +113,7 @@ class ArmResult:
         }
 
 
-def percentile(values: list[float], q: float) -> float | None:
+def percentile(values: list[float], q: int) -> float | None:
     if not values:
         return None
     if len(values) == 1:
@@ -155,7 +155,8 @@ def build_router(
         case ArmName.LEAST_LOADED:
             return LeastLoadedRouter(workers), None
         case ArmName.REFERENCE:
-            router = PolicyRouter(workers, clock, SchedulerConfig(adaptive=False, retention=False, resume_aging_tokens_per_s=None))
+            reference = SchedulerConfig(adaptive=False, retention=False, resume_aging_tokens_per_s=None)
+            router = PolicyRouter(workers, clock, reference)
             return router, router
         case ArmName.THUNDERCTL:
             # What the gateway measures from usage and time to first token, from the cost model;
@@ -192,7 +193,10 @@ def run_arm(arm: ArmName, spec: SimSpec, progress: Callable[[float], None] | Non
         if policy is None:
             return {}
         c = policy.scheduler.counters
-        return {"pauses": c.pauses, "resumes": c.resumes, "forced_resumes": c.forced_resumes, "priced_pauses": c.priced_pauses}
+        return {
+            "pauses": c.pauses, "resumes": c.resumes, "forced_resumes": c.forced_resumes,
+            "priced_pauses": c.priced_pauses,
+        }  # fmt: skip
 
     def sample() -> None:
         if clock.now >= spec.warmup_s:
