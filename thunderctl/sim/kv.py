@@ -160,7 +160,15 @@ class BlockPool:
         """A request's new blocks became full of known tokens: they serve prefix hits from now
         on, except those whose hash another block holds; returns those duplicates' runs."""
         duplicates: list[range] = []
+        starts = self._starts
         for wanted in runs:
+            # Most often a decoding request's next block, right after its own held alone: that run grows.
+            index = bisect_right(starts, wanted.start)
+            if index and (index == len(starts) or starts[index] >= wanted.stop):
+                lower = self._runs[starts[index - 1]]
+                if lower.hi == wanted.start and lower.refs == 1:
+                    lower.hi = wanted.stop
+                    continue
             position = wanted.start
             for run in self._overlapping(wanted.start, wanted.stop):
                 lo, hi = max(run.lo, wanted.start), min(run.hi, wanted.stop)
