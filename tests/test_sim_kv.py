@@ -124,7 +124,9 @@ class Pools:
     def free(self, holder: Holder) -> None:
         self.holders.remove(holder)
         self.blocks.free(holder.ids)
-        self.runs.free(holder.stream.block_runs(0, holder.registered), holder.duplicates, holder.num_blocks - holder.registered)
+        self.runs.free(
+            holder.stream.block_runs(0, holder.registered), holder.duplicates, holder.num_blocks - holder.registered
+        )
 
     def check(self) -> None:
         assert self.runs.num_free == len(self.blocks.queue)
@@ -152,7 +154,9 @@ operation = st.tuples(
 def test_runs_of_hashes_behave_as_blocks_one_by_one(
     num_blocks: int, host_blocks: int, shared_blocks: int, operations: list[tuple[str, int, int, int]]
 ) -> None:
-    pools = Pools(BlockPool(num_blocks, HostTier(host_blocks) if host_blocks else None), PerBlockPool(num_blocks, host_blocks))
+    pools = Pools(
+        BlockPool(num_blocks, HostTier(host_blocks) if host_blocks else None), PerBlockPool(num_blocks, host_blocks)
+    )
     streams = [TokenStream(uid, shared_blocks) for uid in range(1, 5)]
     for kind, which, wanted, registered in operations:
         if kind == "admit":
