@@ -25,6 +25,7 @@ from thunderctl.bench.sandboxes import (
     tool_command,
 )
 from thunderctl.engines.local import pick_free_port
+from thunderctl.sandbox.metrics import render_sandbox_metrics
 
 PROGRAMS = 4
 STEPS = 4
@@ -33,6 +34,11 @@ GROWTH = 100
 COMPLETION = 8
 # What each step's prompt grows by beyond its answer and the two messages' template tokens.
 OBSERVATION_TOKENS = GROWTH - COMPLETION - 2 * MESSAGE_OVERHEAD_TOKENS
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
 
 
 class BenchCluster:
@@ -116,12 +122,31 @@ thunderctl_sandboxes{state="warm"} 1
 thunderctl_sandboxes{state="bound"} 3
 thunderctl_sandboxes{state="preparing"} 2
 thunderctl_sandboxes{state="failed"} 5
+thunderctl_sandboxes{state="adopted"} 2
 thunderctl_sandbox_disk_bytes{host="unix:///a"} 4096
 thunderctl_sandbox_disk_bytes{host="ssh://b"} 10
 """
     sample = read_sandbox_sample(7.0, metrics)
-    assert (sample.t_s, sample.containers) == (7.0, 6)  # a failed preparation leaves no container
+    # A failed preparation leaves no container; adopted containers are among the bound ones.
+    assert (sample.t_s, sample.containers) == (7.0, 6)
     assert sample.disk_bytes == {"unix:///a": 4096, "ssh://b": 10}
+
+
+@pytest.mark.anyio
+async def test_the_sample_counts_an_adopted_container_once(start_pool, sandbox_image: str,
+                                                          docker_client: docker.DockerClient) -> None:
+    pool = await start_pool()
+    agents_own = docker_client.containers.run(sandbox_image, ["sleep", "600"], detach=True,
+                                              network_mode="none", labels={"thunderctl.test": "1"})
+    try:
+        await pool.adopt("p1", [agents_own.id])
+        own = await pool.wait_ready((await pool.acquire("p2")).id, timeout_s=60)
+
+        running = {c.id for c in docker_client.containers.list(sparse=True)}
+        assert {agents_own.id, own.container_id} <= running
+        assert read_sandbox_sample(0.0, render_sandbox_metrics(pool.stats())).containers == 2
+    finally:
+        agents_own.remove(force=True)
 
 
 def test_every_tool_step_runs_in_a_sandbox_collected_at_release(bench_cluster: BenchCluster, tmp_path: Path) -> None:

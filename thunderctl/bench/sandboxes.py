@@ -35,8 +35,9 @@ EXEC_TIMEOUT_MARGIN_S = 120.0
 # A sandbox's owner when collection at release is off: an id the gateway never sees as a program,
 # as with a harness that starts its sandboxes apart from its LLM calls.
 DETACHED_SUFFIX = ".detached"
-# States of the pool's containers that exist in Docker (a failed preparation leaves none).
-ALIVE_STATES = ("warm", "bound", "preparing", "adopted")
+# States of the pool's containers that exist in Docker (a failed preparation leaves none). An
+# adopted container is also counted as `bound` (it is ready and a program's): not added again.
+ALIVE_STATES = ("warm", "bound", "preparing")
 # After a run, the pool is sampled this often until the count of containers is the same this many
 # times in a row, for at most SETTLE_S.
 SETTLE_INTERVAL_S = 1.0
