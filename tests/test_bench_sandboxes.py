@@ -21,7 +21,10 @@ from thunderctl.bench.closed_loop import MESSAGE_OVERHEAD_TOKENS, StepPlan
 from thunderctl.bench.sandboxes import (
     BYTES_PER_TOKEN,
     OBSERVATION_FILE,
+    ToolRecord,
     read_sandbox_sample,
+    sandbox_line,
+    sandbox_summary,
     tool_command,
 )
 from thunderctl.engines.local import pick_free_port
@@ -92,14 +95,16 @@ def own_sandbox_image(tmp_path_factory: pytest.TempPathFactory, docker_client: d
 @pytest.fixture(scope="module")
 def bench_cluster(tmp_path_factory: pytest.TempPathFactory, engine_home, own_sandbox_image: str,
                   docker_client: docker.DockerClient):
-    """A one-worker local cluster whose sandboxes are the test image, measuring disk every second;
+    """A one-worker local cluster whose sandboxes are the test image, measuring disk every 4 s
+    (longer than the bench's settle of 3 one-second samples, so its end figure must wait for a
+    measurement taken after the last release or write);
     down and its containers removed (by its cluster label) afterwards, whatever the tests did."""
     directory = tmp_path_factory.mktemp("bench-sandboxes")
     cli = Cli(directory / "state")
     name = f"sbxbench-{secrets.token_hex(3)}"
     sandbox_image = own_sandbox_image
     nodes = [{"name": "local", "transport": "local", "replicas": 1, "base_port": consecutive_free_ports(1)}]
-    sandboxes = {"image": sandbox_image, "memory": "64m", "pids": 64, "cpus": 0.5, "maintenance_interval_s": 1}
+    sandboxes = {"image": sandbox_image, "memory": "64m", "pids": 64, "cpus": 0.5, "maintenance_interval_s": 4}
     profile = write_profile(directory, cluster=name, nodes=nodes, sandboxes=sandboxes,
                             gateway={"host": "127.0.0.1", "port": pick_free_port()})
     try:
@@ -125,11 +130,25 @@ thunderctl_sandboxes{state="failed"} 5
 thunderctl_sandboxes{state="adopted"} 2
 thunderctl_sandbox_disk_bytes{host="unix:///a"} 4096
 thunderctl_sandbox_disk_bytes{host="ssh://b"} 10
+thunderctl_sandbox_disk_age_seconds{host="unix:///a"} 1.5
+thunderctl_sandbox_disk_age_seconds{host="ssh://b"} 0.5
 """
     sample = read_sandbox_sample(7.0, metrics)
+    assert sample.disk_measured_since(5.5) and not sample.disk_measured_since(6.0)  # /a at 5.5, b at 6.5
     # A failed preparation leaves no container; adopted containers are among the bound ones.
     assert (sample.t_s, sample.containers) == (7.0, 6)
     assert sample.disk_bytes == {"unix:///a": 4096, "ssh://b": 10}
+
+
+def test_the_sandbox_line_names_why_an_exec_failed() -> None:
+    records = [ToolRecord("p1", 0, 0.0, 1.2, 1.0, True),
+               ToolRecord("p1", 1, 2.0, 0.5, 0.4, False, "exit 1: head: write error: No space left on device"),
+               ToolRecord("p2", 0, 3.0, 60.0, None, False, "POST /v1/sandboxes/sb-2/exec: ReadTimeout")]
+    summary = sandbox_summary(records, [])
+    assert summary["exec_failures"] == 2
+    assert summary["exec_errors"] == ["POST /v1/sandboxes/sb-2/exec: ReadTimeout",
+                                      "exit 1: head: write error: No space left on device"]
+    assert sandbox_line("cluster", summary).endswith("; first exec error: POST /v1/sandboxes/sb-2/exec: ReadTimeout")
 
 
 @pytest.mark.anyio
@@ -156,7 +175,7 @@ def test_every_tool_step_runs_in_a_sandbox_collected_at_release(bench_cluster: B
     sandboxes = arm["sandboxes"]
     # Every step but a program's last is followed by its tool, one exec each, none failed.
     assert sandboxes["execs"] == arm["steps_ok"] - PROGRAMS > 0
-    assert (sandboxes["exec_failures"], sandboxes["create_failures"]) == (0, 0)
+    assert (sandboxes["exec_failures"], sandboxes["create_failures"], sandboxes["exec_errors"]) == (0, 0, [])
     assert sandboxes["wait_p50_s"] is not None and sandboxes["wait_max_s"] >= sandboxes["wait_p50_s"] >= 0
     assert sandboxes["containers_peak"] >= 1  # sampled while programs held sandboxes
     assert (sandboxes["containers_end"], sandboxes["disk_bytes_end"]) == (0, 0)
@@ -177,6 +196,7 @@ def test_without_collection_the_sandboxes_pile_up_until_down(bench_cluster: Benc
              for c in left]
     written = sum(int(size.output) for size in sizes)
     assert written == sandboxes["execs"] * OBSERVATION_TOKENS * BYTES_PER_TOKEN
+    assert sandboxes["disk_bytes_end"] == written  # measured after the last write
 
     bench_cluster.cli("down")
     assert bench_cluster.wait_for_no_sandboxes() == []

@@ -127,6 +127,7 @@ class SandboxPool:
         self._reaped = 0
         self._evicted_images = 0
         self._disk_bytes: dict[str, int] = {}  # host -> bytes, at the last maintenance
+        self._disk_measured_at: dict[str, float] = {}  # host -> time.monotonic() of that measurement
         self._last_error: str | None = None
 
     # ---- lifecycle of the pool -------------------------------------------------------------
@@ -272,7 +273,9 @@ class SandboxPool:
             "hosts": [
                 {"url": h.url, "available": h.available, "reason": h.reason,
                  "sandboxes": sum(1 for sb in records if sb.host is h),
-                 "disk_bytes": self._disk_bytes.get(h.url)}
+                 "disk_bytes": self._disk_bytes.get(h.url),
+                 "disk_age_s": (time.monotonic() - self._disk_measured_at[h.url]
+                                if h.url in self._disk_measured_at else None)}
                 for h in self.hosts
             ],
             "warm": count(SandboxState.READY, warm=True),
@@ -488,6 +491,7 @@ class SandboxPool:
                 used -= usage.unused_images[image]
                 self._evicted_images += 1
             self._disk_bytes[host.url] = used
+            self._disk_measured_at[host.url] = time.monotonic()
         self._state.save(self.state_path)
 
     # ---- maintenance ---------------------------------------------------------------------------
