@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import json
 import secrets
-import shutil
 import time
 from pathlib import Path
 
 import docker
 import pytest
-from sandbox_fixtures import BUSYBOX, DOCKERFILE
 from test_cluster import Cli, consecutive_free_ports, write_profile
 
 from thunderctl.bench.closed_loop import MESSAGE_OVERHEAD_TOKENS, StepPlan
@@ -80,20 +78,7 @@ def write_trace(path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def own_sandbox_image(tmp_path_factory: pytest.TempPathFactory, docker_client: docker.DockerClient):
-    """The test image's busybox under a tag and label of this module's: the session-wide test image
-    is removed by id when any pytest session on the machine ends, and these runs last minutes."""
-    context = tmp_path_factory.mktemp("bench-sandbox-image")
-    shutil.copy(BUSYBOX, context / "busybox")
-    (context / "Dockerfile").write_text(DOCKERFILE)
-    tag = f"thunderctl-test/bench-busybox:{secrets.token_hex(3)}"
-    image, _ = docker_client.images.build(path=str(context), tag=tag, rm=True, labels={"thunderctl.bench-test": tag})
-    yield tag
-    docker_client.images.remove(image.id, force=True)
-
-
-@pytest.fixture(scope="module")
-def bench_cluster(tmp_path_factory: pytest.TempPathFactory, engine_home, own_sandbox_image: str,
+def bench_cluster(tmp_path_factory: pytest.TempPathFactory, engine_home, module_sandbox_image: str,
                   docker_client: docker.DockerClient):
     """A one-worker local cluster whose sandboxes are the test image, measuring disk every 4 s
     (longer than the bench's settle of 3 one-second samples, so its end figure must wait for a
@@ -102,9 +87,8 @@ def bench_cluster(tmp_path_factory: pytest.TempPathFactory, engine_home, own_san
     directory = tmp_path_factory.mktemp("bench-sandboxes")
     cli = Cli(directory / "state")
     name = f"sbxbench-{secrets.token_hex(3)}"
-    sandbox_image = own_sandbox_image
     nodes = [{"name": "local", "transport": "local", "replicas": 1, "base_port": consecutive_free_ports(1)}]
-    sandboxes = {"image": sandbox_image, "memory": "64m", "pids": 64, "cpus": 0.5, "maintenance_interval_s": 4}
+    sandboxes = {"image": module_sandbox_image, "memory": "64m", "pids": 64, "cpus": 0.5, "maintenance_interval_s": 4}
     profile = write_profile(directory, cluster=name, nodes=nodes, sandboxes=sandboxes,
                             gateway={"host": "127.0.0.1", "port": pick_free_port()})
     try:
