@@ -408,6 +408,16 @@ async def test_disk_above_watermark_evicts_pulled_images_no_container_uses(start
     assert pool.stats()["evicted_images"] == 1
 
 
+async def test_the_disk_figure_says_how_old_it_is_on_the_pools_clock(start_pool, clock) -> None:
+    pool = await start_pool()
+    await pool.maintain()
+    assert pool.stats()["hosts"][0]["disk_age_s"] == 0
+    clock.run_until(clock.now + 4)
+    assert pool.stats()["hosts"][0]["disk_age_s"] == 4  # the reader knows the figure is 4 s old
+    await pool.maintain()
+    assert pool.stats()["hosts"][0]["disk_age_s"] == 0
+
+
 async def test_image_named_in_a_request_is_pulled_and_recorded(start_pool, engines, tmp_path) -> None:
     engine = engines[LOCAL]
     engine.registry["tools:2"] = 1000

@@ -140,4 +140,5 @@ class Reclaimer:
                 used -= usage.unused_images[image]
                 self._counters.evicted_images += 1
             self._counters.disk_bytes[host.url] = used
+            self._counters.disk_measured_at[host.url] = self._clock()
         self._save_state()

@@ -32,6 +32,7 @@ class PoolCounters:
     reaped: int = 0
     evicted_images: int = 0
     disk_bytes: dict[str, int] = field(default_factory=dict)  # host -> bytes, at the last maintenance
+    disk_measured_at: dict[str, float] = field(default_factory=dict)  # host -> the pool's clock, then
     last_error: str | None = None
 
 
@@ -41,6 +42,7 @@ def pool_stats(
     records: Sequence[Sandbox],
     queued_for_preparation: int,
     counters: PoolCounters,
+    now: float,
 ) -> dict:
     def count(state: SandboxState, warm: bool) -> int:
         return sum(1 for sb in records if sb.state is state and sb.is_warm is warm)
@@ -63,6 +65,7 @@ def pool_stats(
                 "reason": h.reason,
                 "sandboxes": sum(1 for sb in records if sb.host is h),
                 "disk_bytes": counters.disk_bytes.get(h.url),
+                "disk_age_s": now - counters.disk_measured_at[h.url] if h.url in counters.disk_measured_at else None,
             }
             for h in hosts
         ],
