@@ -24,7 +24,7 @@ from thunderctl.bench.sandboxes import (
     read_sandbox_sample,
     tool_command,
 )
-from thunderctl.engines.local import pick_free_port
+from thunderctl.processes import pick_free_port
 
 PROGRAMS = 4
 STEPS = 4
