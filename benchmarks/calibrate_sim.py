@@ -37,9 +37,9 @@ from thunderctl.bench.replay import Arm, TraceWorkload, run_arms
 from thunderctl.bench.report import fmt
 from thunderctl.bench.swe_lite import SHARED_PREFIX_TOKENS
 from thunderctl.bench.workloads import WorkloadChoice
-from thunderctl.engines.vllm import parse_samples
 from thunderctl.gateway.auth import env_api_key
 from thunderctl.gateway.process import ServeProcess
+from thunderctl.prometheus import parse_samples
 from thunderctl.sim.arms import ArmName, SimSpec, run_arm
 from thunderctl.sim.presets import get_preset
 

@@ -53,7 +53,7 @@ from rich.console import Console
 from scipy.optimize import nnls
 
 from thunderctl.engines.local import LocalEngine
-from thunderctl.engines.vllm import parse_samples
+from thunderctl.prometheus import parse_samples
 from thunderctl.sim.cost import LinearStepCost, StepLoad
 from thunderctl.sim.presets import CPU_TINY_BLOCK_SIZE, CPU_TINY_MAX_NUM_BATCHED_TOKENS, CPU_TINY_MAX_NUM_SEQS
 from thunderctl.sim.steptable import CPU_TINY_STEPS_CSV, MeasuredSteps, read_step_table, write_step_table

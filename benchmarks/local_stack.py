@@ -12,13 +12,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-from thunderctl.engines.local import (
-    EngineHome,
-    LocalEngine,
-    LocalEngineConfig,
-    pick_free_port,
-)
+from thunderctl.engines.local import EngineHome, LocalEngine, LocalEngineConfig
 from thunderctl.gateway.process import ServeProcess
+from thunderctl.processes import pick_free_port
 
 # Two cores shared with other jobs: start-up took 35-60 s idle, over 3 minutes under load.
 ENGINE_START_TIMEOUT_S = 600.0

@@ -29,9 +29,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
-from thunderctl.engines.local import pick_free_port
 from thunderctl.gateway.auth import env_api_key
 from thunderctl.jsonapi import bearer_headers
+from thunderctl.processes import pick_free_port
 from thunderctl.scheduler import Scheduler, SchedulerConfig
 
 METRICS = (

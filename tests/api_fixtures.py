@@ -23,10 +23,10 @@ from starlette.routing import BaseRoute, Route
 from thunderctl.cluster.state import ClusterState, WorkerRecord
 from thunderctl.cluster.worker_key import worker_key_path
 from thunderctl.daemon.service import Daemon
-from thunderctl.engines.local import pick_free_port
 from thunderctl.gateway import Gateway, Upstream, build_app
 from thunderctl.gateway.auth import GatewayAuth
 from thunderctl.jsonapi import BodyLimits
+from thunderctl.processes import pick_free_port
 from thunderctl.profile import DEFAULT_PROFILE
 from thunderctl.sandbox import SandboxConfig, SandboxPool
 

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from thunderctl.gateway.process import ServeProcess
+from thunderctl.prometheus import parse_samples
 
 pytest_plugins = ["api_fixtures", "engine_fixtures", "sandbox_fixtures", "ssh_fixtures"]
 
@@ -35,11 +36,11 @@ class GatewayProcess(ServeProcess):
         return {p["program_id"]: p for p in self.http.get("/programs").json()["programs"]}
 
     def metric(self, name: str, **labels: str) -> float:
-        wanted = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else "")
-        for line in self.http.get("/metrics").text.splitlines():
-            if line.startswith(wanted + " "):
-                return float(line.rsplit(" ", 1)[1])
-        raise KeyError(wanted)
+        """The value of the sample with this name and exactly these labels."""
+        for sample in parse_samples(self.http.get("/metrics").text, {name}):
+            if sample.labels == labels:
+                return float(sample.value)
+        raise KeyError(f"{name}{labels or ''}")
 
     def stop(self) -> None:
         self.http.close()

@@ -11,13 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from thunderctl.engines.local import (
-    EngineHome,
-    LocalEngine,
-    LocalEngineConfig,
-    pick_free_port,
-    pick_free_ports,
-)
+from thunderctl.engines.local import EngineHome, LocalEngine, LocalEngineConfig
+from thunderctl.processes import pick_free_port, pick_free_ports
 
 # vLLM-CPU's attention needs block sizes that are multiples of 32 (16 fails with
 # "No common block size for 16 (CPU_ATTN: [MultipleOf(32)])").

@@ -29,7 +29,7 @@ import uvicorn
 from docker.errors import DockerException, ImageNotFound
 from starlette.applications import Starlette
 
-from thunderctl.engines.local import pick_free_port
+from thunderctl.processes import pick_free_port
 from thunderctl.sandbox import SandboxConfig, SandboxPool, sandbox_routes
 
 TEST_IMAGE = "thunderctl-test/busybox:latest"

@@ -20,8 +20,7 @@ from pathlib import Path
 import pytest
 
 from thunderctl.cluster.gpus import NVIDIA_SMI_QUERY
-from thunderctl.cluster.transport import port_free
-from thunderctl.engines.local import pick_free_port
+from thunderctl.processes import pick_free_port, port_free
 
 SSHD = Path("/usr/sbin/sshd")
 NODE_ADDRESSES = ("127.0.0.2", "127.0.0.3")

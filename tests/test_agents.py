@@ -23,7 +23,6 @@ import pytest
 import yaml
 
 from test_cluster import Cli, consecutive_free_ports, write_profile
-from thunderctl.engines.local import pick_free_port
 from thunderctl.integrations.cluster import ClusterClient, ClusterError
 from thunderctl.integrations.mini_swe_agent import (
     DEFAULT_CONFIG,
@@ -33,6 +32,7 @@ from thunderctl.integrations.mini_swe_agent import (
     run_batch,
 )
 from thunderctl.integrations.tasks import AgentTask, TaskFileError, load_tasks
+from thunderctl.processes import pick_free_port
 from thunderctl.profile import DEFAULT_PROFILE
 from minisweagent.exceptions import Submitted
 

@@ -21,9 +21,10 @@ from thunderctl.cluster.state import ClusterState
 from thunderctl.cluster.transport import Transports
 from thunderctl.cluster.worker_key import create_worker_key, read_worker_key, worker_key_path
 from thunderctl.daemon.control import build_control_app
-from thunderctl.engines.local import EngineHome, LocalEngine, LocalEngineConfig, pick_free_port
+from thunderctl.engines.local import EngineHome, LocalEngine, LocalEngineConfig
 from thunderctl.gateway import Gateway, Upstream, build_app
 from thunderctl.gateway.auth import GatewayAuth, exposure_problem
+from thunderctl.processes import pick_free_port
 from thunderctl.profile import DEFAULT_PROFILE, load_profile, parse_profile
 from thunderctl.sandbox import sandbox_routes
 

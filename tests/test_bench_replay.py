@@ -18,7 +18,7 @@ from thunderctl.bench.swe_lite import TOOL_SECONDS, SweLite
 from thunderctl.bench.trace import read_trace
 from thunderctl.bench.report import arm_summary, plot_report, ratios, report_table, timeline, verdict
 from thunderctl.engines.local import LocalEngine
-from thunderctl.engines.vllm import parse_samples
+from thunderctl.prometheus import parse_samples
 
 
 def requests_served(engine: LocalEngine) -> int:

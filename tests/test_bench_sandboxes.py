@@ -25,7 +25,7 @@ from thunderctl.bench.sandboxes import (
     sandbox_summary,
     tool_command,
 )
-from thunderctl.engines.local import pick_free_port
+from thunderctl.processes import pick_free_port
 from thunderctl.sandbox.metrics import render_sandbox_metrics
 
 PROGRAMS = 4

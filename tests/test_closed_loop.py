@@ -36,7 +36,8 @@ from thunderctl.bench.closed_loop import (
 from thunderctl.bench.replay import TraceWorkload
 from thunderctl.bench.trace import TraceProgram, TraceStep
 from thunderctl.engines.local import LocalEngine
-from thunderctl.engines.vllm import EngineMetrics, parse_samples
+from thunderctl.engines.vllm import EngineMetrics
+from thunderctl.prometheus import parse_samples
 
 FIXED = AgentShape(
     system_prompt_tokens=200,

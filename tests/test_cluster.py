@@ -23,9 +23,7 @@ import pytest
 import yaml
 
 from thunderctl.bench.closed_loop import AgentShape, LoadResult, LoadSpec, Target, Uniform, run_load
-from thunderctl.cluster.state import pid_alive
-from thunderctl.cluster.preflight import port_free
-from thunderctl.engines.local import pick_free_port
+from thunderctl.processes import pick_free_port, pid_alive, port_free
 from thunderctl.profile import DEFAULT_PROFILE
 
 SHAPE = AgentShape(

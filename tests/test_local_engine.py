@@ -25,7 +25,7 @@ from thunderctl.engines.local import (
 def live_group_members(pgid: int) -> dict[int, str]:
     """pid → command name of the non-zombie processes in a process group, read from /proc.
 
-    Written apart from local.group_members on purpose: the test must not trust the code
+    Written apart from LocalProcessGroups.group_members on purpose: the test must not trust the code
     it checks.
     """
     members = {}

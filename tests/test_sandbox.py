@@ -22,6 +22,7 @@ from thunderctl.cluster.install import docker_command
 from thunderctl.cluster.state import ClusterState
 from thunderctl.daemon.service import collect_orphaned_sandboxes
 from thunderctl.profile import DEFAULT_PROFILE, EngineSpec
+from thunderctl.prometheus import parse_samples
 from thunderctl.sandbox import SandboxConfig, SandboxPool
 from thunderctl.sandbox.config import LOCAL_DOCKER
 from thunderctl.sandbox.docker_host import DockerHost
@@ -260,10 +261,10 @@ async def test_warm_pool_hands_out_at_once_and_refills(start_pool, serve_pool, s
     assert time.monotonic() - started < 1.0  # no container was made on the way
     await eventually(lambda: pool.stats()["warm"] == 2)
     assert pool.stats()["bound"] == 1
-    metrics = render_sandbox_metrics(pool.stats()).splitlines()
-    assert 'thunderctl_sandboxes{state="warm"} 2' in metrics
-    assert 'thunderctl_sandboxes{state="bound"} 1' in metrics
-    assert "thunderctl_sandbox_acquire_to_ready_seconds_count 1" in metrics
+    metrics = {(s.name, tuple(s.labels.items())): s.value for s in parse_samples(render_sandbox_metrics(pool.stats()))}
+    assert metrics[("thunderctl_sandboxes", (("state", "warm"),))] == 2
+    assert metrics[("thunderctl_sandboxes", (("state", "bound"),))] == 1
+    assert metrics[("thunderctl_sandbox_acquire_to_ready_seconds_count", ())] == 1
 
     # A warm container that died is replaced at the next maintenance.
     warm = [c for c in labelled(docker_client, sandbox_cluster) if c.id != created["container_id"]]

@@ -22,9 +22,9 @@ import pytest
 from test_cluster import Cli, processes_mentioning, write_profile
 
 from thunderctl.cluster.install import node_cluster_dir
-from thunderctl.cluster.state import pid_alive
-from thunderctl.cluster.transport import port_free
-from thunderctl.engines.local import EngineHome, group_members, pick_free_port
+from thunderctl.engines.local import EngineHome
+from thunderctl.processes import LocalProcessGroups, pick_free_port, pid_alive, port_free
+from thunderctl.prometheus import parse_samples
 
 if TYPE_CHECKING:
     from ssh_fixtures import SshNodes
@@ -110,11 +110,7 @@ def test_the_gateway_schedules_programs_on_both_nodes(ssh_cluster) -> None:
 
 def served_requests(client: httpx.Client, worker_url: str) -> float:
     """Requests a worker finished, from its own /metrics (the tunnelled one through the tunnel)."""
-    total = 0.0
-    for line in client.get(f"{worker_url}/metrics").text.splitlines():
-        if line.startswith("vllm:request_success_total{"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return sum(s.value for s in parse_samples(client.get(f"{worker_url}/metrics").text, {"vllm:request_success_total"}))
 
 
 def test_logs_of_a_remote_worker_stream_over_ssh(ssh_cluster) -> None:
@@ -154,7 +150,7 @@ def test_down_stops_both_nodes_and_leaves_nothing(ssh_cluster) -> None:
     assert not (Path(cli.env["THUNDERCTL_STATE_DIR"]) / cluster).exists()
     assert not node_dir(cluster).exists()
     for worker in state["workers"]:
-        assert group_members(worker["pid"]) == []
+        assert LocalProcessGroups().group_members(worker["pid"]) == []
     assert not pid_alive(state["workers"][1]["tunnel_pid"])
     node_port = int(state["workers"][0]["url"].rsplit(":", 1)[1])
     assert port_free(NODE_1, node_port) and port_free("127.0.0.1", node_port)

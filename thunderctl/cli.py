@@ -47,7 +47,6 @@ from thunderctl.engines.local import (
     LocalEngine,
     LocalEngineConfig,
     install_engine,
-    pick_free_port,
 )
 from thunderctl.daemon.service import collect_orphaned_sandboxes
 from thunderctl.engines.vllm import API_KEY_ENV as API_KEY_ENV_VLLM
@@ -56,6 +55,7 @@ from thunderctl.gateway.auth import API_KEY_ENV, GatewayAuth, exposure_problem
 from thunderctl.gateway.recorder import TraceRecorder
 from thunderctl.integrations.cli import agents_app
 from thunderctl.jsonapi import DEFAULT_MAX_BODY_BYTES, BodyLimits
+from thunderctl.processes import pick_free_port
 from thunderctl.profile import DEFAULT_PROFILE, Profile, ProfileError, load_profile, state_root
 from thunderctl.scheduler import Decay, SchedulerConfig
 

@@ -29,8 +29,9 @@ from thunderctl.bench.closed_loop import (
 from thunderctl.bench.sandboxes import SandboxTools
 from thunderctl.bench.swe_lite import ScaledWorkload
 from thunderctl.bench.trace import TraceProgram
-from thunderctl.engines.vllm import fetch_metrics, parse_samples
+from thunderctl.engines.vllm import fetch_metrics
 from thunderctl.jsonapi import bearer_headers
+from thunderctl.prometheus import parse_samples
 
 GATEWAY_COUNTERS = (
     "thunderctl_pauses_total",

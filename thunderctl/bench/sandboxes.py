@@ -22,9 +22,9 @@ from typing import Any, TypeVar
 import httpx
 
 from thunderctl.bench.closed_loop import ProgramPlan, StepPlan, percentile
-from thunderctl.engines.vllm import parse_samples
 from thunderctl.integrations.cluster import ClusterClient, ClusterError
 from thunderctl.jsonapi import bearer_headers
+from thunderctl.prometheus import parse_samples
 
 # English text in BPE tokens averages about 4 characters (bytes) per token.
 BYTES_PER_TOKEN = 4

@@ -3,10 +3,10 @@ really gave its GPU memory back (vLLM's engine-core children can outlive the API
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from thunderctl.cluster.transport import Transport
+from thunderctl.processes import poll_until
 
 NVIDIA_SMI_QUERY = (
     "nvidia-smi --query-gpu=index,name,driver_version,memory.total,memory.free --format=csv,noheader"
@@ -96,9 +96,12 @@ def short_of_memory(gpus: list[Gpu], indices: list[int], share: float) -> list[G
 
 def wait_released(transport: Transport, indices: list[int], timeout: float = RELEASE_WAIT_S) -> list[Gpu]:
     """After a stop, wait for the driver to hand the memory back; returns the GPUs still held."""
-    deadline = time.monotonic() + timeout
-    while True:
+    held: list[Gpu] = []
+
+    def released() -> bool:
+        nonlocal held
         held = short_of_memory(query_gpus(transport), indices, RELEASED_FREE_SHARE)
-        if not held or time.monotonic() > deadline:
-            return held
-        time.sleep(RELEASE_POLL_S)
+        return not held
+
+    poll_until(released, timeout, RELEASE_POLL_S)
+    return held

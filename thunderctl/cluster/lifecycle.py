@@ -26,7 +26,7 @@ from thunderctl.cluster.install import (
     node_cluster_dir,
 )
 from thunderctl.cluster.plan import WorkerPlan
-from thunderctl.cluster.state import ClusterState, WorkerRecord, process_alive
+from thunderctl.cluster.state import ClusterState, WorkerRecord
 from thunderctl.cluster.transport import (
     Transport,
     TransportError,
@@ -35,16 +35,18 @@ from thunderctl.cluster.transport import (
 )
 from thunderctl.cluster.tunnel import tunnel_command
 from thunderctl.cluster.worker_key import create_worker_key, read_worker_key
-from thunderctl.engines.local import (
-    EngineStopError,
+from thunderctl.engines.local import probe_health
+from thunderctl.jsonapi import bearer_headers
+from thunderctl.processes import (
     ProcessIdentity,
+    StopError,
     pick_free_port,
-    probe_health,
+    poll_until,
+    process_alive,
     spawn_detached,
     stop_recorded_group,
     tail_of_file,
 )
-from thunderctl.jsonapi import bearer_headers
 from thunderctl.profile import Profile, state_root
 
 DAEMON_START_TIMEOUT_S = 30.0
@@ -196,11 +198,12 @@ def start_daemon(state: ClusterState) -> None:
     daemon = ProcessIdentity.local(process.pid)
     state.daemon_pid, state.daemon_start_ticks = daemon.pid, daemon.start_ticks
     state.save()
-    deadline = time.monotonic() + DAEMON_START_TIMEOUT_S
-    while not daemon_answers(state):
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise LaunchError(f"the daemon did not start; log tail:\n{tail_of_file(state.daemon_log, LOG_TAIL_LINES)}")
-        time.sleep(0.2)
+
+    def ended_or_answers() -> bool:
+        return process.poll() is not None or daemon_answers(state)
+
+    if not poll_until(ended_or_answers, DAEMON_START_TIMEOUT_S, 0.2) or process.poll() is not None:
+        raise LaunchError(f"the daemon did not start; log tail:\n{tail_of_file(state.daemon_log, LOG_TAIL_LINES)}")
 
 
 # ---- stop -------------------------------------------------------------------------------
@@ -227,7 +230,7 @@ def stop_worker(worker: WorkerRecord, transports: Transports) -> StopReport:
             remove_container(transport, worker.container)
         tunnel_spared = worker.tunnel is not None and not stop_recorded_group(worker.tunnel)
         held = wait_released(transport, worker.gpus) if worker.gpus and signalled else []
-    except (EngineStopError, TransportError, GpuQueryError) as error:
+    except (StopError, TransportError, GpuQueryError) as error:
         return StopReport(worker.id, worker.node, False, str(error))
     if held:
         memory = "; ".join(gpu.memory_text() for gpu in held)
@@ -248,7 +251,7 @@ def remove_container(transport: Transport, name: str) -> None:
     quoted = shlex.quote(name)
     left = transport.run(f"docker rm -f {quoted} > /dev/null 2>&1; docker ps -aq --filter name=^{quoted}$").stdout
     if left.strip():
-        raise EngineStopError(f"container {name} is still there: docker rm -f {name}")
+        raise StopError(f"container {name} is still there: docker rm -f {name}")
 
 
 def stop_workers(state: ClusterState, transports: Transports) -> list[StopReport]:
@@ -280,13 +283,12 @@ def stop_daemon(state: ClusterState, drain_timeout: float) -> dict | None:
         except httpx.HTTPError:
             report = None
     # An acknowledged shutdown ends with the sandbox pool removing its containers: let it finish.
-    deadline = time.monotonic() + DAEMON_EXIT_TIMEOUT_S
-    while report is not None and process_alive(state.daemon_process) and time.monotonic() < deadline:
-        time.sleep(HEALTH_POLL_S)
+    if report is not None:
+        poll_until(lambda: not process_alive(state.daemon_process), DAEMON_EXIT_TIMEOUT_S, HEALTH_POLL_S)
     if process_alive(state.daemon_process):
         try:
             stop_recorded_group(state.daemon_process, timeout=10)
-        except EngineStopError:
+        except StopError:
             pass
     state.socket_path.unlink(missing_ok=True)
     return report

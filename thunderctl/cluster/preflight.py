@@ -29,9 +29,9 @@ from thunderctl.cluster.transport import (
     Transports,
     free_gib,
     in_parallel,
-    port_free,
 )
 from thunderctl.engines.local import EngineHome
+from thunderctl.processes import port_free
 from thunderctl.profile import BUILTIN_TINY_MODEL, NodeSpec, Profile, state_root
 
 MIN_FREE_DISK_GIB = 2.0

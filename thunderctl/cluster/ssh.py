@@ -7,8 +7,8 @@ so no provisioning step can hang forever, and a hung command does not linger on 
 from __future__ import annotations
 
 import shlex
+import signal
 import socket
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,12 +32,10 @@ from thunderctl.cluster.transport import (
     bounded,
     pid_file_of,
 )
-from thunderctl.engines.local import EngineStopError, ProcessIdentity, start_ticks_in
+from thunderctl.processes import ProcessIdentity, start_ticks_in
 
 CONNECT_TIMEOUT_S = 10.0
 PID_FILE_WAIT_S = 5
-STOP_POLL_S = 0.5
-KILL_WAIT_S = 5.0
 # Listeners on these addresses take a port on every IPv4 address of the node.
 WILDCARD_ADDRESSES = frozenset({"0.0.0.0", "*", "::"})
 
@@ -80,6 +78,8 @@ def connection_error(target: SshTarget, error: Exception) -> TransportError:
 
 
 class SshTransport(Transport):
+    poll_s = 0.5  # each look at a group is a round trip
+
     def __init__(self, target: SshTarget, connect_timeout: float = CONNECT_TIMEOUT_S) -> None:
         self.target = target
         self.description = target.host
@@ -132,24 +132,10 @@ class SshTransport(Transport):
                                  f"install {package} on the node")
         return result.stdout
 
-    def stop_pgid(self, pgid: int, timeout: float) -> None:
-        # `kill -SIG -PGID` signals the group; dash's kill knows no `--`.
-        if not self.run(f"kill -TERM -{pgid}").ok and not self.group_members(pgid):
-            return  # no such group: it had already ended
-        if self._wait_gone(pgid, timeout):
-            return
-        self.run(f"kill -KILL -{pgid}")
-        if self._wait_gone(pgid, KILL_WAIT_S):
-            return
-        raise EngineStopError(f"processes {self.group_members(pgid)} of group {pgid} on {self.target.host} survived SIGKILL")
-
-    def _wait_gone(self, pgid: int, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while self.group_members(pgid):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(STOP_POLL_S)
-        return True
+    def signal_group(self, pgid: int, sig: signal.Signals) -> bool:
+        # `kill -SIG -PGID` signals the group; dash's kill knows no `--`. A kill that fails
+        # while members remain (not ours to signal) is no proof that the group has ended.
+        return self.run(f"kill -{sig.name.removeprefix('SIG')} -{pgid}").ok or bool(self.group_members(pgid))
 
     def line_count(self, path: str) -> int:
         result = self.run(f"wc -l < {shlex.quote(path)}")

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from thunderctl.cluster.transport import SshTarget
-from thunderctl.engines.local import ProcessIdentity, local_start_ticks
+from thunderctl.processes import ProcessIdentity
 
 
 class ClusterNotFound(LookupError):
@@ -99,27 +99,6 @@ class ClusterState:
         data["dir"] = Path(data["dir"])
         data["workers"] = [WorkerRecord.from_dict(w) for w in data["workers"]]
         return cls(**data)
-
-
-def pid_alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie still answers kill(0); it is not running.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def process_alive(process: ProcessIdentity | None) -> bool:
-    """Whether the recorded process of this machine still runs: its pid, not reused by another."""
-    return process is not None and pid_alive(process.pid) and not process.reused(local_start_ticks(process.pid))
 
 
 def known_clusters(root: Path) -> list[ClusterState]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
-import socket
+import signal
 import subprocess
 import threading
 from abc import ABC, abstractmethod
@@ -19,12 +19,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self, TypeVar
 
-from thunderctl.engines.local import (
+from thunderctl.processes import (
+    GroupStop,
+    LocalProcessGroups,
     ProcessIdentity,
-    group_members,
-    local_start_ticks,
+    port_free,
     spawn_detached,
-    stop_process_group,
     tail_of_file,
 )
 
@@ -86,9 +86,11 @@ def pid_file_of(log_path: str) -> str:
 
 
 class Transport(ABC):
-    """One node. Paths are the node's own; every command has a timeout."""
+    """One node. Paths are the node's own; every command has a timeout. As a ProcessGroups it is
+    what GroupStop stops a group on."""
 
     description: str
+    poll_s: float
 
     @abstractmethod
     def run(self, command: str, timeout: float = COMMAND_TIMEOUT_S) -> CommandResult:
@@ -104,13 +106,12 @@ class Transport(ABC):
         """When the process holding `pid` on the node now started (ProcessIdentity's clock), or None."""
 
     @abstractmethod
-    def group_members(self, pgid: int) -> list[int]:
-        """The live processes of a group (zombies do not count), whoever started it."""
+    def signal_group(self, pgid: int, sig: signal.Signals) -> bool:
+        """Send `sig` to every process of the group; False when there is no such group."""
 
     @abstractmethod
-    def stop_pgid(self, pgid: int, timeout: float) -> None:
-        """SIGTERM the group, SIGKILL what is left after `timeout`, then check nothing is left;
-        raises EngineStopError if something survives."""
+    def group_members(self, pgid: int) -> list[int]:
+        """The live processes of a group (zombies do not count), whoever started it."""
 
     def pid_reused(self, leader: ProcessIdentity) -> bool:
         """Whether the leader's pid now belongs to another process on the node."""
@@ -123,12 +124,10 @@ class Transport(ABC):
         return not self.pid_reused(leader) and bool(self.group_members(leader.pid))
 
     def stop_group(self, leader: ProcessIdentity, timeout: float) -> bool:
-        """stop_pgid of the leader's group; False, with nothing signalled, if its pid now belongs
-        to another process (ours had ended long before)."""
-        if self.pid_reused(leader):
-            return False
-        self.stop_pgid(leader.pid, timeout)
-        return True
+        """GroupStop of the leader's group, `timeout` for SIGTERM; False, with nothing signalled,
+        if its pid now belongs to another process (ours had ended long before). Raises StopError
+        if something survives SIGKILL."""
+        return GroupStop(term_wait_s=timeout).stop_recorded(leader, self)
 
     @abstractmethod
     def line_count(self, path: str) -> int:
@@ -155,7 +154,7 @@ class Transport(ABC):
         """Release the connection, if there is one."""
 
 
-class LocalTransport(Transport):
+class LocalTransport(LocalProcessGroups, Transport):
     """This machine: processes and files directly, no shell between."""
 
     description = "local"
@@ -177,15 +176,6 @@ class LocalTransport(Transport):
         process = ProcessIdentity.local(spawn_detached(command, {**os.environ, **env}, Path(log_path)).pid)
         Path(pid_file_of(log_path)).write_text(f"{process.pid} {process.start_ticks}\n")
         return process
-
-    def start_ticks(self, pid: int) -> int | None:
-        return local_start_ticks(pid)
-
-    def group_members(self, pgid: int) -> list[int]:
-        return group_members(pgid)
-
-    def stop_pgid(self, pgid: int, timeout: float) -> None:
-        stop_process_group(pgid, timeout)
 
     def line_count(self, path: str) -> int:
         try:
@@ -211,16 +201,6 @@ class LocalTransport(Transport):
 
     def free_gib(self, path: str) -> float:
         return free_gib(Path(path))
-
-
-def port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def free_gib(path: Path) -> float:

@@ -15,7 +15,8 @@ from starlette.types import Receive, Scope, Send
 from thunderctl import aio
 from thunderctl.cluster.lifecycle import revive_worker
 from thunderctl.cluster.plan import plan_workers
-from thunderctl.cluster.state import ClusterState, WorkerRecord, process_alive
+from thunderctl.cluster.state import ClusterState, WorkerRecord
+from thunderctl.processes import process_alive
 from thunderctl.cluster.transport import TransportError, Transports
 from thunderctl.cluster.worker_key import read_worker_key
 from thunderctl.daemon.control import build_control_app

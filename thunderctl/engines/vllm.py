@@ -12,6 +12,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import httpx
+from prometheus_client.samples import Sample
+
+from thunderctl.prometheus import parse_samples
 
 # vLLM reads its --api-key from this variable too: in the environment the key stays out of
 # the command line (ps, --dry-run) and out of vLLM's own log of its arguments. vLLM asks
@@ -53,17 +56,6 @@ RELEVANT_NAMES = frozenset(
 NO_ENGINE = ""
 
 
-class MetricsParseError(ValueError):
-    """A line of Prometheus text that does not follow the exposition format."""
-
-
-@dataclass(frozen=True)
-class Sample:
-    name: str
-    labels: dict[str, str]
-    value: float
-
-
 @dataclass
 class EngineMetrics:
     """One scrape of a vLLM server; `per_engine` holds the same figures per engine core."""
@@ -84,119 +76,12 @@ class EngineMetrics:
         return self.prefix_cache_hits / self.prefix_cache_queries
 
 
-# --- Prometheus text format ----------------------------------------------------------
-
-
-def parse_samples(text: str) -> list[Sample]:
-    """All samples of a Prometheus text exposition (format 0.0.4); comments are skipped."""
-    samples = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        try:
-            sample = parse_sample_line(line)
-        except MetricsParseError as error:
-            raise MetricsParseError(f"line {number}: {error}: {line!r}") from None
-        if sample is not None:
-            samples.append(sample)
-    return samples
-
-
-def parse_sample_line(line: str) -> Sample | None:
-    """`name{label="value",...} value [timestamp]`, or None for blank and comment lines."""
-    stripped = line.strip()
-    if not stripped or stripped.startswith("#"):
-        return None
-    name, pos = read_identifier(stripped, 0, metric=True)
-    pos = skip_spaces(stripped, pos)
-    labels: dict[str, str] = {}
-    if pos < len(stripped) and stripped[pos] == "{":
-        labels, pos = read_labels(stripped, pos + 1)
-    rest = stripped[pos:].split()
-    if len(rest) not in (1, 2):
-        raise MetricsParseError("expected a value and an optional timestamp")
-    return Sample(name, labels, parse_value(rest[0]))
-
-
-def parse_value(token: str) -> float:
-    try:
-        # float() already reads Prometheus' NaN, +Inf and -Inf.
-        return float(token)
-    except ValueError:
-        raise MetricsParseError(f"bad sample value {token!r}") from None
-
-
-def read_identifier(text: str, pos: int, *, metric: bool) -> tuple[str, int]:
-    """A metric name ([a-zA-Z_:][a-zA-Z0-9_:]*) or a label name (the same without ':')."""
-    start = pos
-    while pos < len(text) and is_name_char(text[pos], first=pos == start, colon=metric):
-        pos += 1
-    if pos == start:
-        raise MetricsParseError(f"expected a {'metric' if metric else 'label'} name at column {start}")
-    return text[start:pos], pos
-
-
-def is_name_char(char: str, *, first: bool, colon: bool) -> bool:
-    if not char.isascii():
-        return False
-    if char.isalpha() or char == "_" or (colon and char == ":"):
-        return True
-    return not first and char.isdigit()
-
-
-def read_labels(text: str, pos: int) -> tuple[dict[str, str], int]:
-    """Labels after the opening brace; returns them and the position after '}'."""
-    labels: dict[str, str] = {}
-    while True:
-        pos = skip_spaces(text, pos)
-        if pos < len(text) and text[pos] == "}":
-            return labels, pos + 1
-        name, pos = read_identifier(text, pos, metric=False)
-        pos = expect(text, skip_spaces(text, pos), "=")
-        pos = expect(text, skip_spaces(text, pos), '"')
-        labels[name], pos = read_quoted(text, pos)
-        pos = skip_spaces(text, pos)
-        if pos < len(text) and text[pos] == ",":
-            pos += 1  # a trailing comma before '}' is allowed
-        elif pos >= len(text) or text[pos] != "}":
-            raise MetricsParseError(f"expected ',' or '}}' at column {pos}")
-
-
-def read_quoted(text: str, pos: int) -> tuple[str, int]:
-    """A label value after its opening quote, unescaping \\\\, \\" and \\n."""
-    escapes = {"\\": "\\", '"': '"', "n": "\n"}
-    chars: list[str] = []
-    while pos < len(text):
-        char = text[pos]
-        if char == '"':
-            return "".join(chars), pos + 1
-        if char == "\\" and pos + 1 < len(text):
-            following = text[pos + 1]
-            # Unknown escapes are kept verbatim, as Prometheus' own parser does.
-            chars.append(escapes.get(following, "\\" + following))
-            pos += 2
-            continue
-        chars.append(char)
-        pos += 1
-    raise MetricsParseError("unterminated label value")
-
-
-def expect(text: str, pos: int, char: str) -> int:
-    if pos >= len(text) or text[pos] != char:
-        raise MetricsParseError(f"expected {char!r} at column {pos}")
-    return pos + 1
-
-
-def skip_spaces(text: str, pos: int) -> int:
-    while pos < len(text) and text[pos] in " \t":
-        pos += 1
-    return pos
-
-
 # --- vLLM metrics --------------------------------------------------------------------
 
 
 def parse_metrics(text: str) -> EngineMetrics:
     """The scheduler's view of one vLLM `/metrics` page, totalled and per engine core."""
-    samples = [s for s in parse_samples(text) if s.name in RELEVANT_NAMES]
+    samples = parse_samples(text, RELEVANT_NAMES)
     by_engine: dict[str, list[Sample]] = defaultdict(list)
     for sample in samples:
         by_engine[sample.labels.get("engine", NO_ENGINE)].append(sample)

@@ -3,62 +3,55 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from thunderctl.prometheus import exposition
 from thunderctl.scheduler import Phase, Status
 
 if TYPE_CHECKING:
     from thunderctl.gateway.gateway import Gateway
 
 
-def _sample(name: str, value: float, **labels: str) -> str:
-    if not labels:
-        return f"{name} {value}"
-    rendered = ",".join(f'{key}="{val}"' for key, val in labels.items())
-    return f"{name}{{{rendered}}} {value}"
-
-
 def render_metrics(gateway: Gateway) -> str:
+    return exposition(gateway_families(gateway))
+
+
+def gateway_families(gateway: Gateway) -> Iterator[Metric]:
     sched = gateway.scheduler
     by_state = Counter((p.phase, p.status) for p in sched.programs.values())
-    lines = ["# TYPE thunderctl_programs gauge"]
+    programs = GaugeMetricFamily("thunderctl_programs", "Programs by phase and status.", labels=["phase", "status"])
     for phase in Phase:
         for status in (Status.ACTIVE, Status.PAUSED):
-            count = by_state[(phase, status)]
-            lines.append(_sample("thunderctl_programs", count, phase=phase, status=status))
-    for name, value in [
-        ("thunderctl_pauses_total", sched.counters.pauses),
-        ("thunderctl_resumes_total", sched.counters.resumes),
-        ("thunderctl_forced_resumes_total", sched.counters.forced_resumes),
-        ("thunderctl_programs_released_total", sched.counters.released),
-        ("thunderctl_programs_expired_total", sched.counters.expired),
-        ("thunderctl_scheduler_tick_failures_total", sched.counters.tick_failures),
+            programs.add_metric([str(phase), str(status)], by_state[(phase, status)])
+    yield programs
+    for name, documentation, value in [
+        ("thunderctl_pauses_total", "Programs paused.", sched.counters.pauses),
+        ("thunderctl_resumes_total", "Programs resumed.", sched.counters.resumes),
+        ("thunderctl_forced_resumes_total", "Programs resumed without room, past resume_timeout_s.", sched.counters.forced_resumes),
+        ("thunderctl_programs_released_total", "Programs released.", sched.counters.released),
+        ("thunderctl_programs_expired_total", "Programs ended after idle_ttl_s without activity.", sched.counters.expired),
+        ("thunderctl_scheduler_tick_failures_total", "Scheduler ticks that raised.", sched.counters.tick_failures),
     ]:
-        lines += [f"# TYPE {name} counter", _sample(name, value)]
-    lines += [
-        "# TYPE thunderctl_acting_weight gauge",
-        _sample("thunderctl_acting_weight", round(sched.acting_weight, 4)),
-        "# TYPE thunderctl_admission_gate_open gauge",
-        _sample("thunderctl_admission_gate_open", int(sched.tuner.gate_open)),
-        "# TYPE thunderctl_worker_utilization gauge",
-        _sample("thunderctl_worker_utilization", round(gateway.last_utilization, 4)),
-        "# TYPE thunderctl_backend_reserved_tokens gauge",
-        "# TYPE thunderctl_backend_capacity_tokens gauge",
-        "# TYPE thunderctl_backend_requests_in_flight gauge",
-    ]
+        yield CounterMetricFamily(name, documentation, value=value)
+    yield GaugeMetricFamily(
+        "thunderctl_acting_weight", "Share of an acting program's private tokens charged.", round(sched.acting_weight, 4)
+    )
+    yield GaugeMetricFamily(
+        "thunderctl_admission_gate_open", "1 while the admission law's gate is open.", int(sched.tuner.gate_open)
+    )
+    yield GaugeMetricFamily(
+        "thunderctl_worker_utilization", "Mean busy fraction of the workers in service.", round(gateway.last_utilization, 4)
+    )
+    backend = ["backend"]
+    reserved = GaugeMetricFamily("thunderctl_backend_reserved_tokens", "Physical KV tokens charged on the backend.", labels=backend)
+    capacity = GaugeMetricFamily("thunderctl_backend_capacity_tokens", "KV cache tokens of the backend.", labels=backend)
+    in_flight = GaugeMetricFamily("thunderctl_backend_requests_in_flight", "Requests relayed to the backend now.", labels=backend)
     for upstream in gateway.upstreams.values():
-        lines.append(
-            _sample(
-                "thunderctl_backend_reserved_tokens",
-                sched.reserved_tokens(upstream.id),
-                backend=upstream.id,
-            )
-        )
+        reserved.add_metric([upstream.id], sched.reserved_tokens(upstream.id))
         if upstream.capacity is not None:
-            lines.append(
-                _sample("thunderctl_backend_capacity_tokens", upstream.capacity, backend=upstream.id)
-            )
-        lines.append(
-            _sample("thunderctl_backend_requests_in_flight", upstream.in_flight, backend=upstream.id)
-        )
-    return "\n".join(lines) + "\n"
+            capacity.add_metric([upstream.id], upstream.capacity)
+        in_flight.add_metric([upstream.id], upstream.in_flight)
+    yield from (reserved, capacity, in_flight)

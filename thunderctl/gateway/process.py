@@ -5,15 +5,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
 
-from thunderctl.engines.local import pick_free_port
 from thunderctl.gateway.auth import API_KEY_ENV, env_api_key
 from thunderctl.jsonapi import bearer_headers
+from thunderctl.processes import pick_free_port, poll_until
 
 
 class ServeProcess:
@@ -44,18 +43,18 @@ class ServeProcess:
         return bearer_headers(self.api_key)
 
     def wait_healthy(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
         with httpx.Client(timeout=2.0, trust_env=False) as client:
-            while time.monotonic() < deadline:
+
+            def healthy() -> bool:
                 if self.process.poll() is not None:
                     raise RuntimeError(f"gateway exited {self.process.returncode}:\n{self.log_path.read_text()}")
                 try:
-                    if client.get(f"{self.url}/health").status_code == 200:
-                        return
+                    return client.get(f"{self.url}/health").status_code == 200
                 except httpx.TransportError:
-                    pass
-                time.sleep(0.2)
-        raise RuntimeError(f"gateway not healthy after {timeout:.0f} s:\n{self.log_path.read_text()}")
+                    return False
+
+            if not poll_until(healthy, timeout, 0.2):
+                raise RuntimeError(f"gateway not healthy after {timeout:.0f} s:\n{self.log_path.read_text()}")
 
     def stop(self) -> None:
         self.process.terminate()

@@ -1,0 +1,39 @@
+"""Processes the controller starts and stops: their identity, groups, ports and logs."""
+
+from thunderctl.processes.groups import (
+    GroupStop,
+    LocalProcessGroups,
+    ProcessGroups,
+    StopError,
+    spawn_detached,
+    stop_recorded_group,
+)
+from thunderctl.processes.identity import (
+    ProcessIdentity,
+    local_start_ticks,
+    pid_alive,
+    process_alive,
+    start_ticks_in,
+)
+from thunderctl.processes.logs import tail_of_file
+from thunderctl.processes.poll import poll_until
+from thunderctl.processes.ports import pick_free_port, pick_free_ports, port_free
+
+__all__ = [
+    "GroupStop",
+    "LocalProcessGroups",
+    "ProcessGroups",
+    "ProcessIdentity",
+    "StopError",
+    "local_start_ticks",
+    "pick_free_port",
+    "pick_free_ports",
+    "pid_alive",
+    "port_free",
+    "poll_until",
+    "process_alive",
+    "spawn_detached",
+    "start_ticks_in",
+    "stop_recorded_group",
+    "tail_of_file",
+]
