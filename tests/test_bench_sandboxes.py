@@ -17,13 +17,14 @@ import pytest
 from sandbox_fixtures import BUSYBOX, DOCKERFILE
 from test_cluster import Cli, consecutive_free_ports, write_profile
 
-from thunderctl.bench.closed_loop import MESSAGE_OVERHEAD_TOKENS, StepPlan
+from thunderctl.bench.planning import StepPlan
 from thunderctl.bench.sandboxes import (
     BYTES_PER_TOKEN,
     OBSERVATION_FILE,
     read_sandbox_sample,
     tool_command,
 )
+from thunderctl.bench.shapes import MESSAGE_OVERHEAD_TOKENS
 from thunderctl.engines.local import pick_free_port
 
 PROGRAMS = 4

@@ -11,32 +11,30 @@ import httpx
 import pytest
 
 from thunderctl.bench.closed_loop import (
-    WORDS,
-    AgentShape,
-    CacheDelta,
-    LoadResult,
     LoadSpec,
     Routing,
-    StepRecord,
     Target,
-    Uniform,
     _Reply,
     calibrate_tokens_per_word,
+    read_stream_chunk,
+    run_load,
+    window_end,
+)
+from thunderctl.bench.planning import WORDS, plan_program, system_prompt, words_for_tokens
+from thunderctl.bench.replay import TraceWorkload
+from thunderctl.bench.results import (
+    CacheDelta,
+    LoadResult,
+    StepRecord,
     combine_results,
     per_minute,
     percentile,
-    plan_program,
-    read_stream_chunk,
-    run_load,
     steady_steps,
-    system_prompt,
-    window_end,
-    words_for_tokens,
 )
-from thunderctl.bench.replay import TraceWorkload
-from thunderctl.bench.trace import TraceProgram, TraceStep
+from thunderctl.bench.shapes import AgentShape, Uniform
 from thunderctl.engines.local import LocalEngine
 from thunderctl.engines.vllm import EngineMetrics, parse_samples
+from thunderctl.traceformat import TraceProgram, TraceStep
 
 FIXED = AgentShape(
     system_prompt_tokens=200,
