@@ -33,6 +33,7 @@ from thunderctl.bench.sandboxes import SandboxTools
 from thunderctl.bench.shapes import AgentShape, Workload
 from thunderctl.engines.vllm import EngineMetrics, fetch_metrics
 from thunderctl.jsonapi import bearer_headers
+from thunderctl.sim.agents import aged_start_fraction
 
 # Used when the engine cannot tokenize for us; real tokenizers give ~1.0-1.3 on these words.
 DEFAULT_TOKENS_PER_WORD = 1.0
@@ -211,7 +212,7 @@ class ClosedLoop:
 
     def plan(self, index: int) -> ProgramPlan:
         aged = self.spec.age_initial_programs and index < self.spec.concurrency
-        fraction = random.Random(f"{self.spec.seed}/age/{index}").random() if aged else 0.0
+        fraction = aged_start_fraction(self.spec.seed, index) if aged else 0.0
         return plan_program(
             self.spec.shape,
             seed=self.spec.seed,

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from thunderctl.bench.shapes import MESSAGE_OVERHEAD_TOKENS, Workload
+from thunderctl.sim.agents import first_step_at
 from thunderctl.traceformat import TraceProgram
 
 # Ordinary English words; each is a single token (with its leading space) in the tiny test
@@ -116,7 +117,7 @@ def plan_program(
     task_tokens, sized = step_sizes(program, workload.system_prompt_tokens)
     n_steps = steps_that_fit(workload, task_tokens, sized)
     sized = sized[:n_steps]
-    first_step = min(int(start_fraction * n_steps), n_steps - 1)
+    first_step = first_step_at(start_fraction, n_steps)
 
     text_rng = random.Random(f"{seed}/text/{index}")
     task = f"Task {index}: {word_text(text_rng, words_for_tokens(task_tokens, tokens_per_word))}"
