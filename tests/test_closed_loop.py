@@ -223,6 +223,16 @@ def test_slices_combine_into_one_arm() -> None:
     assert combined.summary()["steady_steps"] == 6
 
 
+def test_a_summary_holds_every_count_of_a_result_and_the_slices_sum_into_the_arms() -> None:
+    slices = [replace(result([1.0], 30.0, CacheDelta(10, 5, 0)), steps_cut=2, sandbox_create_failures=1, salt=salt)
+              for salt in ("a", "b")]  # fmt: skip
+    summary = combine_results(slices).summary()
+    assert (summary["steps_cut"], summary["sandbox_create_failures"], summary["release_failures"]) == (4, 2, 0)
+    assert (summary["engine_prefix_cache_queries"], summary["engine_prefix_cache_hits"]) == (20, 10)
+    assert summary["salt"] == "a,b" and summary["target"] == "gateway" and summary["concurrency"] == 8
+    assert "records" not in summary and "steady_latencies_s" not in summary
+
+
 def test_stream_chunks_give_text_first_token_time_and_usage() -> None:
     reply, parts = _Reply(200), []
     read_stream_chunk({"choices": [{"delta": {"role": "assistant"}}]}, reply, parts, 0.1)

@@ -52,7 +52,6 @@ from thunderctl.daemon.status import ClusterStatus
 from thunderctl.engines.vllm import API_KEY_ENV as API_KEY_ENV_VLLM
 from thunderctl.gateway import BackendUnreachable, Gateway, parse_backend, serve_gateway
 from thunderctl.gateway.auth import API_KEY_ENV, GatewayAuth, exposure_problem
-from thunderctl.gateway.gateway import WorkerState
 from thunderctl.gateway.recorder import TraceRecorder
 from thunderctl.integrations.cli import agents_app
 from thunderctl.jsonapi import DEFAULT_MAX_BODY_BYTES, BodyLimits
@@ -72,9 +71,6 @@ app.add_typer(agents_app, name="agents")
 
 out = Console()
 err = Console(stderr=True)
-
-# States in which a worker has nothing left to finish: `drain --wait` waits for one.
-IDLE_STATES = (WorkerState.DRAINED, WorkerState.STOPPED, WorkerState.UNHEALTHY)
 
 
 def fail(message: str, code: int = 1) -> typer.Exit:
@@ -387,14 +383,13 @@ def drain(
     deadline = time.monotonic() + timeout
     with out.status("draining") as progress:
         while True:
-            view = get_status(state)
-            busy = {i: w for i in worker_ids if (w := view.worker(i)).state not in IDLE_STATES}
+            busy = get_status(state).busy(worker_ids)
             if not busy:
                 break
             if time.monotonic() > deadline:
-                raise fail(f"still busy after {timeout:.0f} s: {', '.join(busy)}")
+                raise fail(f"still busy after {timeout:.0f} s: {', '.join(w.id for w in busy)}")
             progress.update("draining: " + ", ".join(
-                f"{i} in flight {w.requests_in_flight} programs {w.programs_active}" for i, w in busy.items()))
+                f"{w.id} in flight {w.requests_in_flight} programs {w.programs_active}" for w in busy))
             time.sleep(0.5)
     out.print(f"[green]drained[/] {', '.join(worker_ids)}: safe to stop")
     if stop:

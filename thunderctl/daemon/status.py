@@ -11,6 +11,9 @@ from pydantic import BaseModel, ConfigDict
 
 from thunderctl.gateway.gateway import WorkerState
 
+# States in which a worker has nothing left to finish: `drain --wait` waits for one.
+IDLE_STATES = (WorkerState.DRAINED, WorkerState.STOPPED, WorkerState.UNHEALTHY)
+
 
 class StatusPart(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -74,8 +77,9 @@ class ClusterStatus(StatusPart):
     scheduler: SchedulerStatus
     sandboxes: SandboxStatus
 
-    def worker(self, worker_id: str) -> WorkerStatus:
-        return next(worker for worker in self.workers if worker.id == worker_id)
+    def busy(self, worker_ids: list[str]) -> list[WorkerStatus]:
+        """Those of the workers that still have work to finish."""
+        return [worker for worker in self.workers if worker.id in worker_ids and worker.state not in IDLE_STATES]
 
     def ready_urls(self) -> list[str]:
         """The workers in service and answering: the engines a benchmark reads."""
