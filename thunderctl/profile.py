@@ -33,6 +33,21 @@ class ModelSpec(Strict):
     served_name: str = "tiny"
 
 
+class RestartPolicy(Strict):
+    enabled: bool = Field(True, description="the daemon starts again a worker whose process died")
+    initial_backoff_s: float = Field(5.0, gt=0, description="the wait before a second restart; it doubles after each")
+    max_backoff_s: float = Field(300.0, gt=0, description="the longest wait between restarts")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> RestartPolicy:
+        if self.max_backoff_s < self.initial_backoff_s:
+            raise ValueError(
+                f"max_backoff_s: {self.max_backoff_s:g} is below initial_backoff_s: {self.initial_backoff_s:g}; "
+                "raise it or lower initial_backoff_s"
+            )
+        return self
+
+
 class EngineSpec(Strict):
     kind: Literal["vllm", "vllm-cpu"] = "vllm"
     install: Literal["existing", "pip", "docker"] = "existing"
@@ -42,6 +57,7 @@ class EngineSpec(Strict):
     kv_blocks: int | None = Field(None, gt=0, description="--num-gpu-blocks-override")
     block_size: int | None = Field(None, gt=0)
     max_model_len: int | None = Field(None, gt=0)
+    restart: RestartPolicy = RestartPolicy()
 
     @model_validator(mode="after")
     def _cpu_blocks(self) -> EngineSpec:

@@ -221,5 +221,7 @@ def pool_field(item: Field[Any], results: Sequence[LoadResult], offsets: Sequenc
         case Pooling.SHIFTED:
             clock = item.metadata["clock"]
             return [
-                replace(x, **{clock: getattr(x, clock) + offset}) for value, offset in zip(values, offsets) for x in value
+                replace(x, **{clock: getattr(x, clock) + offset})
+                for value, offset in zip(values, offsets)
+                for x in value
             ]

@@ -32,6 +32,7 @@ class WorkerStatus(StatusPart):
     preemptions: int
     requests_running: int
     requests_waiting: int
+    restarts: int  # times the daemon started the worker again after its process died
 
 
 class GatewayStatus(StatusPart):

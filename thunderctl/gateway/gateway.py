@@ -94,6 +94,7 @@ class Gateway:
         metrics_interval_s: float = 2.0,
         recorder: TraceRecorder | None = None,
         worker_key: str | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,  # the workers' HTTP; tests pass a fake
     ) -> None:
         if not upstreams:
             raise ValueError("the gateway needs at least one backend")
@@ -112,6 +113,7 @@ class Gateway:
             headers=bearer_headers(worker_key),
             timeout=httpx.Timeout(None, connect=10.0),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            transport=transport,
         )
 
     # ---- life -----------------------------------------------------------------------------

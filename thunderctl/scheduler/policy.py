@@ -218,6 +218,7 @@ class Scheduler:
             return
         self._pause(program)
         program.phase = Phase.REASONING
+        assert program.paused_at is not None, "_pause stamps it"
         self._enqueue(program, program.paused_at)
         self._resume_waiting()
 
@@ -555,7 +556,9 @@ class Scheduler:
         """Around a change of a program's size or phase: its backend's ledger is debited
         before and credited after, and a waiting program takes its place in the queue
         again, so ledgers and queue always match the programs."""
-        ledger = self._ledgers.get(program.backend) if program.status is Status.ACTIVE else None
+        ledger = None
+        if program.status is Status.ACTIVE and program.backend is not None:
+            ledger = self._ledgers.get(program.backend)
         if ledger is not None:
             ledger.remove(program, self.config.buffer_tokens)
         waiting_since = program.waiting_since

@@ -112,7 +112,7 @@ class ArmResult:
         }
 
 
-def percentile(values: list[float], q: float) -> float | None:
+def percentile(values: list[float], q: int) -> float | None:
     if not values:
         return None
     if len(values) == 1:
