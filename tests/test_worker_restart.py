@@ -18,6 +18,9 @@ from thunderctl.cluster.state import pid_alive
 from thunderctl.daemon.service import SUPERVISE_INTERVAL_S
 from thunderctl.engines.local import pick_free_port
 
+# Two engine start-ups (the cluster's and the restart) in one test at worst.
+pytestmark = pytest.mark.timeout(1200)
+
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, engine_home):

@@ -57,10 +57,18 @@ class EngineSpec(Strict):
     kv_blocks: int | None = Field(None, gt=0, description="--num-gpu-blocks-override")
     block_size: int | None = Field(None, gt=0)
     max_model_len: int | None = Field(None, gt=0)
+    kv_offload_gib: float | None = Field(
+        None, gt=0, description="a host KV tier per worker: --kv-offloading-backend native --kv-offloading-size"
+    )
     restart: RestartPolicy = RestartPolicy()
 
     @model_validator(mode="after")
     def _cpu_blocks(self) -> EngineSpec:
+        if self.kind == "vllm-cpu" and self.kv_offload_gib is not None:
+            raise ValueError(
+                "kv_offload_gib: vllm-cpu refuses a host KV tier at startup (\"CPU Offloading is currently "
+                "only supported on CUDA-alike and XPU GPUs\"); remove it, or use kind: vllm on GPU nodes"
+            )
         if self.kind == "vllm-cpu" and self.block_size is not None and self.block_size % 32:
             raise ValueError(
                 f"block_size: {self.block_size} is not a multiple of 32, which vLLM-CPU's attention "

@@ -21,6 +21,7 @@ from thunderctl.cluster.worker_key import read_worker_key
 from thunderctl.daemon.control import build_control_app
 from thunderctl.daemon.supervisor import RestartPlanner
 from thunderctl.gateway import Gateway, Upstream, build_app
+from thunderctl.gateway.answers import resume_priority
 from thunderctl.jsonapi import BodyLimits
 from thunderctl.profile import ProfileError, load_profile
 from thunderctl.sandbox import SandboxPool, render_sandbox_metrics, sandbox_routes
@@ -57,7 +58,10 @@ class Daemon:
         self.profile = load_profile(Path(state.profile_path))
         upstreams = [Upstream(w.id, w.url, stopped=w.stopped) for w in state.workers]
         self.worker_key = read_worker_key(state.dir)
-        self.gateway = Gateway(upstreams, self.profile.scheduler, worker_key=self.worker_key)
+        self.gateway = Gateway(
+            upstreams, self.profile.scheduler, worker_key=self.worker_key,
+            resumed_priority=resume_priority(self.profile.engine.args),
+        )  # fmt: skip
         self.auth = self.profile.gateway.auth()
         limits = BodyLimits(max_bytes=self.profile.gateway.max_body_bytes)
         self.started_at = time.time()
