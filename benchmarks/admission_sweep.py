@@ -28,9 +28,11 @@ from overhead import gateway_latency, tick_cost
 from rich.console import Console
 from rich.table import Table
 
-from thunderctl.bench.closed_loop import AgentShape, LoadResult, LoadSpec, Target, Uniform, run_load
+from thunderctl.bench.closed_loop import LoadSpec, Target, run_load
 from thunderctl.bench.replay import Arm, run_arms
 from thunderctl.bench.report import LiveProgress, fmt
+from thunderctl.bench.results import LoadResult
+from thunderctl.bench.shapes import AgentShape, Uniform
 from thunderctl.gateway.auth import env_api_key
 from thunderctl.gateway.process import ServeProcess
 

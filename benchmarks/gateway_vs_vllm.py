@@ -27,9 +27,10 @@ from local_stack import EngineSettings, local_stack
 from rich.console import Console
 from rich.table import Table
 
-from thunderctl.bench.closed_loop import AgentShape, LoadSpec, Target, Uniform
+from thunderctl.bench.closed_loop import LoadSpec, Target
 from thunderctl.bench.replay import Arm, ArmOutcome, run_arms
 from thunderctl.bench.report import LiveProgress, fmt
+from thunderctl.bench.shapes import AgentShape, Uniform
 from thunderctl.gateway.auth import env_api_key
 
 REPO = Path(__file__).resolve().parent.parent

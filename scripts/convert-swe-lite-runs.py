@@ -17,7 +17,7 @@ from pathlib import Path
 
 from thunderctl.bench.importers import decode_rate, read_step_table
 from thunderctl.bench.recorded import RECORDED_SWE_LITE, RECORDED_SWE_LITE_SOURCE
-from thunderctl.bench.trace import write_trace
+from thunderctl.traceformat import write_trace
 
 PACKAGE_DATA = Path(__file__).resolve().parents[1] / "thunderctl" / "bench" / "data" / RECORDED_SWE_LITE
 

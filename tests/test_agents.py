@@ -59,7 +59,7 @@ class AgentsCluster:
     def __init__(self, cli: Cli, name: str, docker_client: docker.DockerClient) -> None:
         self.cli = cli
         self.name = name
-        self.endpoint = cli.status()["endpoint"]
+        self.endpoint = cli.status().endpoint
         self.client = ClusterClient(self.endpoint)
         self.docker = docker_client
 

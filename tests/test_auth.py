@@ -14,19 +14,20 @@ import httpx
 import pytest
 import yaml
 
-from thunderctl.cli import status_renderable
 from thunderctl.cluster.plan import MASKED_WORKER_KEY, WorkerPlan, plan_workers
 from thunderctl.cluster.lifecycle import start_workers
 from thunderctl.cluster.state import ClusterState
 from thunderctl.cluster.transport import Transports
 from thunderctl.cluster.worker_key import create_worker_key, read_worker_key, worker_key_path
 from thunderctl.daemon.control import build_control_app
+from thunderctl.daemon.status import ClusterStatus
 from thunderctl.engines.local import EngineHome, LocalEngine, LocalEngineConfig
 from thunderctl.gateway import Gateway, Upstream, build_app
 from thunderctl.gateway.auth import GatewayAuth, exposure_problem
 from thunderctl.processes import pick_free_port
 from thunderctl.profile import DEFAULT_PROFILE, load_profile, parse_profile
 from thunderctl.sandbox import sandbox_routes
+from thunderctl.status_screen import status_renderable
 
 REPO = Path(__file__).resolve().parent.parent
 KEY = "test-gateway-key-0123"
@@ -166,9 +167,10 @@ async def test_status_says_whether_a_key_is_set_and_never_shows_it(daemon_of) ->
                 response = await control.get("/status")
         finally:
             await daemon.gateway.stop()
-        assert response.json()["gateway"]["api_key_set"] is expected
+        view = ClusterStatus.model_validate(response.json())
+        assert view.gateway.api_key_set is expected
         assert "status-secret-key" not in response.text
-        rendered = status_renderable(response.json()).renderables[-1]
+        rendered = status_renderable(view).renderables[-1]
         assert rendered.startswith("gateway key: set" if expected else "gateway key: none")
 
 

@@ -11,14 +11,14 @@ from trajectories import write_trajectory
 from typer.testing import CliRunner
 
 from thunderctl.bench.cli import WorkloadChoice, bench_app
-from thunderctl.bench.closed_loop import CacheDelta, CounterSample, LoadResult, StepRecord
 from thunderctl.bench.recorded import RECORDED_SWE_LITE_SOURCE
 from thunderctl.bench.replay import ArmOutcome, TraceWorkload, slice_order
-from thunderctl.bench.swe_lite import TOOL_SECONDS, SweLite
-from thunderctl.bench.trace import read_trace
 from thunderctl.bench.report import arm_summary, plot_report, ratios, report_table, timeline, verdict
+from thunderctl.bench.results import CacheDelta, CounterSample, LoadResult, StepRecord
+from thunderctl.bench.swe_lite import TOOL_SECONDS, SweLite
 from thunderctl.engines.local import LocalEngine
 from thunderctl.prometheus import parse_samples
+from thunderctl.traceformat import read_trace
 
 
 def requests_served(engine: LocalEngine) -> int:

@@ -15,7 +15,7 @@ import docker
 import pytest
 from test_cluster import Cli, consecutive_free_ports, write_profile
 
-from thunderctl.bench.closed_loop import MESSAGE_OVERHEAD_TOKENS, StepPlan
+from thunderctl.bench.planning import StepPlan
 from thunderctl.bench.sandboxes import (
     BYTES_PER_TOKEN,
     OBSERVATION_FILE,
@@ -25,6 +25,7 @@ from thunderctl.bench.sandboxes import (
     sandbox_summary,
     tool_command,
 )
+from thunderctl.bench.shapes import MESSAGE_OVERHEAD_TOKENS
 from thunderctl.processes import pick_free_port
 from thunderctl.sandbox.metrics import render_sandbox_metrics
 

@@ -7,16 +7,11 @@ import statistics
 
 import pytest
 
-from thunderctl.bench.closed_loop import (
-    MESSAGE_OVERHEAD_TOKENS,
-    StepSizes,
-    plan_program,
-    step_sizes,
-    system_prompt,
-)
+from thunderctl.bench.planning import StepSizes, plan_program, step_sizes, system_prompt
 from thunderctl.bench.replay import TraceWorkload
+from thunderctl.bench.shapes import MESSAGE_OVERHEAD_TOKENS
 from thunderctl.bench.swe_lite import LogNormal, SweLite
-from thunderctl.bench.trace import TraceProgram, TraceStep
+from thunderctl.traceformat import TraceProgram, TraceStep
 
 PROGRAMS = 1000
 

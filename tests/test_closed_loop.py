@@ -11,33 +11,31 @@ import httpx
 import pytest
 
 from thunderctl.bench.closed_loop import (
-    WORDS,
-    AgentShape,
-    CacheDelta,
-    LoadResult,
     LoadSpec,
     Routing,
-    StepRecord,
     Target,
-    Uniform,
     _Reply,
     calibrate_tokens_per_word,
+    read_stream_chunk,
+    run_load,
+    window_end,
+)
+from thunderctl.bench.planning import WORDS, plan_program, system_prompt, words_for_tokens
+from thunderctl.bench.replay import TraceWorkload
+from thunderctl.bench.results import (
+    CacheDelta,
+    LoadResult,
+    StepRecord,
     combine_results,
     per_minute,
     percentile,
-    plan_program,
-    read_stream_chunk,
-    run_load,
     steady_steps,
-    system_prompt,
-    window_end,
-    words_for_tokens,
 )
-from thunderctl.bench.replay import TraceWorkload
-from thunderctl.bench.trace import TraceProgram, TraceStep
+from thunderctl.bench.shapes import AgentShape, Uniform
 from thunderctl.engines.local import LocalEngine
 from thunderctl.engines.vllm import EngineMetrics
 from thunderctl.prometheus import parse_samples
+from thunderctl.traceformat import TraceProgram, TraceStep
 
 FIXED = AgentShape(
     system_prompt_tokens=200,
@@ -224,6 +222,16 @@ def test_slices_combine_into_one_arm() -> None:
     assert combined.prefix_cache_hit_rate == pytest.approx(0.25)
     assert combined.preemptions == 3 and combined.steps_cancelled == 2
     assert combined.summary()["steady_steps"] == 6
+
+
+def test_a_summary_holds_every_count_of_a_result_and_the_slices_sum_into_the_arms() -> None:
+    slices = [replace(result([1.0], 30.0, CacheDelta(10, 5, 0)), steps_cut=2, sandbox_create_failures=1, salt=salt)
+              for salt in ("a", "b")]  # fmt: skip
+    summary = combine_results(slices).summary()
+    assert (summary["steps_cut"], summary["sandbox_create_failures"], summary["release_failures"]) == (4, 2, 0)
+    assert (summary["engine_prefix_cache_queries"], summary["engine_prefix_cache_hits"]) == (20, 10)
+    assert summary["salt"] == "a,b" and summary["target"] == "gateway" and summary["concurrency"] == 8
+    assert "records" not in summary and "steady_latencies_s" not in summary
 
 
 def test_stream_chunks_give_text_first_token_time_and_usage() -> None:

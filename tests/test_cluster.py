@@ -22,7 +22,10 @@ import httpx
 import pytest
 import yaml
 
-from thunderctl.bench.closed_loop import AgentShape, LoadResult, LoadSpec, Target, Uniform, run_load
+from thunderctl.bench.closed_loop import LoadSpec, Target, run_load
+from thunderctl.bench.results import LoadResult
+from thunderctl.bench.shapes import AgentShape, Uniform
+from thunderctl.daemon.status import ClusterStatus
 from thunderctl.processes import pick_free_port, pid_alive, port_free
 from thunderctl.profile import DEFAULT_PROFILE
 
@@ -52,8 +55,9 @@ class Cli:
             raise AssertionError(f"thunderctl {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
         return result
 
-    def status(self) -> dict:
-        return json.loads(self("status", "--json").stdout)
+    def status(self) -> ClusterStatus:
+        """`thunderctl status --json`, read as the model the daemon answers with."""
+        return ClusterStatus.model_validate_json(self("status", "--json").stdout)
 
 
 def write_profile(directory: Path, restart: dict | None = None, **changes) -> Path:
@@ -112,35 +116,35 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, engine_home):
 def test_up_starts_workers_and_prints_the_endpoint(cluster) -> None:
     cli, _, up = cluster
     status = cli.status()
-    assert status["endpoint"] in up.stdout
-    assert [w["state"] for w in status["workers"]] == ["ready", "ready"]
-    assert all(w["kv_capacity_tokens"] == 4096 for w in status["workers"])
-    socket_path = Path(cli.env["THUNDERCTL_STATE_DIR"]) / status["cluster"] / "control.sock"
+    assert status.endpoint in up.stdout
+    assert [w.state for w in status.workers] == ["ready", "ready"]
+    assert all(w.kv_capacity_tokens == 4096 for w in status.workers)
+    socket_path = Path(cli.env["THUNDERCTL_STATE_DIR"]) / status.cluster / "control.sock"
     assert socket_path.stat().st_mode & 0o777 == 0o600
 
 
 def test_second_up_changes_nothing(cluster) -> None:
     cli, profile, _ = cluster
-    before = cli.status()["daemon_pid"]
+    before = cli.status().daemon_pid
     again = cli("up", "-f", str(profile))
-    assert "already up" in again.stdout and cli.status()["daemon_pid"] == before
+    assert "already up" in again.stdout and cli.status().daemon_pid == before
 
 
 def test_programs_through_the_endpoint_show_in_status(cluster) -> None:
     cli, _, _ = cluster
-    endpoint = cli.status()["endpoint"]
+    endpoint = cli.status().endpoint
     body = {"model": "tiny", "program_id": "visible", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
     assert httpx.post(f"{endpoint}/chat/completions", json=body, timeout=60).status_code == 200
     status = cli.status()
-    assert status["scheduler"]["programs"]["acting"] >= 1
-    assert sum(w["programs_active"] for w in status["workers"]) >= 1
+    assert status.scheduler.programs.acting >= 1
+    assert sum(w.programs_active for w in status.workers) >= 1
     httpx.post(endpoint.removesuffix("/v1") + "/programs/release", json={"program_id": "visible"})
 
 
 @pytest.mark.parametrize("llm_turn_first", [True, False], ids=["after-an-llm-turn", "before-any-llm-turn"])
 def test_a_programs_sandbox_is_collected_when_it_is_released(cluster, sandbox_image, llm_turn_first) -> None:
     cli, _, _ = cluster
-    gateway = cli.status()["endpoint"].removesuffix("/v1")
+    gateway = cli.status().endpoint.removesuffix("/v1")
     if llm_turn_first:
         body = {"model": "tiny", "program_id": "boxed", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
         assert httpx.post(f"{gateway}/v1/chat/completions", json=body, timeout=60).status_code == 200
@@ -148,76 +152,76 @@ def test_a_programs_sandbox_is_collected_when_it_is_released(cluster, sandbox_im
     httpx.get(f"{gateway}/v1/sandboxes/{box['id']}", params={"wait": "ready"}, timeout=60).raise_for_status()
     ran = httpx.post(f"{gateway}/v1/sandboxes/{box['id']}/exec", json={"cmd": "echo hello", "timeout": 10}, timeout=30)
     assert ran.json()["output"].strip() == "hello"
-    assert cli.status()["sandboxes"]["bound"] == 1
+    assert cli.status().sandboxes.bound == 1
 
     httpx.post(f"{gateway}/programs/release", json={"program_id": "boxed"}).raise_for_status()
     deadline = time.monotonic() + 30
-    while cli.status()["sandboxes"]["bound"] and time.monotonic() < deadline:
+    while cli.status().sandboxes.bound and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert cli.status()["sandboxes"]["bound"] == 0
+    assert cli.status().sandboxes.bound == 0
     gone = httpx.post(f"{gateway}/v1/sandboxes/{box['id']}/exec", json={"cmd": "true"}, timeout=30)
     assert gone.status_code == 404
 
 
 def test_drain_with_programs_in_flight_loses_no_request(cluster) -> None:
     cli, _, _ = cluster
-    thread, results = run_load_in_background(cli.status()["endpoint"], programs=8)
+    thread, results = run_load_in_background(cli.status().endpoint, programs=8)
     time.sleep(3)
     drained = cli("drain", "local/0", "--wait", "--timeout", "120")
     assert "drained local/0" in drained.stdout
-    assert cli.status()["workers"][0]["state"] == "drained"
+    assert cli.status().workers[0].state == "drained"
     thread.join(timeout=300)
     cli("undrain", "local/0")
     (result,) = results
     assert result.steps_failed == 0 and result.programs_completed == 8
-    assert cli.status()["workers"][0]["state"] == "ready"
+    assert cli.status().workers[0].state == "ready"
 
 
 def test_worker_killed_mid_run_loses_no_request(cluster) -> None:
     cli, _, _ = cluster
-    state = json.loads((Path(cli.env["THUNDERCTL_STATE_DIR"]) / cli.status()["cluster"] / "state.json").read_text())
+    state = json.loads((Path(cli.env["THUNDERCTL_STATE_DIR"]) / cli.status().cluster / "state.json").read_text())
     victim = state["workers"][1]
-    thread, results = run_load_in_background(cli.status()["endpoint"], programs=8)
+    thread, results = run_load_in_background(cli.status().endpoint, programs=8)
     time.sleep(4)
     os.killpg(victim["pid"], signal.SIGKILL)
     thread.join(timeout=300)
     (result,) = results
     assert result.steps_failed == 0 and result.programs_completed == 8
-    assert cli.status()["workers"][1]["state"] == "unhealthy"
+    assert cli.status().workers[1].state == "unhealthy"
 
 
 def test_up_on_a_running_cluster_starts_again_the_worker_that_died(cluster) -> None:
     cli, profile, _ = cluster
     before = cli.status()
-    assert before["workers"][1]["state"] == "unhealthy", "left so by the test before (restarts are off here)"
+    assert before.workers[1].state == "unhealthy", "left so by the test before (restarts are off here)"
     again = cli("up", "-f", str(profile))
     assert "restarted local/1 (its process had exited)" in again.stdout
     status = cli.status()
-    assert status["daemon_pid"] == before["daemon_pid"]
-    assert [w["state"] for w in status["workers"]] == ["ready", "ready"]
-    assert status["workers"][1]["restarts"] == 1
-    thread, results = run_load_in_background(status["endpoint"], programs=4)
+    assert status.daemon_pid == before.daemon_pid
+    assert [w.state for w in status.workers] == ["ready", "ready"]
+    assert status.workers[1].restarts == 1
+    thread, results = run_load_in_background(status.endpoint, programs=4)
     thread.join(timeout=300)
     (result,) = results
     assert result.steps_failed == 0 and result.programs_completed == 4
-    assert httpx.get(f"{status['workers'][1]['url']}/health", timeout=10).status_code == 200
+    assert httpx.get(f"{status.workers[1].url}/health", timeout=10).status_code == 200
 
 
 def test_daemon_killed_then_up_recovers_it_and_down_leaves_nothing(cluster, sandbox_image, docker_client) -> None:
     cli, profile, _ = cluster
-    name = cli.status()["cluster"]
+    name = cli.status().cluster
     state_dir = Path(cli.env["THUNDERCTL_STATE_DIR"]) / name
-    first_daemon = cli.status()["daemon_pid"]
+    first_daemon = cli.status().daemon_pid
     worker = json.loads((state_dir / "state.json").read_text())["workers"][1]
     os.killpg(worker["pid"], signal.SIGKILL)  # a worker that dies with its daemon
     os.kill(first_daemon, signal.SIGKILL)
     recovered = cli("up", "-f", str(profile))
     assert "recovered" in recovered.stdout and "restarted local/1" in recovered.stdout
     status = cli.status()
-    assert status["daemon_pid"] != first_daemon
-    assert [w["state"] for w in status["workers"]] == ["ready", "ready"]
+    assert status.daemon_pid != first_daemon
+    assert [w.state for w in status.workers] == ["ready", "ready"]
 
-    gateway = status["endpoint"].removesuffix("/v1")
+    gateway = status.endpoint.removesuffix("/v1")
     box = httpx.post(f"{gateway}/v1/sandboxes", json={"program_id": "orphan", "image": sandbox_image}, timeout=60)
     httpx.get(f"{gateway}/v1/sandboxes/{box.json()['id']}", params={"wait": "ready"}, timeout=60).raise_for_status()
 

@@ -10,8 +10,9 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from thunderctl.bench.closed_loop import AgentShape, LoadSpec, Target, Uniform, run_load
-from thunderctl.bench.trace import read_trace
+from thunderctl.bench.closed_loop import LoadSpec, Target, run_load
+from thunderctl.bench.shapes import AgentShape, Uniform
+from thunderctl.traceformat import read_trace
 
 pytestmark = pytest.mark.engine
 

@@ -7,14 +7,15 @@ from dataclasses import dataclass
 
 import pytest
 
-from thunderctl.bench.closed_loop import AgentShape, Uniform, plan_program
-from thunderctl.bench.trace import TraceProgram
+from thunderctl.bench.planning import plan_program
+from thunderctl.bench.shapes import AgentShape, Uniform
 from thunderctl.sim.agents import ClosedLoop, aged_start_fraction
 from thunderctl.sim.clock import VirtualClock
 from thunderctl.sim.cost import EngineShape, LinearStepCost
 from thunderctl.sim.engine import Engine
 from thunderctl.sim.routing import StickyRouter
 from thunderctl.sim.worker import Worker
+from thunderctl.traceformat import TraceProgram
 
 PREPARATION_S = 30.0
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from thunderctl.bench.closed_loop import AgentShape, Uniform
+from thunderctl.bench.shapes import AgentShape, Uniform
 from thunderctl.cli import app
 from thunderctl.sim.arms import ArmName, SimSpec, run_arm
 from thunderctl.sim.cost import EngineShape, LinearStepCost, Preset

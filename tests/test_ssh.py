@@ -82,8 +82,8 @@ def ssh_cluster(ssh_nodes: SshNodes, tmp_path_factory: pytest.TempPathFactory, e
 def test_up_over_ssh_starts_a_worker_on_each_node(ssh_cluster) -> None:
     cli, _, up, state = ssh_cluster
     status = cli.status()
-    assert status["endpoint"] in up.stdout
-    assert [(w["id"], w["state"]) for w in status["workers"]] == [("node-1/0", "ready"), ("node-2/0", "ready")]
+    assert status.endpoint in up.stdout
+    assert [(w.id, w.state) for w in status.workers] == [("node-1/0", "ready"), ("node-2/0", "ready")]
     one, two = state["workers"]
     assert one["ssh"]["host"] == NODE_1 and one["url"].startswith(f"http://{NODE_1}:")
     # node-2 is reached through the tunnel's local end, not at its own address.
@@ -93,15 +93,15 @@ def test_up_over_ssh_starts_a_worker_on_each_node(ssh_cluster) -> None:
 
 def test_the_gateway_schedules_programs_on_both_nodes(ssh_cluster) -> None:
     cli, _, _, _ = ssh_cluster
-    endpoint = cli.status()["endpoint"]
+    endpoint = cli.status().endpoint
     programs = [f"ssh-program-{i}" for i in range(6)]
     with httpx.Client(timeout=120) as client:
         for program in programs:
             body = {"model": "tiny", "program_id": program, "max_tokens": 4,
                     "messages": [{"role": "user", "content": f"hello from {program}"}]}
             assert client.post(f"{endpoint}/chat/completions", json=body).status_code == 200
-        workers = cli.status()["workers"]
-        served = {w["id"]: served_requests(client, w["url"]) for w in workers}
+        workers = cli.status().workers
+        served = {w.id: served_requests(client, w.url) for w in workers}
         for program in programs:
             client.post(endpoint.removesuffix("/v1") + "/programs/release", json={"program_id": program})
     assert all(count >= 1 for count in served.values()), served

@@ -9,7 +9,6 @@ from importlib import resources
 from pathlib import Path
 
 import pytest
-
 from trajectories import step_table_line, write_trajectory
 
 from thunderctl.bench.importers import (
@@ -21,14 +20,14 @@ from thunderctl.bench.importers import (
     read_step_table,
 )
 from thunderctl.bench.recorded import RECORDED_SWE_LITE, RECORDED_SWE_LITE_SOURCE, recorded_swe_lite
-from thunderctl.bench.trace import (
+from thunderctl.gateway.recorder import TraceRecorder
+from thunderctl.traceformat import (
     TraceFormatError,
     TraceProgram,
     TraceStep,
     read_trace,
     write_trace,
 )
-from thunderctl.gateway.recorder import TraceRecorder
 
 # (prompt tokens, completion tokens, created): four calls, 7, 3 and 10 s apart.
 CALLS = [(1460, 246, 1000), (1900, 61, 1007), (2100, 500, 1010), (2700, 30, 1020)]

@@ -36,7 +36,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, engine_home):
 
 
 def worker_record(cli: Cli) -> dict:
-    state_dir = Path(cli.env["THUNDERCTL_STATE_DIR"]) / cli.status()["cluster"]
+    state_dir = Path(cli.env["THUNDERCTL_STATE_DIR"]) / cli.status().cluster
     return json.loads((state_dir / "state.json").read_text())["workers"][0]
 
 
@@ -44,10 +44,10 @@ def test_a_killed_worker_is_started_again_and_serves(cluster) -> None:
     cli = cluster
     first_pid = worker_record(cli)["pid"]
     os.killpg(first_pid, signal.SIGKILL)
-    wait_for(lambda: cli.status()["workers"][0]["restarts"] == 1, 30, "the daemon to start the worker again")
-    wait_for(lambda: cli.status()["workers"][0]["state"] == "ready", 300, "the restarted worker to be ready")
+    wait_for(lambda: cli.status().workers[0].restarts == 1, 30, "the daemon to start the worker again")
+    wait_for(lambda: cli.status().workers[0].state == "ready", 300, "the restarted worker to be ready")
     assert worker_record(cli)["pid"] != first_pid and pid_alive(worker_record(cli)["pid"])
-    thread, results = run_load_in_background(cli.status()["endpoint"], programs=2)
+    thread, results = run_load_in_background(cli.status().endpoint, programs=2)
     thread.join(timeout=300)
     (result,) = results
     assert result.steps_failed == 0 and result.programs_completed == 2
@@ -58,5 +58,5 @@ def test_a_worker_a_drain_stopped_stays_stopped(cluster) -> None:
     pid = worker_record(cli)["pid"]
     cli("drain", "local/0", "--stop", "--timeout", "120")
     time.sleep(4 * SUPERVISE_INTERVAL_S)
-    assert cli.status()["workers"][0]["state"] == "stopped"
+    assert cli.status().workers[0].state == "stopped"
     assert worker_record(cli)["pid"] == pid and not pid_alive(pid)

@@ -1,3 +1,5 @@
+"""`python -m thunderctl`: the command line."""
+
 from thunderctl.cli import app
 
 app(prog_name="thunderctl")

@@ -16,7 +16,7 @@ from typing import Annotated
 import httpx
 import typer
 from pydantic import ValidationError
-from rich.console import Console, Group
+from rich.console import Console
 from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
@@ -26,8 +26,6 @@ from thunderctl.bench.cli import bench_app
 from thunderctl.cluster.lifecycle import (
     follow_lines,
     LaunchError,
-    control_client,
-    daemon_answers,
     any_worker_alive,
     existing_state,
     launch,
@@ -48,7 +46,9 @@ from thunderctl.engines.local import (
     LocalEngineConfig,
     install_engine,
 )
+from thunderctl.daemon.client import control_client, daemon_answers, fetch_status
 from thunderctl.daemon.service import collect_orphaned_sandboxes
+from thunderctl.daemon.status import ClusterStatus
 from thunderctl.engines.vllm import API_KEY_ENV as API_KEY_ENV_VLLM
 from thunderctl.gateway import BackendUnreachable, Gateway, parse_backend, serve_gateway
 from thunderctl.gateway.auth import API_KEY_ENV, GatewayAuth, exposure_problem
@@ -58,6 +58,7 @@ from thunderctl.jsonapi import DEFAULT_MAX_BODY_BYTES, BodyLimits
 from thunderctl.processes import pick_free_port
 from thunderctl.profile import DEFAULT_PROFILE, Profile, ProfileError, load_profile, state_root
 from thunderctl.scheduler import Decay, SchedulerConfig
+from thunderctl.status_screen import status_renderable
 
 app = typer.Typer(
     help="Program-aware agentic inference: schedule whole agent programs over vLLM workers.",
@@ -330,56 +331,12 @@ def up(
     out.print(f"cluster [bold]{state.cluster}[/] up: {len(state.workers)} worker(s); endpoint [bold]{state.endpoint}[/]")
 
 
-def get_status(state: ClusterState) -> dict:
+def get_status(state: ClusterState) -> ClusterStatus:
     try:
-        with control_client(state, timeout=10) as client:
-            return client.get("/status").raise_for_status().json()
+        return fetch_status(state, timeout=10)
     except httpx.HTTPError as exc:
         raise fail(f"the daemon of {state.cluster} does not answer ({exc}); `thunderctl up` recovers it, "
                    "`thunderctl down` cleans up") from exc
-
-
-def status_renderable(view: dict) -> Group:
-    """The status view laid out for an 80-column terminal: numbers in full, each worker's URL on
-    a line of its own below the table, where a long one cannot squeeze the numbers."""
-    workers = Table(title=f"cluster {view['cluster']} · {view['endpoint']} · up {view['uptime_s']:.0f} s",
-                    box=None, pad_edge=False, title_justify="left")
-    workers.add_column("worker", no_wrap=True)
-    workers.add_column("state", no_wrap=True)
-    for column in ("KV\nreserved", "KV\ncapacity", "programs", "in\nflight", "hit\nrate", "preempted"):
-        workers.add_column(column, justify="right")
-    urls = Table.grid(padding=(0, 2))
-    for w in view["workers"]:
-        hit = "-" if w["prefix_cache_hit_rate"] is None else f"{w['prefix_cache_hit_rate']:.2f}"
-        capacity = "-" if w["kv_capacity_tokens"] is None else f"{w['kv_capacity_tokens']:,}"
-        workers.add_row(w["id"], w["state"], f"{w['kv_reserved_tokens']:,}", capacity, f"{w['programs_active']:,}",
-                        f"{w['requests_in_flight']:,}", hit, f"{w['preemptions']:,}")
-        urls.add_row(w["id"], w["url"])
-    sched = view["scheduler"]
-    programs = sched["programs"]
-    boxes = view["sandboxes"]
-    sandboxes = (f"warm {boxes['warm']} · bound {boxes['bound']} · preparing {boxes['preparing']}"
-                 if boxes.get("available", True) else f"unavailable ({boxes.get('reason', '')})")
-    return Group(
-        workers,
-        "",
-        urls,
-        "",
-        f"programs: reasoning {programs['reasoning']:,} · acting {programs['acting']:,} · paused {programs['paused']:,}",
-        f"scheduler: pauses {sched['pauses_total']:,} · resumes {sched['resumes_total']:,}"
-        f" · forced {sched['forced_resumes_total']:,}",
-        "admission: open gate (the engines admit by their own KV cache)" if sched["admission_gate_open"]
-        else f"admission: ACTING weight {sched['acting_weight']:.2f} · workers busy {sched['utilization']:.0%}",
-        f"sandboxes: {sandboxes}",
-        gateway_key_line(view.get("gateway", {})),
-    )
-
-
-def gateway_key_line(gateway: dict) -> str:
-    if not gateway.get("api_key_set"):
-        return "gateway key: none (any client that reaches the endpoint is served)"
-    return "gateway key: set (clients send Authorization: Bearer KEY)" + (
-        "; /metrics is public" if gateway.get("metrics_public") else "")
 
 
 @app.command()
@@ -392,7 +349,7 @@ def status(
     """Workers, programs, KV and sandboxes of a running cluster."""
     state = cluster_or_exit(cluster)
     if json_output:
-        print(json.dumps(get_status(state), indent=2))
+        print(json.dumps(get_status(state).wire(), indent=2))
         return
     if not watch:
         out.print(status_renderable(get_status(state)))
@@ -433,14 +390,13 @@ def drain(
     deadline = time.monotonic() + timeout
     with out.status("draining") as progress:
         while True:
-            views = {w["id"]: w for w in get_status(state)["workers"]}
-            busy = {i: views[i] for i in worker_ids if views[i]["state"] not in ("drained", "stopped", "unhealthy")}
+            busy = get_status(state).busy(worker_ids)
             if not busy:
                 break
             if time.monotonic() > deadline:
-                raise fail(f"still busy after {timeout:.0f} s: {', '.join(busy)}")
+                raise fail(f"still busy after {timeout:.0f} s: {', '.join(w.id for w in busy)}")
             progress.update("draining: " + ", ".join(
-                f"{i} in flight {w['requests_in_flight']} programs {w['programs_active']}" for i, w in busy.items()))
+                f"{w.id} in flight {w.requests_in_flight} programs {w.programs_active}" for w in busy))
             time.sleep(0.5)
     out.print(f"[green]drained[/] {', '.join(worker_ids)}: safe to stop")
     if stop:

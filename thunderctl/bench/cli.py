@@ -33,16 +33,16 @@ from thunderctl.bench.swe_lite import (
     SHARED_PREFIX_TOKENS,
     TOOL_SECONDS,
 )
-from thunderctl.bench.trace import TraceFormatError, write_trace
 from thunderctl.bench.workloads import WorkloadChoice
-from thunderctl.cluster.lifecycle import control_client, daemon_answers
 from thunderctl.cluster.state import ClusterNotFound, find_cluster
 from thunderctl.cluster.worker_key import read_worker_key
+from thunderctl.daemon.client import daemon_answers, fetch_status
 from thunderctl.engines.vllm import API_KEY_ENV as ENGINE_KEY_ENV
 from thunderctl.gateway.auth import API_KEY_ENV
 from thunderctl.integrations.cluster import ClusterClient
 from thunderctl.jsonapi import bearer_headers
 from thunderctl.profile import ProfileError, load_profile, state_root
+from thunderctl.traceformat import TraceFormatError, write_trace
 
 bench_app = typer.Typer(
     help="Benchmarks: replay agent workloads through thunderctl and straight to the engines.",
@@ -91,11 +91,9 @@ def cluster_endpoints(name: str | None) -> Endpoints:
             f"cluster {state.cluster!r} is not running (its daemon does not answer); "
             "`thunderctl up` starts it, or give --endpoint URL"
         )
-    with control_client(state) as client:
-        status = client.get("/status").json()
-    engines = [worker["url"] for worker in status["workers"] if worker["state"] == "ready"]
+    status = fetch_status(state)
     api_key = load_profile(Path(state.profile_path)).gateway.auth().api_key
-    return Endpoints(base_url(status["endpoint"]), engines, api_key, read_worker_key(state.dir))
+    return Endpoints(base_url(status.endpoint), status.ready_urls(), api_key, read_worker_key(state.dir))
 
 
 def probe(endpoint: str, api_key: str | None) -> EndpointInfo:

@@ -1,19 +1,15 @@
-"""Closed-loop agent load: programs whose context grows step by step, like a coding agent.
+"""Closed-loop agent load: the driver that runs programs whose context grows step by step, like a coding agent.
 
 Each of `concurrency` slots runs one program at a time and starts the next when it ends.
 A program sends its whole history every step (a shared system prompt, its task, then the
 assistant turns and tool observations so far), waits out a tool call, and repeats. What the
-programs look like comes from a workload: `AgentShape` (uniform ranges), the `swe-lite`
-generator, or a recorded trace; each gives a program as a trace (prompt and answer sizes per
-step, tool times), which is rendered here as text of those sizes. The same
+programs look like comes from a workload (bench/shapes.py: `AgentShape`'s uniform ranges; the
+`swe-lite` generator; a recorded trace); each gives a program as a trace (prompt and answer
+sizes per step, tool times), which bench/planning.py renders as text of those sizes. The same
 load can go straight to vLLM servers ("direct", each program sticky to one server, or each
-request to the next server) or through
-the thunderctl gateway ("gateway", with `program_id` on every request and a release at the
-end), so the two can be compared on equal terms.
-
-Text is made of words from a fixed list that the engine's tokenizer maps to about one token
-each; `calibrate_tokens_per_word` measures the ratio with the engine's `/tokenize` so that
-"500 observation tokens" means roughly 500 tokens on whatever model is being served.
+request to the next server) or through the thunderctl gateway ("gateway", with `program_id`
+on every request and a release at the end), so the two can be compared on equal terms. What a
+run recorded, and the figures drawn from it, are bench/results.py's.
 """
 
 from __future__ import annotations
@@ -21,111 +17,27 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import math
 import random
 import secrets
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import httpx
 
-from thunderctl.bench.trace import TraceProgram, TraceStep
+from thunderctl.bench.planning import ProgramPlan, StepPlan, plan_program, system_prompt, word_text
+from thunderctl.bench.results import CacheDelta, CounterSample, LoadResult, StepRecord, steady_steps
+from thunderctl.bench.sandboxes import SandboxTools
+from thunderctl.bench.shapes import AgentShape, Workload
 from thunderctl.engines.vllm import EngineMetrics, fetch_metrics
 from thunderctl.jsonapi import bearer_headers
-from thunderctl.sim.agents import aged_start_fraction, first_step_at
+from thunderctl.sim.agents import aged_start_fraction
 
-if TYPE_CHECKING:  # sandboxes.py builds on this module
-    from thunderctl.bench.sandboxes import SandboxSample, SandboxTools, ToolRecord
-
-# Ordinary English words; each is a single token (with its leading space) in the tiny test
-# model's tokenizer and in the common BPE vocabularies, so token counts are predictable.
-WORDS: tuple[str, ...] = (
-    "above", "access", "after", "also", "apply", "based", "below", "both",
-    "call", "case", "change", "code", "copy", "could", "data", "date",
-    "detail", "document", "each", "edit", "file", "files", "first", "follow",
-    "form", "format", "from", "full", "function", "give", "input", "install",
-    "item", "library", "line", "link", "list", "machine", "make", "name",
-    "network", "new", "number", "object", "option", "order", "output", "page",
-    "part", "pass", "place", "program", "public", "run", "same", "server",
-    "source", "state", "system", "text", "time", "title", "under", "user",
-    "version", "which", "with", "word", "work", "year",
-)  # fmt: skip
 # Used when the engine cannot tokenize for us; real tokenizers give ~1.0-1.3 on these words.
 DEFAULT_TOKENS_PER_WORD = 1.0
 CALIBRATION_WORDS = 400
-# Chat-template tokens around each message (role markers, separators), for context estimates.
-MESSAGE_OVERHEAD_TOKENS = 8
-
-
-# --- workload shape ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Uniform:
-    """A uniform range; `Uniform(x, x)` is a constant."""
-
-    low: float
-    high: float
-
-    def __post_init__(self) -> None:
-        if self.low > self.high or self.low < 0:
-            raise ValueError(f"Uniform needs 0 <= low <= high, got [{self.low}, {self.high}]")
-
-    def draw(self, rng: random.Random) -> float:
-        return rng.uniform(self.low, self.high)
-
-    def draw_int(self, rng: random.Random) -> int:
-        low, high = math.ceil(self.low), math.floor(self.high)
-        # A range narrower than one integer, like [2.2, 2.8], still has a nearest value.
-        return rng.randint(low, high) if low <= high else round(self.low)
-
-
-class Workload(Protocol):
-    """The programs a load runs, each drawn (or looked up) by seed and index alone."""
-
-    @property
-    def system_prompt_tokens(self) -> int:
-        """The prefix every program of a run shares."""
-        ...
-
-    @property
-    def max_context_tokens(self) -> int | None:
-        """A program ends early rather than send a prompt the engine would reject."""
-        ...
-
-    def program(self, seed: int, index: int) -> TraceProgram: ...
-
-
-@dataclass(frozen=True)
-class AgentShape:
-    """Agent programs drawn from uniform ranges. Token counts are engine tokens.
-
-    The first prompt is the shared system prompt plus the program's task; each step then
-    adds the assistant's answer (`completion_tokens`) and a tool observation.
-    """
-
-    system_prompt_tokens: int = 1000
-    task_tokens: Uniform = Uniform(300, 800)
-    observation_tokens: Uniform = Uniform(150, 500)
-    completion_tokens: Uniform = Uniform(30, 100)
-    steps: Uniform = Uniform(8, 16)
-    tool_seconds: Uniform = Uniform(0.5, 3.0)
-    max_context_tokens: int | None = None
-
-    def program(self, seed: int, index: int) -> TraceProgram:
-        rng = random.Random(f"{seed}/program/{index}")
-        n_steps = max(1, self.steps.draw_int(rng))
-        prompt = self.system_prompt_tokens + self.task_tokens.draw_int(rng) + 2 * MESSAGE_OVERHEAD_TOKENS
-        steps = []
-        for _ in range(n_steps):
-            completion = max(1, self.completion_tokens.draw_int(rng))
-            observation = self.observation_tokens.draw_int(rng)
-            steps.append(TraceStep(prompt_tokens=prompt, completion_tokens=completion, tool_s=self.tool_seconds.draw(rng)))
-            prompt += completion + observation + 2 * MESSAGE_OVERHEAD_TOKENS
-        return TraceProgram(id=f"shape-{seed}-{index}", steps=tuple(steps))
 
 
 @dataclass(frozen=True)
@@ -195,345 +107,6 @@ class Target:
         """The server for the next request of program `program_index`."""
         turn = next(self._turns) if self.routing is Routing.ROUND_ROBIN else program_index
         return self.urls[turn % len(self.urls)].rstrip("/")
-
-
-# --- text and program plans (pure) ---------------------------------------------------
-
-
-def words_for_tokens(tokens: float, tokens_per_word: float) -> int:
-    return max(1, round(tokens / tokens_per_word))
-
-
-def word_text(rng: random.Random, n_words: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(n_words))
-
-
-def system_prompt(workload: Workload, seed: int, salt: str, tokens_per_word: float) -> str:
-    """The prompt every program of a run shares; the salt comes first so that no cached
-    block of another run (another arm of a comparison) can match it."""
-    rng = random.Random(f"{seed}/system")
-    head = f"run {salt}. You are a software agent."
-    return f"{head} {word_text(rng, words_for_tokens(workload.system_prompt_tokens, tokens_per_word))}"
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    completion_tokens: int
-    tool_seconds: float
-    # Appended as the next user message after this step's answer ("" after the last step).
-    observation: str
-    observation_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class ProgramPlan:
-    index: int
-    program_id: str
-    messages: tuple[dict[str, str], ...]
-    first_step: int
-    steps: tuple[StepPlan, ...]
-    prepare_s: float = 0.0
-    # Steps of the workload's program left out because the context would not fit.
-    steps_cut: int = 0
-
-
-@dataclass(frozen=True)
-class StepSizes:
-    """A step as tokens: what it asks for, and what the observation after it adds."""
-
-    completion_tokens: int
-    observation_tokens: int
-    tool_seconds: float
-
-
-def step_sizes(program: TraceProgram, system_prompt_tokens: int) -> tuple[int, list[StepSizes]]:
-    """The task's size and each step's sizes, so that each rendered prompt is the program's.
-
-    A prompt is the previous one plus the answer, the observation and two messages' template
-    tokens. Where the program's prompt grew by less than that (a short observation at a small
-    scale, or an agent that shortened its history) the observation is one token and the
-    rendered prompt runs ahead; later observations shrink until it is back on the program's.
-    """
-    overhead = 2 * MESSAGE_OVERHEAD_TOKENS
-    steps = program.steps
-    task_tokens = max(1, steps[0].prompt_tokens - system_prompt_tokens - overhead)
-    rendered = system_prompt_tokens + task_tokens + overhead
-    sizes = []
-    for step, later in zip(steps, [*steps[1:], None]):
-        completion = max(1, step.completion_tokens)
-        observation = 0 if later is None else max(1, later.prompt_tokens - rendered - completion - overhead)
-        sizes.append(StepSizes(completion, observation, step.tool_s))
-        rendered += completion + observation + overhead
-    return task_tokens, sizes
-
-
-def plan_program(
-    workload: Workload,
-    *,
-    seed: int,
-    salt: str,
-    index: int,
-    tokens_per_word: float,
-    system_text: str,
-    start_fraction: float = 0.0,
-) -> ProgramPlan:
-    """Everything program `index` will send, as text of the workload's sizes.
-
-    The workload's program depends only on (seed, index), so two runs with the same seed
-    offer the same workload whatever the timing. `start_fraction` skips that share of the
-    steps, putting synthetic turns of the program's sizes in the history instead.
-    """
-    program = workload.program(seed, index)
-    task_tokens, sized = step_sizes(program, workload.system_prompt_tokens)
-    n_steps = steps_that_fit(workload, task_tokens, sized)
-    sized = sized[:n_steps]
-    first_step = first_step_at(start_fraction, n_steps)
-
-    text_rng = random.Random(f"{seed}/text/{index}")
-    task = f"Task {index}: {word_text(text_rng, words_for_tokens(task_tokens, tokens_per_word))}"
-    observations = [
-        word_text(text_rng, words_for_tokens(step.observation_tokens, tokens_per_word)) if k < n_steps - 1 else ""
-        for k, step in enumerate(sized)
-    ]
-    messages: list[dict[str, str]] = [
-        {"role": "system", "content": system_text},
-        {"role": "user", "content": task},
-    ]
-    for k in range(first_step):
-        answer = word_text(text_rng, words_for_tokens(sized[k].completion_tokens, tokens_per_word))
-        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": observations[k]}]
-    steps = tuple(
-        StepPlan(step.completion_tokens, step.tool_seconds, observations[k], step.observation_tokens if observations[k] else 0)
-        for k, step in enumerate(sized)
-        if k >= first_step
-    )
-    # A program that starts part-way has its environment already.
-    prepare_s = (program.env_prep_s or 0.0) if first_step == 0 else 0.0
-    return ProgramPlan(
-        index, f"{salt}-p{index}", tuple(messages), first_step, steps, prepare_s, len(program.steps) - n_steps
-    )
-
-
-def steps_that_fit(workload: Workload, task_tokens: int, sized: Sequence[StepSizes]) -> int:
-    """How many steps run before prompt + answer would exceed max_context_tokens (at least 1)."""
-    if workload.max_context_tokens is None:
-        return len(sized)
-    context = workload.system_prompt_tokens + task_tokens + 2 * MESSAGE_OVERHEAD_TOKENS
-    for k, step in enumerate(sized):
-        if k > 0 and context + step.completion_tokens > workload.max_context_tokens:
-            return k
-        context += step.completion_tokens + step.observation_tokens + 2 * MESSAGE_OVERHEAD_TOKENS
-    return len(sized)
-
-
-# --- records and statistics (pure) ---------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    program_id: str
-    program_index: int
-    step: int
-    start_s: float  # since the start of the run
-    latency_s: float
-    ok: bool
-    status: int  # HTTP status; 0 when no response arrived
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    ttft_s: float | None = None  # streaming only
-    error: str | None = None
-
-    @property
-    def end_s(self) -> float:
-        return self.start_s + self.latency_s
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0-100), interpolating linearly between order statistics."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-def steady_steps(records: Sequence[StepRecord], warmup_s: float, window_end_s: float) -> list[StepRecord]:
-    """Successful steps that started after the warm-up and finished inside the window."""
-    return [r for r in records if r.ok and r.start_s >= warmup_s and r.end_s <= window_end_s]
-
-
-def per_minute(count: int, window_s: float) -> float:
-    return 60.0 * count / window_s if window_s > 0 else 0.0
-
-
-@dataclass(frozen=True)
-class CacheDelta:
-    """Change of the engines' counters over a run, summed over the engines."""
-
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    preemptions: int = 0
-
-    @classmethod
-    def between(cls, before: Sequence[EngineMetrics], after: Sequence[EngineMetrics]) -> CacheDelta:
-        return cls(
-            prefix_cache_queries=sum(a.prefix_cache_queries - b.prefix_cache_queries for b, a in zip(before, after)),
-            prefix_cache_hits=sum(a.prefix_cache_hits - b.prefix_cache_hits for b, a in zip(before, after)),
-            preemptions=sum(a.preemptions - b.preemptions for b, a in zip(before, after)),
-        )
-
-    def __add__(self, other: CacheDelta) -> CacheDelta:
-        return CacheDelta(
-            self.prefix_cache_queries + other.prefix_cache_queries,
-            self.prefix_cache_hits + other.prefix_cache_hits,
-            self.preemptions + other.preemptions,
-        )
-
-    def __sub__(self, other: CacheDelta) -> CacheDelta:
-        return CacheDelta(
-            self.prefix_cache_queries - other.prefix_cache_queries,
-            self.prefix_cache_hits - other.prefix_cache_hits,
-            self.preemptions - other.preemptions,
-        )
-
-    @property
-    def hit_rate(self) -> float | None:
-        if self.prefix_cache_queries <= 0:
-            return None
-        return self.prefix_cache_hits / self.prefix_cache_queries
-
-
-@dataclass(frozen=True)
-class CounterSample:
-    """The engines' counters over one sampling interval that ended at `t_s`."""
-
-    t_s: float
-    engines: CacheDelta
-
-
-@dataclass
-class LoadResult:
-    target: str
-    concurrency: int
-    salt: str
-    tokens_per_word: float
-    wall_s: float
-    window_s: float  # length of the steady window (after warm-up)
-    steps_ok: int
-    steps_failed: int
-    steps_cancelled: int  # in flight when the run's time was up
-    steady_latencies_s: list[float]
-    programs_started: int
-    programs_completed: int
-    engines: CacheDelta
-    release_failures: int = 0
-    records: list[StepRecord] = field(default_factory=list)
-    steady_ttfts_s: list[float] = field(default_factory=list)  # streaming only
-    samples: list[CounterSample] = field(default_factory=list)
-    steps_cut: int = 0  # steps of started programs left out to fit the context limit
-    # With tool steps in sandboxes (`bench swe-lite --sandboxes`):
-    tool_records: list[ToolRecord] = field(default_factory=list)
-    sandbox_samples: list[SandboxSample] = field(default_factory=list)
-    sandbox_create_failures: int = 0
-
-    @property
-    def steady_steps(self) -> int:
-        return len(self.steady_latencies_s)
-
-    @property
-    def steps_per_min(self) -> float:
-        return per_minute(self.steady_steps, self.window_s)
-
-    @property
-    def p50_s(self) -> float | None:
-        return percentile(self.steady_latencies_s, 50)
-
-    @property
-    def p90_s(self) -> float | None:
-        return percentile(self.steady_latencies_s, 90)
-
-    @property
-    def p99_s(self) -> float | None:
-        return percentile(self.steady_latencies_s, 99)
-
-    @property
-    def ttft_p50_s(self) -> float | None:
-        return percentile(self.steady_ttfts_s, 50)
-
-    @property
-    def prefix_cache_hit_rate(self) -> float | None:
-        return self.engines.hit_rate
-
-    @property
-    def preemptions(self) -> int:
-        return self.engines.preemptions
-
-    def summary(self) -> dict[str, Any]:
-        """The headline figures, JSON-ready."""
-        return {
-            "target": self.target,
-            "concurrency": self.concurrency,
-            "steps_per_min": self.steps_per_min,
-            "steady_steps": self.steady_steps,
-            "window_s": self.window_s,
-            "wall_s": self.wall_s,
-            "steps_ok": self.steps_ok,
-            "steps_failed": self.steps_failed,
-            "steps_cancelled": self.steps_cancelled,
-            "p50_s": self.p50_s,
-            "p90_s": self.p90_s,
-            "p99_s": self.p99_s,
-            "ttft_p50_s": self.ttft_p50_s,
-            "programs_started": self.programs_started,
-            "programs_completed": self.programs_completed,
-            "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
-            "preemptions": self.preemptions,
-            "release_failures": self.release_failures,
-            "steps_cut": self.steps_cut,
-            **{f"engine_{key}": value for key, value in asdict(self.engines).items()},
-            "tokens_per_word": self.tokens_per_word,
-            "salt": self.salt,
-        }
-
-
-def combine_results(results: Sequence[LoadResult]) -> LoadResult:
-    """Pool the slices of one arm: windows and counts add up, latencies are pooled, and
-    records and samples follow each other in time as if the slices had run back to back."""
-    if not results:
-        raise ValueError("nothing to combine")
-    first = results[0]
-    engines = CacheDelta()
-    for result in results:
-        engines = engines + result.engines
-    offsets = list(itertools.accumulate((r.wall_s for r in results[:-1]), initial=0.0))
-    return LoadResult(
-        target=first.target,
-        concurrency=first.concurrency,
-        salt=",".join(r.salt for r in results),
-        tokens_per_word=first.tokens_per_word,
-        wall_s=sum(r.wall_s for r in results),
-        window_s=sum(r.window_s for r in results),
-        steps_ok=sum(r.steps_ok for r in results),
-        steps_failed=sum(r.steps_failed for r in results),
-        steps_cancelled=sum(r.steps_cancelled for r in results),
-        steady_latencies_s=[x for r in results for x in r.steady_latencies_s],
-        programs_started=sum(r.programs_started for r in results),
-        programs_completed=sum(r.programs_completed for r in results),
-        engines=engines,
-        release_failures=sum(r.release_failures for r in results),
-        records=[replace(rec, start_s=rec.start_s + offset) for r, offset in zip(results, offsets) for rec in r.records],
-        steady_ttfts_s=[x for r in results for x in r.steady_ttfts_s],
-        samples=[replace(s, t_s=s.t_s + offset) for r, offset in zip(results, offsets) for s in r.samples],
-        steps_cut=sum(r.steps_cut for r in results),
-        tool_records=[replace(t, start_s=t.start_s + offset) for r, offset in zip(results, offsets) for t in r.tool_records],
-        sandbox_samples=[replace(s, t_s=s.t_s + offset) for r, offset in zip(results, offsets) for s in r.sandbox_samples],
-        sandbox_create_failures=sum(r.sandbox_create_failures for r in results),
-    )
-
-
-# --- HTTP ----------------------------------------------------------------------------
 
 
 async def calibrate_tokens_per_word(client: httpx.AsyncClient, engine_url: str, model: str) -> float:
@@ -785,9 +358,6 @@ def read_stream_chunk(chunk: dict[str, Any], reply: _Reply, parts: list[str], el
     if usage:
         reply.prompt_tokens = usage.get("prompt_tokens")
         reply.completion_tokens = usage.get("completion_tokens")
-
-
-# --- entry point ---------------------------------------------------------------------
 
 
 def window_end(spec: LoadSpec, records: Sequence[StepRecord], wall_s: float) -> float:

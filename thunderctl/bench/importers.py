@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from thunderctl.bench.trace import TraceFormatError, TraceProgram, TraceStep
+from thunderctl.traceformat import TraceFormatError, TraceProgram, TraceStep
 
 MINI_SWE_AGENT_FORMAT = "mini-swe-agent-1"
 STEP_TABLE_SOURCE = "mini-swe-agent step table"

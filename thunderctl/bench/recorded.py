@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from importlib import resources
 
-from thunderctl.bench.trace import TraceProgram, read_trace
+from thunderctl.traceformat import TraceProgram, read_trace
 
 RECORDED_SWE_LITE = "swe-lite-gemini3.jsonl.gz"
 RECORDED_SWE_LITE_SOURCE = "mini-swe-agent 1.15, Gemini 3 Pro, SWE-bench Lite (public results, MIT)"

@@ -18,20 +18,14 @@ from typing import Any, Protocol
 
 import httpx
 
-from thunderctl.bench.closed_loop import (
-    LoadResult,
-    LoadSpec,
-    Observer,
-    Target,
-    combine_results,
-    run_load,
-)
+from thunderctl.bench.closed_loop import LoadSpec, Observer, Target, run_load
+from thunderctl.bench.results import LoadResult, combine_results
 from thunderctl.bench.sandboxes import SandboxTools
 from thunderctl.bench.swe_lite import ScaledWorkload
-from thunderctl.bench.trace import TraceProgram
 from thunderctl.engines.vllm import fetch_metrics
 from thunderctl.jsonapi import bearer_headers
 from thunderctl.prometheus import parse_samples
+from thunderctl.traceformat import TraceProgram
 
 GATEWAY_COUNTERS = (
     "thunderctl_pauses_total",

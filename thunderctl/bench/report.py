@@ -17,15 +17,9 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from thunderctl.bench.closed_loop import (
-    CacheDelta,
-    CounterSample,
-    LoadResult,
-    LoadSpec,
-    StepRecord,
-    per_minute,
-)
+from thunderctl.bench.closed_loop import LoadSpec
 from thunderctl.bench.replay import ArmOutcome
+from thunderctl.bench.results import CacheDelta, CounterSample, LoadResult, StepRecord, per_minute
 from thunderctl.bench.sandboxes import sandbox_summary
 
 # Compared between arms as cluster ÷ direct (above 1 is better for the first two only).
@@ -72,26 +66,14 @@ def arm_timeline(slices: Sequence[LoadResult]) -> list[TimelinePoint]:
 
 
 def arm_summary(outcome: ArmOutcome) -> dict[str, Any]:
+    """The arm's pooled figures (`LoadResult.summary`, the hit rate as `hit_rate`), the gateway's
+    counters, and per-slice figures, timeline and sandboxes."""
     combined = outcome.combined()
     counters = outcome.gateway_counters
+    figures = combined.summary()
+    figures["hit_rate"] = figures.pop("prefix_cache_hit_rate")
     return {
-        "steps_per_min": combined.steps_per_min,
-        "hit_rate": combined.prefix_cache_hit_rate,
-        "p50_s": combined.p50_s,
-        "p90_s": combined.p90_s,
-        "p99_s": combined.p99_s,
-        "ttft_p50_s": combined.ttft_p50_s,
-        "preemptions": combined.preemptions,
-        "programs_completed": combined.programs_completed,
-        "programs_started": combined.programs_started,
-        "steady_steps": combined.steady_steps,
-        "steps_ok": combined.steps_ok,
-        "steps_failed": combined.steps_failed,
-        "steps_cancelled": combined.steps_cancelled,
-        "steps_cut": combined.steps_cut,
-        "release_failures": combined.release_failures,
-        "window_s": combined.window_s,
-        "wall_s": combined.wall_s,
+        **figures,
         "pauses": counters.get("thunderctl_pauses_total") if counters else None,
         "resumes": counters.get("thunderctl_resumes_total") if counters else None,
         "forced_resumes": counters.get("thunderctl_forced_resumes_total") if counters else None,

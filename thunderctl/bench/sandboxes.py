@@ -21,7 +21,8 @@ from typing import Any, TypeVar
 
 import httpx
 
-from thunderctl.bench.closed_loop import ProgramPlan, StepPlan, percentile
+from thunderctl.bench.planning import ProgramPlan, StepPlan
+from thunderctl.bench.results import percentile
 from thunderctl.integrations.cluster import ClusterClient, ClusterError
 from thunderctl.jsonapi import bearer_headers
 from thunderctl.prometheus import parse_samples

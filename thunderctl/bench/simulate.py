@@ -17,15 +17,15 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from thunderctl.bench.closed_loop import AgentShape
 from thunderctl.bench.replay import TraceWorkload
 from thunderctl.bench.report import fmt, write_outputs
+from thunderctl.bench.shapes import AgentShape
 from thunderctl.bench.swe_lite import SHARED_PREFIX_TOKENS, SweLite
-from thunderctl.bench.trace import TraceFormatError
 from thunderctl.bench.workloads import WorkloadChoice
 from thunderctl.sim.arms import ArmName, SimSpec
 from thunderctl.sim.presets import UnknownPreset, get_preset, preset_names
 from thunderctl.sim.sweep import BASELINE, run_sweep
+from thunderctl.traceformat import TraceFormatError
 
 
 class WorkloadName(StrEnum):

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from statistics import NormalDist
 from typing import Any
 
-from thunderctl.bench.trace import TraceProgram, TraceStep
+from thunderctl.traceformat import TraceProgram, TraceStep
 
 Z90 = NormalDist().inv_cdf(0.9)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from thunderctl.bench.recorded import RECORDED_SWE_LITE_SOURCE, recorded_swe_lite
 from thunderctl.bench.replay import TraceWorkload
 from thunderctl.bench.swe_lite import TOOL_SECONDS, LogNormal, SweLite
-from thunderctl.bench.trace import read_trace
+from thunderctl.traceformat import read_trace
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from thunderctl.cluster.transport import (
 )
 from thunderctl.cluster.tunnel import tunnel_command
 from thunderctl.cluster.worker_key import create_worker_key, read_worker_key
+from thunderctl.daemon.client import control_client, daemon_answers
 from thunderctl.engines.local import probe_health
 from thunderctl.jsonapi import bearer_headers
 from thunderctl.processes import (
@@ -69,21 +70,6 @@ def by_node(workers: list[T], node_of: Callable[[T], str]) -> list[list[T]]:
     for worker in workers:
         groups.setdefault(node_of(worker), []).append(worker)
     return list(groups.values())
-
-
-def control_client(state: ClusterState, timeout: float = 30.0) -> httpx.Client:
-    transport = httpx.HTTPTransport(uds=str(state.socket_path))
-    return httpx.Client(transport=transport, base_url="http://thunderctl", timeout=timeout)
-
-
-def daemon_answers(state: ClusterState) -> bool:
-    if not state.socket_path.exists():
-        return False
-    try:
-        with control_client(state, timeout=5) as client:
-            return client.get("/status").status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def new_state(profile: Profile, profile_path: Path) -> ClusterState:

@@ -1,3 +1,5 @@
+"""`python -m thunderctl.daemon STATE_DIR`: run a cluster's daemon in the foreground (what `up` starts)."""
+
 import sys
 from pathlib import Path
 

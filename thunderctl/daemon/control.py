@@ -16,6 +16,14 @@ from starlette.routing import Route
 from thunderctl.cluster.lifecycle import stop_worker
 from thunderctl.cluster.state import WorkerRecord
 from thunderctl.cluster.transport import Transports
+from thunderctl.daemon.status import (
+    ClusterStatus,
+    GatewayStatus,
+    ProgramCounts,
+    SandboxStatus,
+    SchedulerStatus,
+    WorkerStatus,
+)
 from thunderctl.jsonapi import BadRequest, bad_request, error, read_json_object, shown
 from thunderctl.scheduler import Phase, Status
 
@@ -59,51 +67,52 @@ def resolve_target(daemon: Daemon, target: str) -> list[str]:
     raise UnknownTarget(f"no worker or node named {target!r}; workers: {', '.join(ids)}")
 
 
-def status_view(daemon: Daemon) -> dict[str, Any]:
+def status_view(daemon: Daemon) -> ClusterStatus:
     gateway, scheduler = daemon.gateway, daemon.gateway.scheduler
     workers = []
     for record in daemon.state.workers:
         upstream = gateway.upstreams[record.id]
         metrics = upstream.metrics
         workers.append(
-            {
-                "id": record.id,
-                "node": record.node,
-                "url": record.url,
-                "state": gateway.worker_state(upstream).value,
-                "kv_capacity_tokens": upstream.capacity,
-                "kv_reserved_tokens": scheduler.reserved_tokens(record.id),
-                "programs_active": len(scheduler.backends[record.id].programs),
-                "requests_in_flight": upstream.in_flight,
-                "prefix_cache_hit_rate": metrics.prefix_cache_hit_rate if metrics else None,
-                "preemptions": metrics.preemptions if metrics else 0,
-                "requests_running": metrics.requests_running if metrics else 0,
-                "requests_waiting": metrics.requests_waiting if metrics else 0,
-                "restarts": daemon.restarts.restarts(record.id),
-            }
+            WorkerStatus(
+                id=record.id,
+                node=record.node,
+                url=record.url,
+                state=gateway.worker_state(upstream),
+                kv_capacity_tokens=upstream.capacity,
+                kv_reserved_tokens=scheduler.reserved_tokens(record.id),
+                programs_active=len(scheduler.backends[record.id].programs),
+                requests_in_flight=upstream.in_flight,
+                prefix_cache_hit_rate=metrics.prefix_cache_hit_rate if metrics else None,
+                preemptions=metrics.preemptions if metrics else 0,
+                requests_running=metrics.requests_running if metrics else 0,
+                requests_waiting=metrics.requests_waiting if metrics else 0,
+                restarts=daemon.restarts.restarts(record.id),
+            )
         )
     counts = Counter(
         "paused" if p.status is Status.PAUSED else p.phase.value for p in scheduler.programs.values()
     )
-    return {
-        "cluster": daemon.state.cluster,
-        "endpoint": daemon.state.endpoint,
-        "uptime_s": round(time.time() - daemon.started_at, 1),
-        "daemon_pid": daemon.state.daemon_pid,
-        # Whether a key is asked for, never the key itself.
-        "gateway": {"api_key_set": daemon.auth.api_key is not None, "metrics_public": daemon.auth.metrics_public},
-        "workers": workers,
-        "scheduler": {
-            "programs": {k: counts[k] for k in (Phase.REASONING.value, Phase.ACTING.value, "paused")},
-            "pauses_total": scheduler.counters.pauses,
-            "resumes_total": scheduler.counters.resumes,
-            "forced_resumes_total": scheduler.counters.forced_resumes,
-            "acting_weight": round(scheduler.acting_weight, 3),
-            "admission_gate_open": scheduler.tuner.gate_open,
-            "utilization": round(gateway.last_utilization, 3),
-        },
-        "sandboxes": daemon.sandbox_stats(),
-    }
+    return ClusterStatus(
+        cluster=daemon.state.cluster,
+        endpoint=daemon.state.endpoint,
+        uptime_s=round(time.time() - daemon.started_at, 1),
+        daemon_pid=daemon.state.daemon_pid,
+        gateway=GatewayStatus(api_key_set=daemon.auth.api_key is not None, metrics_public=daemon.auth.metrics_public),
+        workers=workers,
+        scheduler=SchedulerStatus(
+            programs=ProgramCounts(
+                reasoning=counts[Phase.REASONING.value], acting=counts[Phase.ACTING.value], paused=counts["paused"]
+            ),
+            pauses_total=scheduler.counters.pauses,
+            resumes_total=scheduler.counters.resumes,
+            forced_resumes_total=scheduler.counters.forced_resumes,
+            acting_weight=round(scheduler.acting_weight, 3),
+            admission_gate_open=scheduler.tuner.gate_open,
+            utilization=round(gateway.last_utilization, 3),
+        ),
+        sandboxes=SandboxStatus.model_validate(daemon.sandbox_stats()),
+    )
 
 
 def build_control_app(daemon: Daemon) -> Starlette:
@@ -128,7 +137,7 @@ def build_control_app(daemon: Daemon) -> Starlette:
         return JSONResponse({"workers": worker_ids})
 
     async def status(_: Request) -> JSONResponse:
-        return JSONResponse(status_view(daemon))
+        return JSONResponse(status_view(daemon).wire())
 
     async def drain(request: Request) -> JSONResponse:
         async def act(worker_id: str) -> None:

@@ -4,22 +4,22 @@ The lines follow docs/trace-format.md (what `thunderctl bench swe-lite --trace` 
 answered request the engine's prompt and completion tokens, and the time from that answer to
 the program's next request (its tool time). The gateway calls three hooks; a program's line
 is written when it is released or expires, and programs still open are written at close.
-The format is written here by hand rather than imported from `bench`, which sits on the same
-layer; tests read these lines back with the bench reader.
+The lines are thunderctl.traceformat's programs, the module the replayer reads them with.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from thunderctl.traceformat import TraceProgram, TraceStep, program_line
+
 
 @dataclass
 class _Open:
-    steps: list[dict[str, float | int]] = field(default_factory=list)
+    steps: list[TraceStep] = field(default_factory=list)
     answered_at: float | None = None  # when the last answer came back
     asked_at: float | None = None  # when the request after it arrived
 
@@ -46,16 +46,17 @@ class TraceRecorder:
         program = self._open.setdefault(program_id, _Open())
         now = self._clock()
         if program.steps and program.answered_at is not None and program.asked_at is not None:
-            program.steps[-1]["tool_s"] = round(max(0.0, program.asked_at - program.answered_at), 3)
-        program.steps.append({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "tool_s": 0.0})
+            tool_s = round(max(0.0, program.asked_at - program.answered_at), 3)
+            program.steps[-1] = program.steps[-1].model_copy(update={"tool_s": tool_s})
+        program.steps.append(TraceStep(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens))
         program.answered_at = now
 
     def on_end(self, program_id: str) -> None:
         """The program was released or expired; idempotent."""
         program = self._open.pop(program_id, None)
         if program is not None and program.steps:
-            line = {"id": program_id, "source": "thunderctl gateway", "steps": program.steps}
-            self._file.write(json.dumps(line, separators=(",", ":")) + "\n")
+            traced = TraceProgram(id=program_id, steps=tuple(program.steps), source="thunderctl gateway")
+            self._file.write(program_line(traced) + "\n")
 
     def close(self) -> None:
         for program_id in list(self._open):

@@ -1,4 +1,4 @@
-"""Agent traces: one program per JSONL line, the replayer's input (docs/trace-format.md).
+"""Agent traces, what `bench` replays and the gateway records: one program per JSONL line (docs/trace-format.md).
 
 A step is one LLM call: the size of its whole prompt, the size of its answer, and the tool
 time that followed the answer. A line may give each step's prompt as `prompt_tokens` (the

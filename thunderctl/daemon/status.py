@@ -1,0 +1,91 @@
+"""The control API's `/status`: a running cluster's workers, scheduler and sandboxes, as one typed model.
+
+The daemon builds it, `thunderctl status` renders it (and prints it as `--json`), `bench` and
+`drain --wait` read it. Every model keeps keys it does not declare (`extra="allow"`), so a client
+passes on whatever a newer daemon adds, and `--json` is always the whole answer.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+from thunderctl.gateway.gateway import WorkerState
+
+# States in which a worker has nothing left to finish: `drain --wait` waits for one.
+IDLE_STATES = (WorkerState.DRAINED, WorkerState.STOPPED, WorkerState.UNHEALTHY)
+
+
+class StatusPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class WorkerStatus(StatusPart):
+    id: str
+    node: str
+    url: str
+    state: WorkerState
+    kv_capacity_tokens: int | None  # None until the worker has answered /metrics
+    kv_reserved_tokens: int
+    programs_active: int
+    requests_in_flight: int
+    prefix_cache_hit_rate: float | None
+    preemptions: int
+    requests_running: int
+    requests_waiting: int
+    restarts: int  # times the daemon started the worker again after its process died
+
+
+class GatewayStatus(StatusPart):
+    """Whether a key is asked for, never the key itself."""
+
+    api_key_set: bool
+    metrics_public: bool
+
+
+class ProgramCounts(StatusPart):
+    reasoning: int
+    acting: int
+    paused: int
+
+
+class SchedulerStatus(StatusPart):
+    programs: ProgramCounts
+    pauses_total: int
+    resumes_total: int
+    forced_resumes_total: int
+    acting_weight: float
+    admission_gate_open: bool
+    utilization: float  # mean share of time the workers in service were busy
+
+
+class SandboxStatus(StatusPart):
+    """The sandbox pool's counts; the pool's other figures (hosts, disk, timings) ride along as extras."""
+
+    available: bool
+    reason: str | None = None  # why not available
+    warm: int
+    bound: int
+    preparing: int
+
+
+class ClusterStatus(StatusPart):
+    cluster: str
+    endpoint: str
+    uptime_s: float
+    daemon_pid: int | None
+    gateway: GatewayStatus
+    workers: list[WorkerStatus]
+    scheduler: SchedulerStatus
+    sandboxes: SandboxStatus
+
+    def busy(self, worker_ids: list[str]) -> list[WorkerStatus]:
+        """Those of the workers that still have work to finish."""
+        return [worker for worker in self.workers if worker.id in worker_ids and worker.state not in IDLE_STATES]
+
+    def ready_urls(self) -> list[str]:
+        """The workers in service and answering: the engines a benchmark reads."""
+        return [worker.url for worker in self.workers if worker.state is WorkerState.READY]
+
+    def wire(self) -> dict:
+        """As JSON-ready values, the shape on the wire and of `thunderctl status --json`."""
+        return self.model_dump(mode="json")

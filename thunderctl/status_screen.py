@@ -1,0 +1,54 @@
+"""How `thunderctl status` lays a cluster's status out on a terminal (80 columns and up)."""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.table import Table
+
+from thunderctl.daemon.status import ClusterStatus, GatewayStatus, SandboxStatus
+
+
+def status_renderable(view: ClusterStatus) -> Group:
+    """The status view laid out for an 80-column terminal: numbers in full, each worker's URL on
+    a line of its own below the table, where a long one cannot squeeze the numbers."""
+    workers = Table(title=f"cluster {view.cluster} · {view.endpoint} · up {view.uptime_s:.0f} s",
+                    box=None, pad_edge=False, title_justify="left")
+    workers.add_column("worker", no_wrap=True)
+    workers.add_column("state", no_wrap=True)
+    for column in ("KV\nreserved", "KV\ncapacity", "programs", "in\nflight", "hit\nrate", "preempted"):
+        workers.add_column(column, justify="right")
+    urls = Table.grid(padding=(0, 2))
+    for w in view.workers:
+        hit = "-" if w.prefix_cache_hit_rate is None else f"{w.prefix_cache_hit_rate:.2f}"
+        capacity = "-" if w.kv_capacity_tokens is None else f"{w.kv_capacity_tokens:,}"
+        workers.add_row(w.id, w.state, f"{w.kv_reserved_tokens:,}", capacity, f"{w.programs_active:,}",
+                        f"{w.requests_in_flight:,}", hit, f"{w.preemptions:,}")
+        urls.add_row(w.id, w.url)
+    sched = view.scheduler
+    programs = sched.programs
+    return Group(
+        workers,
+        "",
+        urls,
+        "",
+        f"programs: reasoning {programs.reasoning:,} · acting {programs.acting:,} · paused {programs.paused:,}",
+        f"scheduler: pauses {sched.pauses_total:,} · resumes {sched.resumes_total:,}"
+        f" · forced {sched.forced_resumes_total:,}",
+        "admission: open gate (the engines admit by their own KV cache)" if sched.admission_gate_open
+        else f"admission: ACTING weight {sched.acting_weight:.2f} · workers busy {sched.utilization:.0%}",
+        f"sandboxes: {sandbox_line(view.sandboxes)}",
+        gateway_key_line(view.gateway),
+    )
+
+
+def sandbox_line(boxes: SandboxStatus) -> str:
+    if not boxes.available:
+        return f"unavailable ({boxes.reason or ''})"
+    return f"warm {boxes.warm} · bound {boxes.bound} · preparing {boxes.preparing}"
+
+
+def gateway_key_line(gateway: GatewayStatus) -> str:
+    if not gateway.api_key_set:
+        return "gateway key: none (any client that reaches the endpoint is served)"
+    return "gateway key: set (clients send Authorization: Bearer KEY)" + (
+        "; /metrics is public" if gateway.metrics_public else "")
