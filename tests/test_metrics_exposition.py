@@ -29,7 +29,10 @@ def pool_stats(**changes: object) -> dict:
         "available": True, "warm": 2, "bound": 1, "preparing": 0, "failed": 0, "adopted": 0,
         "prepare_s": {"p50": 1.5, "p90": None, "p99": None, "count": 3},
         "acquire_to_ready_s": {"p50": 0.01, "p90": 0.2, "p99": 0.3, "count": 9},
-        "hosts": [{"url": "unix:///var/run/docker.sock", "disk_bytes": 1234}, {"url": "tcp://127.0.0.1:2375", "disk_bytes": None}],
+        "hosts": [
+            {"url": "unix:///var/run/docker.sock", "disk_bytes": 1234, "disk_age_s": 2.5},
+            {"url": "tcp://127.0.0.1:2375", "disk_bytes": None, "disk_age_s": None},
+        ],
         "reaped": 4, "evicted_images": 0,
     }  # fmt: skip
     return stats | changes
@@ -47,7 +50,7 @@ def test_a_backend_id_with_quotes_backslashes_and_newlines_reads_back_unchanged(
 
 
 def test_a_host_url_with_quotes_backslashes_and_newlines_reads_back_unchanged() -> None:
-    stats = pool_stats(hosts=[{"url": AWKWARD, "disk_bytes": 77}])
+    stats = pool_stats(hosts=[{"url": AWKWARD, "disk_bytes": 77, "disk_age_s": 1.0}])
     assert by_key(render_sandbox_metrics(stats))[("thunderctl_sandbox_disk_bytes", (("host", AWKWARD),))] == 77
 
 
@@ -87,5 +90,6 @@ def test_the_sandbox_page_carries_states_summaries_disk_and_counters() -> None:
     assert samples[("thunderctl_sandbox_acquire_to_ready_seconds_count", ())] == 9
     assert samples[("thunderctl_sandbox_disk_bytes", (("host", "unix:///var/run/docker.sock"),))] == 1234
     assert len([key for key in samples if key[0] == "thunderctl_sandbox_disk_bytes"]) == 1
+    assert samples[("thunderctl_sandbox_disk_age_seconds", (("host", "unix:///var/run/docker.sock"),))] == 2.5
     assert samples[("thunderctl_sandboxes_reaped_total", ())] == 4
     assert samples[("thunderctl_sandbox_images_evicted_total", ())] == 0
