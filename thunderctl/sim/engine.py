@@ -21,6 +21,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from thunderctl.sim.cost import CostModel, EngineShape, StepLoad
 from thunderctl.sim.kv import BlockPool, HostTier
@@ -44,9 +45,16 @@ class TokenStream:
         return [*range(start, min(stop, shared)), *range(own + max(start, shared), own + stop)]
 
 
+class BlockHashes(Protocol):
+    """What the engine knows of a request's tokens: the hashes of its blocks start..stop-1 (a
+    `TokenStream`, or the HTTP server's hash chain over real token ids)."""
+
+    def block_hashes(self, start: int, stop: int) -> list[int]: ...
+
+
 @dataclass(eq=False)
 class Request:
-    stream: TokenStream
+    stream: BlockHashes
     prompt_tokens: int
     max_tokens: int  # the answer's length: ignore_eos, so exactly this many tokens
     arrival_s: float = 0.0
@@ -155,6 +163,12 @@ class Engine:
     def kv_usage(self) -> float:
         """Share of the shape's KV blocks in use (above 1 only for an unbounded cache)."""
         return self.pool.in_use / self.shape.num_gpu_blocks
+
+    def sampled_tokens(self, request: Request) -> int:
+        """Tokens `request` has sampled so far; a decoding request's count is implicit."""
+        if request.decoding:
+            return request.base + self.step_index - request.prompt_tokens + 1
+        return request.output_tokens
 
     def wake_s(self) -> float | None:
         """When a host-tier load that holds up the waiting queue completes, if any."""
