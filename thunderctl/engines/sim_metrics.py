@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from thunderctl.sim.engine import Engine
@@ -64,7 +64,3 @@ def metrics_registry(engine: Engine, model_name: str) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(engine, model_name))
     return registry
-
-
-def render(registry: CollectorRegistry) -> bytes:
-    return generate_latest(registry)
