@@ -21,6 +21,7 @@ import httpx
 from thunderctl.engines.vllm import EngineMetrics, fetch_metrics, is_healthy
 from thunderctl.gateway.recorder import TraceRecorder
 from thunderctl.gateway.requests import PromptShape, TokenEstimator
+from thunderctl.gateway.timings import GatewayTimings
 from thunderctl.jsonapi import bearer_headers
 from thunderctl.scheduler import EventKind, ProgramEvent, Scheduler, SchedulerConfig
 from thunderctl.scheduler.front import WAKING_EVENTS, BusyMeter, account, beat, mean_utilization, woken
@@ -102,6 +103,7 @@ class Gateway:
         self.last_utilization = 0.0
         self.estimator = TokenEstimator()
         self.recorder = recorder
+        self.timings = GatewayTimings()
         self.metrics_interval_s = metrics_interval_s
         self.started_at = clock()
         self._clock = clock
@@ -151,7 +153,8 @@ class Gateway:
     async def _tick_loop(self) -> None:
         while True:
             await asyncio.sleep(self.scheduler.config.tick_interval_s)
-            beat(self.scheduler, self.utilization())
+            with self.timings.tick.time():
+                beat(self.scheduler, self.utilization())
 
     def utilization(self) -> float:
         """Mean utilisation of the workers in service since the last call."""
@@ -234,6 +237,10 @@ class Gateway:
         """Where this request goes; a paused program's request waits here for its resume."""
         if program_id is None:
             return self.least_loaded()
+        with self.timings.admission_wait.time():
+            return await self._admit_program(program_id, shape)
+
+    async def _admit_program(self, program_id: str, shape: PromptShape) -> Upstream:
         while True:
             backend = self.scheduler.on_request(
                 program_id,

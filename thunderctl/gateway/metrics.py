@@ -61,4 +61,4 @@ def render_metrics(gateway: Gateway) -> str:
         lines.append(
             _sample("thunderctl_backend_requests_in_flight", upstream.in_flight, backend=upstream.id)
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + gateway.timings.render()
