@@ -56,8 +56,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--concurrency", default="8,32,64")
     parser.add_argument("--arms", default="engine,policy", help=f"Comma-separated, of: {', '.join(SIM_ARMS)}.")
-    parser.add_argument("--duration", type=float, default=90.0, help="Seconds per arm and point, real and simulated.")
-    parser.add_argument("--warmup", type=float, default=15.0, help="Seconds at the start of each arm not measured.")
+    parser.add_argument("--duration", type=float, default=300.0, help="Seconds per arm and point, real and simulated.")
+    parser.add_argument("--warmup", type=float, default=50.0, help="Seconds at the start of each arm not measured.")
     parser.add_argument("--scale", type=float, default=0.25, help="Multiply every token count of the recorded runs.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -97,7 +97,7 @@ def simulate(
     preset = get_preset("cpu-tiny")
     preset = replace(preset, engine=replace(preset.engine, num_gpu_blocks=kv_blocks, block_size=args.block_size))
     duration, warmup = (args.steady_duration, args.steady_duration / 6) if steady else (args.duration, args.warmup)
-    spec = SimSpec(preset, workload, concurrency, duration, warmup_s=warmup, seed=args.seed)
+    spec = SimSpec(preset, workload, concurrency, duration, warmup_s=warmup, seed=args.seed, age_initial_programs=True)
     started = time.monotonic()
     summary = run_arm(SIM_ARMS[arm], spec).summary(spec.warmup_s)
     summary.pop("occupancy")
@@ -105,10 +105,10 @@ def simulate(
 
 
 def simulated(args: argparse.Namespace, workload: TraceWorkload, kv_blocks: int, concurrency: int, arm: str) -> dict[str, Any]:
-    """The row's simulated side: the real run's duration, and a long run.
+    """The row's simulated side: the real run's duration, and a long run (its steady state).
 
-    The real arm's first programs start part-way through their life (`age_initial_programs`);
-    the simulator's start at step 0, so the long run shows what the short one's cold start hides.
+    Both start their first programs part-way through their life, at the same steps as the real
+    arm's (`age_initial_programs`), so the short run begins where the real one does.
     """
     return {
         "sim": simulate(args, workload, kv_blocks, concurrency, arm),

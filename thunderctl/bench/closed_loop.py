@@ -35,6 +35,7 @@ import httpx
 from thunderctl.bench.trace import TraceProgram, TraceStep
 from thunderctl.engines.vllm import EngineMetrics, fetch_metrics
 from thunderctl.jsonapi import bearer_headers
+from thunderctl.sim.agents import aged_start_fraction, first_step_at
 
 if TYPE_CHECKING:  # sandboxes.py builds on this module
     from thunderctl.bench.sandboxes import SandboxSample, SandboxTools, ToolRecord
@@ -286,7 +287,7 @@ def plan_program(
     task_tokens, sized = step_sizes(program, workload.system_prompt_tokens)
     n_steps = steps_that_fit(workload, task_tokens, sized)
     sized = sized[:n_steps]
-    first_step = min(int(start_fraction * n_steps), n_steps - 1)
+    first_step = first_step_at(start_fraction, n_steps)
 
     text_rng = random.Random(f"{seed}/text/{index}")
     task = f"Task {index}: {word_text(text_rng, words_for_tokens(task_tokens, tokens_per_word))}"
@@ -638,7 +639,7 @@ class ClosedLoop:
 
     def plan(self, index: int) -> ProgramPlan:
         aged = self.spec.age_initial_programs and index < self.spec.concurrency
-        fraction = random.Random(f"{self.spec.seed}/age/{index}").random() if aged else 0.0
+        fraction = aged_start_fraction(self.spec.seed, index) if aged else 0.0
         return plan_program(
             self.spec.shape,
             seed=self.spec.seed,

@@ -8,6 +8,7 @@ starts the next program. Programs come from the same workloads as the benchmark 
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -68,6 +69,16 @@ class StepRecord:
         return self.end_s - self.start_s
 
 
+def aged_start_fraction(seed: int, index: int) -> float:
+    """The share of its life an initial program of an aged run has behind it (bench and sim draw alike)."""
+    return random.Random(f"{seed}/age/{index}").random()
+
+
+def first_step_at(start_fraction: float, n_steps: int) -> int:
+    """The step a program of `n_steps` starts at when `start_fraction` of it is history."""
+    return min(int(start_fraction * n_steps), n_steps - 1)
+
+
 def steps_that_fit(steps: Sequence[Step], max_context_tokens: int | None) -> Sequence[Step]:
     """The steps before the first whose prompt and answer exceed the context (at least one)."""
     if max_context_tokens is None:
@@ -95,6 +106,9 @@ class ClosedLoop:
     clock: VirtualClock
     router: Router
     block_size: int
+    # The first `concurrency` programs start part-way through their life, with a history no
+    # cache has seen, as the real load generator's do, so a short run starts near steady state.
+    age_initial_programs: bool = False
     records: list[StepRecord] = field(default_factory=list)
     programs_started: int = 0
     programs_completed: int = 0
@@ -112,9 +126,13 @@ class ClosedLoop:
         steps = steps_that_fit(program.steps, self.workload.max_context_tokens)
         self.steps_cut += len(program.steps) - len(steps)
         shared_blocks = self.workload.system_prompt_tokens // self.block_size
-        run = _Run(index, f"sim-{self.seed}-{index}", TokenStream(index + 1, shared_blocks), steps)
+        aged = self.age_initial_programs and index < self.concurrency
+        first_step = first_step_at(aged_start_fraction(self.seed, index), len(steps)) if aged else 0
+        run = _Run(index, f"sim-{self.seed}-{index}", TokenStream(index + 1, shared_blocks), steps, first_step)
         self.programs_started += 1
-        self.clock.after(program.env_prep_s or 0.0, lambda: self._send(run))
+        # A program that starts part-way has its environment already.
+        prepare_s = (program.env_prep_s or 0.0) if first_step == 0 else 0.0
+        self.clock.after(prepare_s, lambda: self._send(run))
 
     def _send(self, run: _Run) -> None:
         step = run.steps[run.next_step]

@@ -47,6 +47,7 @@ class SimSpec:
     seed: int = 0
     host_kv_gib: float = 0.0
     sample_interval_s: float = 10.0
+    age_initial_programs: bool = False  # as `thunderctl bench` runs: the first programs start part-way
 
     def __post_init__(self) -> None:
         if self.concurrency < 1 or self.workers < 1:
@@ -169,7 +170,10 @@ def run_arm(arm: ArmName, spec: SimSpec, progress: Callable[[float], None] | Non
         )  # fmt: skip
         workers.append(Worker(f"w{index}", engine, clock))
     router, policy = build_router(arm, workers, clock)
-    loop = ClosedLoop(spec.workload, spec.seed, spec.concurrency, clock, router, preset.engine.block_size)
+    loop = ClosedLoop(
+        spec.workload, spec.seed, spec.concurrency, clock, router, preset.engine.block_size,
+        age_initial_programs=spec.age_initial_programs,
+    )  # fmt: skip
     occupancy: list[OccupancySample] = []
     at_warmup: list[EngineCounters] = []
     policy_at_warmup: dict[str, int] = {}
