@@ -25,6 +25,7 @@ import psutil
 import yaml
 
 from thunderctl.bench.closed_loop import AgentShape, LoadResult, LoadSpec, Target, Uniform, run_load
+from thunderctl.cluster.state import pid_alive
 from thunderctl.engines.local import pick_free_port, pick_free_ports
 from thunderctl.engines.vllm import parse_samples
 from thunderctl.gateway.timings import ADMISSION_WAIT_SECONDS, TICK_SECONDS, histogram_quantile
@@ -34,6 +35,10 @@ MODEL = "sim"
 # How long the gateway may take to finish requests cut off at the deadline before its programs are counted.
 SETTLE_TIMEOUT_S = 120.0
 RSS_SAMPLE_S = 5.0
+# Programs per HTTP client of the load: httpcore's pool scans every connection it has for each
+# request, so one client of 2,048 connections spends the load generator's CPU on its own pool
+# (connects then time out, and the load, not the cluster, is what fails).
+PROGRAMS_PER_CLIENT = 128
 
 # Agents of a few thousand tokens by the end, with tools of seconds: thousands of them overbook
 # eight simulated 4×H100 workers' KV caches (891,728 tokens each) and keep the scheduler busy.
@@ -84,7 +89,7 @@ class SoakResult:
     admission_wait_p99_s: float | None
     admission_wait_p50_s: float | None
     admissions: int
-    left_running: list[int] = field(default_factory=list)  # pids started by `up` still alive after `down`
+    left_running: list[int] = field(default_factory=list)  # pids started by `up` still alive (not zombies) after `down`
 
     def problems(self) -> list[str]:
         """What went wrong, against the wants: no failed request, no program left, nothing left running."""
@@ -144,13 +149,15 @@ async def sample_rss(process: psutil.Process, peak: list[float]) -> None:
 
 
 async def load_with_rss(spec: SoakSpec, cluster: Cluster, workers: list[str], daemon: psutil.Process,
-                        peak: list[float]) -> LoadResult:
-    load = LoadSpec(concurrency=spec.programs, shape=spec.shape, duration_s=spec.duration_s, seed=spec.seed,
-                    model=MODEL, stream=spec.stream, time_scale=spec.tool_time_scale, request_timeout_s=1800.0,
-                    sample_interval_s=30.0)
+                        peak: list[float]) -> list[LoadResult]:
+    """The programs in shards of PROGRAMS_PER_CLIENT, each its own closed loop and client, all at once."""
+    sizes = [min(PROGRAMS_PER_CLIENT, spec.programs - start) for start in range(0, spec.programs, PROGRAMS_PER_CLIENT)]
+    loads = [LoadSpec(concurrency=size, shape=spec.shape, duration_s=spec.duration_s, seed=spec.seed * 1000 + shard,
+                      model=MODEL, stream=spec.stream, time_scale=spec.tool_time_scale, request_timeout_s=1800.0,
+                      sample_interval_s=spec.duration_s) for shard, size in enumerate(sizes)]
     sampler = asyncio.create_task(sample_rss(daemon, peak))
     try:
-        return await run_load(Target.gateway(cluster.gateway), load, workers)
+        return list(await asyncio.gather(*(run_load(Target.gateway(cluster.gateway), load, workers) for load in loads)))
     finally:
         sampler.cancel()
 
@@ -188,24 +195,29 @@ def run_soak(spec: SoakSpec, workdir: Path) -> SoakResult:
         rss_start = daemon.memory_info().rss / MIB
         peak = [rss_start]
         workers = [w["url"] for w in started["workers"]]
-        result = asyncio.run(load_with_rss(spec, cluster, workers, daemon, peak))
+        results = asyncio.run(load_with_rss(spec, cluster, workers, daemon, peak))
         left = settled_programs(cluster)
         figures = gateway_figures(cluster)
         rss_end = daemon.memory_info().rss / MIB
         cpu = daemon.cpu_times()
     finally:
         cluster.cli("down", "--cluster", cluster.name)
+    wall_s = max(r.wall_s for r in results)
+    steps_ok = sum(r.steps_ok for r in results)
+    # Every shard reads all the engines' counters over the same run: one shard's reading is the run's.
+    engines = max((r.engines for r in results), key=lambda e: e.prefix_cache_queries)
     return SoakResult(
-        spec={**asdict(spec), "shape": asdict(spec.shape)}, wall_s=result.wall_s,
-        steps_ok=result.steps_ok, steps_failed=result.steps_failed, steps_cancelled=result.steps_cancelled,
-        errors=sorted({r.error or f"HTTP {r.status}" for r in result.records if not r.ok}),
-        programs_started=result.programs_started, programs_completed=result.programs_completed,
-        release_failures=result.release_failures, programs_left=len(left),
-        steps_per_min=result.steps_ok / result.wall_s * 60 if result.wall_s else 0.0,
-        hit_rate=result.engines.hit_rate, preemptions=result.engines.preemptions,
+        spec={**asdict(spec), "shape": asdict(spec.shape)}, wall_s=wall_s, steps_ok=steps_ok,
+        steps_failed=sum(r.steps_failed for r in results), steps_cancelled=sum(r.steps_cancelled for r in results),
+        errors=sorted({r.error or f"HTTP {r.status}" for result in results for r in result.records if not r.ok}),
+        programs_started=sum(r.programs_started for r in results),
+        programs_completed=sum(r.programs_completed for r in results),
+        release_failures=sum(r.release_failures for r in results), programs_left=len(left),
+        steps_per_min=steps_ok / wall_s * 60 if wall_s else 0.0,
+        hit_rate=engines.hit_rate, preemptions=engines.preemptions,
         pauses=figures["pauses"] or 0, resumes=figures["resumes"] or 0,
         daemon_rss_start_mib=rss_start, daemon_rss_end_mib=rss_end, daemon_rss_peak_mib=max(peak[0], rss_end),
         daemon_cpu_s=cpu.user + cpu.system, tick_p99_s=figures["tick_p99_s"], ticks=int(figures["ticks"] or 0),
         admission_wait_p99_s=figures["admission_wait_p99_s"], admission_wait_p50_s=figures["admission_wait_p50_s"],
-        admissions=int(figures["admissions"] or 0), left_running=[pid for pid in pids if psutil.pid_exists(pid)],
+        admissions=int(figures["admissions"] or 0), left_running=[pid for pid in pids if pid_alive(pid)],
     )

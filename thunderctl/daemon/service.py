@@ -17,6 +17,7 @@ from thunderctl.cluster.state import ClusterState
 from thunderctl.cluster.worker_key import read_worker_key
 from thunderctl.daemon.control import build_control_app
 from thunderctl.gateway import Gateway, Upstream, build_app
+from thunderctl.gateway.gateway import AGENT_KEEPALIVE_S
 from thunderctl.jsonapi import BodyLimits
 from thunderctl.profile import ProfileError, load_profile
 from thunderctl.sandbox import SandboxPool, render_sandbox_metrics, sandbox_routes
@@ -124,7 +125,8 @@ class Daemon:
             self._spawn(self._follow_resume_queue())
         gateway = self.profile.gateway
         sockets = [bind_tcp(gateway.host, gateway.port), bind_control_socket(self.state.socket_path)]
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off")
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_keep_alive=AGENT_KEEPALIVE_S)
         self.server = uvicorn.Server(config)
         try:
             await self.server.serve(sockets=sockets)

@@ -39,6 +39,13 @@ class BackendError(RuntimeError):
 
 # Consecutive failed health/metrics polls before a worker is taken out of scheduling.
 UNHEALTHY_AFTER = 3
+# vLLM's API server (uvicorn) closes a connection idle for 5 s. A pooled connection is dropped
+# before that, or a request sent on it as the worker closes it fails (ReadError) and the worker
+# looks dead.
+WORKER_KEEPALIVE_S = 4.0
+# Agents' connections idle through their tool calls; the gateway keeps them open longer than
+# their clients' pools (httpx: 5 s), so that the client, not the gateway, closes an idle one.
+AGENT_KEEPALIVE_S = 65
 
 
 class WorkerState(StrEnum):
@@ -113,7 +120,7 @@ class Gateway:
         self._client = httpx.AsyncClient(
             headers=bearer_headers(worker_key),
             timeout=httpx.Timeout(None, connect=10.0),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=WORKER_KEEPALIVE_S),
         )
 
     # ---- life -----------------------------------------------------------------------------
