@@ -42,6 +42,7 @@ class FakeBackend:
     url: str
     key: str | None = None
     authorizations: list[str | None] = field(default_factory=list)
+    bodies: list[dict] = field(default_factory=list)  # of every completion request
 
     def app(self) -> Starlette:
         async def completion(request: Request) -> Response:
@@ -49,6 +50,7 @@ class FakeBackend:
             if self.key and request.headers.get("authorization") != f"Bearer {self.key}":
                 return JSONResponse({"error": "Unauthorized"}, 401)
             body = await request.json()
+            self.bodies.append(body)
             if body.get("stream"):
                 chunks = [
                     'data: {"choices":[{"index":0,"delta":{"content":"ok"}}]}\n\n',

@@ -72,6 +72,21 @@ def sandbox_image(docker_client: docker.DockerClient, tmp_path_factory: pytest.T
             docker_client.images.remove(image_id, force=True)
 
 
+@pytest.fixture(scope="module")
+def module_sandbox_image(docker_client: docker.DockerClient, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The test image under a tag and label of the module's own, for modules whose cluster runs for
+    minutes: the session-wide image is removed by id when any pytest session on the machine ends
+    (the same build gives the same id), which a shared machine's other sessions do at any time."""
+    context = tmp_path_factory.mktemp("module-sandbox-image")
+    shutil.copy(BUSYBOX, context / "busybox")
+    (context / "Dockerfile").write_text(DOCKERFILE)
+    tag = f"thunderctl-test/module-busybox:{secrets.token_hex(3)}"
+    image, _ = docker_client.images.build(path=str(context), tag=tag, rm=True, labels={"thunderctl.module-test": tag})
+    yield tag
+    with contextlib.suppress(ImageNotFound):
+        docker_client.images.remove(image.id, force=True)
+
+
 @pytest.fixture
 def sandbox_cluster(docker_client: docker.DockerClient) -> Iterator[str]:
     """A cluster name of the test's own; its containers are removed afterwards whatever happened."""

@@ -88,7 +88,7 @@ class AgentsCluster:
 
 
 @pytest.fixture(scope="module")
-def agents_cluster(tmp_path_factory: pytest.TempPathFactory, engine_home, sandbox_image: str,
+def agents_cluster(tmp_path_factory: pytest.TempPathFactory, engine_home, module_sandbox_image: str,
                    docker_client: docker.DockerClient):
     """A one-worker local cluster whose sandboxes are the test image; down and its containers
     removed (by its cluster label) afterwards, whatever the tests did."""
@@ -96,7 +96,7 @@ def agents_cluster(tmp_path_factory: pytest.TempPathFactory, engine_home, sandbo
     cli = Cli(directory / "state")
     name = f"agents-{secrets.token_hex(3)}"
     nodes = [{"name": "local", "transport": "local", "replicas": 1, "base_port": consecutive_free_ports(1)}]
-    sandboxes = {"image": sandbox_image, "memory": "64m", "pids": 64, "cpus": 0.5}
+    sandboxes = {"image": module_sandbox_image, "memory": "64m", "pids": 64, "cpus": 0.5}
     profile = write_profile(directory, cluster=name, engine=ENGINE, nodes=nodes, sandboxes=sandboxes,
                             gateway={"host": "127.0.0.1", "port": pick_free_port()})
     try:

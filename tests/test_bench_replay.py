@@ -215,3 +215,15 @@ def test_a_saved_report_renders_as_a_table_and_a_plot(tmp_path: Path) -> None:
     assert table.row_count == 3 and table.columns[1].header == "steps/min"
     plot_report(report, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_report_with_sandboxes_plots_containers_and_disk_under_the_steps(tmp_path: Path) -> None:
+    from matplotlib.image import imread
+
+    timeline = [{"t_s": t, "containers": n, "disk_bytes": {"unix:///a": 1e6 * n}} for t, n in [(2.0, 3), (4.0, 5)]]
+    with_sandboxes = arm(150.0, 0.8, 2.0) | {"sandboxes": {"timeline": timeline}}
+    report = {"benchmark": "swe-lite", "parameters": {"concurrency": 8}, "arms": {"cluster": with_sandboxes}}
+    plot_report(report, tmp_path / "sandboxes.png")
+    plot_report(report | {"arms": {"cluster": arm(150.0, 0.8, 2.0)}}, tmp_path / "plain.png")
+    # A third panel, as tall as each of the other two.
+    assert imread(tmp_path / "sandboxes.png").shape[0] == imread(tmp_path / "plain.png").shape[0] * 3 // 2

@@ -8,23 +8,25 @@ from __future__ import annotations
 
 import json
 import secrets
-import shutil
 import time
 from pathlib import Path
 
 import docker
 import pytest
-from sandbox_fixtures import BUSYBOX, DOCKERFILE
 from test_cluster import Cli, consecutive_free_ports, write_profile
 
 from thunderctl.bench.closed_loop import MESSAGE_OVERHEAD_TOKENS, StepPlan
 from thunderctl.bench.sandboxes import (
     BYTES_PER_TOKEN,
     OBSERVATION_FILE,
+    ToolRecord,
     read_sandbox_sample,
+    sandbox_line,
+    sandbox_summary,
     tool_command,
 )
 from thunderctl.engines.local import pick_free_port
+from thunderctl.sandbox.metrics import render_sandbox_metrics
 
 PROGRAMS = 4
 STEPS = 4
@@ -33,6 +35,11 @@ GROWTH = 100
 COMPLETION = 8
 # What each step's prompt grows by beyond its answer and the two messages' template tokens.
 OBSERVATION_TOKENS = GROWTH - COMPLETION - 2 * MESSAGE_OVERHEAD_TOKENS
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
 
 
 class BenchCluster:
@@ -71,29 +78,17 @@ def write_trace(path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def own_sandbox_image(tmp_path_factory: pytest.TempPathFactory, docker_client: docker.DockerClient):
-    """The test image's busybox under a tag and label of this module's: the session-wide test image
-    is removed by id when any pytest session on the machine ends, and these runs last minutes."""
-    context = tmp_path_factory.mktemp("bench-sandbox-image")
-    shutil.copy(BUSYBOX, context / "busybox")
-    (context / "Dockerfile").write_text(DOCKERFILE)
-    tag = f"thunderctl-test/bench-busybox:{secrets.token_hex(3)}"
-    image, _ = docker_client.images.build(path=str(context), tag=tag, rm=True, labels={"thunderctl.bench-test": tag})
-    yield tag
-    docker_client.images.remove(image.id, force=True)
-
-
-@pytest.fixture(scope="module")
-def bench_cluster(tmp_path_factory: pytest.TempPathFactory, engine_home, own_sandbox_image: str,
+def bench_cluster(tmp_path_factory: pytest.TempPathFactory, engine_home, module_sandbox_image: str,
                   docker_client: docker.DockerClient):
-    """A one-worker local cluster whose sandboxes are the test image, measuring disk every second;
+    """A one-worker local cluster whose sandboxes are the test image, measuring disk every 4 s
+    (longer than the bench's settle of 3 one-second samples, so its end figure must wait for a
+    measurement taken after the last release or write);
     down and its containers removed (by its cluster label) afterwards, whatever the tests did."""
     directory = tmp_path_factory.mktemp("bench-sandboxes")
     cli = Cli(directory / "state")
     name = f"sbxbench-{secrets.token_hex(3)}"
-    sandbox_image = own_sandbox_image
     nodes = [{"name": "local", "transport": "local", "replicas": 1, "base_port": consecutive_free_ports(1)}]
-    sandboxes = {"image": sandbox_image, "memory": "64m", "pids": 64, "cpus": 0.5, "maintenance_interval_s": 1}
+    sandboxes = {"image": module_sandbox_image, "memory": "64m", "pids": 64, "cpus": 0.5, "maintenance_interval_s": 4}
     profile = write_profile(directory, cluster=name, nodes=nodes, sandboxes=sandboxes,
                             gateway={"host": "127.0.0.1", "port": pick_free_port()})
     try:
@@ -116,12 +111,45 @@ thunderctl_sandboxes{state="warm"} 1
 thunderctl_sandboxes{state="bound"} 3
 thunderctl_sandboxes{state="preparing"} 2
 thunderctl_sandboxes{state="failed"} 5
+thunderctl_sandboxes{state="adopted"} 2
 thunderctl_sandbox_disk_bytes{host="unix:///a"} 4096
 thunderctl_sandbox_disk_bytes{host="ssh://b"} 10
+thunderctl_sandbox_disk_age_seconds{host="unix:///a"} 1.5
+thunderctl_sandbox_disk_age_seconds{host="ssh://b"} 0.5
 """
     sample = read_sandbox_sample(7.0, metrics)
-    assert (sample.t_s, sample.containers) == (7.0, 6)  # a failed preparation leaves no container
+    assert sample.disk_measured_since(5.5) and not sample.disk_measured_since(6.0)  # /a at 5.5, b at 6.5
+    # A failed preparation leaves no container; adopted containers are among the bound ones.
+    assert (sample.t_s, sample.containers) == (7.0, 6)
     assert sample.disk_bytes == {"unix:///a": 4096, "ssh://b": 10}
+
+
+def test_the_sandbox_line_names_why_an_exec_failed() -> None:
+    records = [ToolRecord("p1", 0, 0.0, 1.2, 1.0, True),
+               ToolRecord("p1", 1, 2.0, 0.5, 0.4, False, "exit 1: head: write error: No space left on device"),
+               ToolRecord("p2", 0, 3.0, 60.0, None, False, "POST /v1/sandboxes/sb-2/exec: ReadTimeout")]
+    summary = sandbox_summary(records, [])
+    assert summary["exec_failures"] == 2
+    assert summary["exec_errors"] == ["POST /v1/sandboxes/sb-2/exec: ReadTimeout",
+                                      "exit 1: head: write error: No space left on device"]
+    assert sandbox_line("cluster", summary).endswith("; first exec error: POST /v1/sandboxes/sb-2/exec: ReadTimeout")
+
+
+@pytest.mark.anyio
+async def test_the_sample_counts_an_adopted_container_once(start_pool, sandbox_image: str,
+                                                          docker_client: docker.DockerClient) -> None:
+    pool = await start_pool()
+    agents_own = docker_client.containers.run(sandbox_image, ["sleep", "600"], detach=True,
+                                              network_mode="none", labels={"thunderctl.test": "1"})
+    try:
+        await pool.adopt("p1", [agents_own.id])
+        own = await pool.wait_ready((await pool.acquire("p2")).id, timeout_s=60)
+
+        running = {c.id for c in docker_client.containers.list(sparse=True)}
+        assert {agents_own.id, own.container_id} <= running
+        assert read_sandbox_sample(0.0, render_sandbox_metrics(pool.stats())).containers == 2
+    finally:
+        agents_own.remove(force=True)
 
 
 def test_every_tool_step_runs_in_a_sandbox_collected_at_release(bench_cluster: BenchCluster, tmp_path: Path) -> None:
@@ -131,7 +159,7 @@ def test_every_tool_step_runs_in_a_sandbox_collected_at_release(bench_cluster: B
     sandboxes = arm["sandboxes"]
     # Every step but a program's last is followed by its tool, one exec each, none failed.
     assert sandboxes["execs"] == arm["steps_ok"] - PROGRAMS > 0
-    assert (sandboxes["exec_failures"], sandboxes["create_failures"]) == (0, 0)
+    assert (sandboxes["exec_failures"], sandboxes["create_failures"], sandboxes["exec_errors"]) == (0, 0, [])
     assert sandboxes["wait_p50_s"] is not None and sandboxes["wait_max_s"] >= sandboxes["wait_p50_s"] >= 0
     assert sandboxes["containers_peak"] >= 1  # sampled while programs held sandboxes
     assert (sandboxes["containers_end"], sandboxes["disk_bytes_end"]) == (0, 0)
@@ -152,6 +180,7 @@ def test_without_collection_the_sandboxes_pile_up_until_down(bench_cluster: Benc
              for c in left]
     written = sum(int(size.output) for size in sizes)
     assert written == sandboxes["execs"] * OBSERVATION_TOKENS * BYTES_PER_TOKEN
+    assert sandboxes["disk_bytes_end"] == written  # measured after the last write
 
     bench_cluster.cli("down")
     assert bench_cluster.wait_for_no_sandboxes() == []

@@ -58,9 +58,11 @@ class Cli:
         return json.loads(self("status", "--json").stdout)
 
 
-def write_profile(directory: Path, **changes) -> Path:
+def write_profile(directory: Path, restart: dict | None = None, **changes) -> Path:
     profile = yaml.safe_load(DEFAULT_PROFILE.read_text())
     profile["engine"].update(kv_blocks=128, block_size=32, max_model_len=4064)
+    if restart is not None:
+        profile["engine"]["restart"] = restart
     profile["scheduler"] = {"tick_interval_s": 0.5, "buffer_tokens": 64}
     for key, value in changes.items():
         profile[key] = value
@@ -103,7 +105,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, engine_home):
     base_port = consecutive_free_ports(2)
     nodes = [{"name": "local", "transport": "local", "replicas": 2, "base_port": base_port}]
     profile = write_profile(directory, cluster=f"local-{secrets.token_hex(4)}", nodes=nodes,
-                            gateway={"host": "127.0.0.1", "port": pick_free_port()})
+                            gateway={"host": "127.0.0.1", "port": pick_free_port()}, restart={"enabled": False})
     up = cli("up", "-f", str(profile))
     yield cli, profile, up
     cli("down", check=False)  # whatever the tests left, leave nothing
@@ -186,11 +188,30 @@ def test_worker_killed_mid_run_loses_no_request(cluster) -> None:
     assert cli.status()["workers"][1]["state"] == "unhealthy"
 
 
+def test_up_on_a_running_cluster_starts_again_the_worker_that_died(cluster) -> None:
+    cli, profile, _ = cluster
+    before = cli.status()
+    assert before["workers"][1]["state"] == "unhealthy", "left so by the test before (restarts are off here)"
+    again = cli("up", "-f", str(profile))
+    assert "restarted local/1 (its process had exited)" in again.stdout
+    status = cli.status()
+    assert status["daemon_pid"] == before["daemon_pid"]
+    assert [w["state"] for w in status["workers"]] == ["ready", "ready"]
+    assert status["workers"][1]["restarts"] == 1
+    thread, results = run_load_in_background(status["endpoint"], programs=4)
+    thread.join(timeout=300)
+    (result,) = results
+    assert result.steps_failed == 0 and result.programs_completed == 4
+    assert httpx.get(f"{status['workers'][1]['url']}/health", timeout=10).status_code == 200
+
+
 def test_daemon_killed_then_up_recovers_it_and_down_leaves_nothing(cluster, sandbox_image, docker_client) -> None:
     cli, profile, _ = cluster
     name = cli.status()["cluster"]
     state_dir = Path(cli.env["THUNDERCTL_STATE_DIR"]) / name
     first_daemon = cli.status()["daemon_pid"]
+    worker = json.loads((state_dir / "state.json").read_text())["workers"][1]
+    os.killpg(worker["pid"], signal.SIGKILL)  # a worker that dies with its daemon
     os.kill(first_daemon, signal.SIGKILL)
     recovered = cli("up", "-f", str(profile))
     assert "recovered" in recovered.stdout and "restarted local/1" in recovered.stdout

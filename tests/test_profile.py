@@ -33,6 +33,10 @@ def test_shipped_profiles_are_valid() -> None:
         (lambda p: p["nodes"][1].update(name="node-1"), "node-1 appears more than once"),
         (lambda p: p["scheduler"].update(pause_target=0.99), "scheduler.pause_target (0.99) must be below"),
         (lambda p: p["engine"].update(kind="vllm-cpu"), "engine.kind: vllm-cpu with nodes that have gpus"),
+        (
+            lambda p: (p["engine"].update(kind="vllm-cpu", kv_offload_gib=4), [n.update(gpus=0) for n in p["nodes"]]),
+            "CPU Offloading is currently only supported on CUDA-alike and XPU GPUs",
+        ),
         (lambda p: p.update(nodes=[]), "nodes: []: List should have at least 1 item"),
     ],
 )
@@ -73,3 +77,21 @@ def test_unreadable_profiles(tmp_path: Path, text: str, message: str) -> None:
 def test_missing_profile_file() -> None:
     with pytest.raises(ProfileError, match="cannot read profile /nonexistent.yaml"):
         load_profile(Path("/nonexistent.yaml"))
+
+
+@pytest.mark.parametrize("command", [["doctor"], ["up", "--dry-run"]])
+def test_doctor_and_up_refuse_a_host_kv_tier_on_vllm_cpu_before_starting_anything(tmp_path: Path, command: list[str]) -> None:
+    from typer.testing import CliRunner
+
+    from thunderctl.cli import app
+
+    data = yaml.safe_load((Path(__file__).parents[1] / "profiles" / "local.yaml").read_text())
+    data["engine"]["kv_offload_gib"] = 4
+    path = tmp_path / "offload.yaml"
+    path.write_text(yaml.safe_dump(data))
+    result = CliRunner().invoke(app, [*command, "-f", str(path)])
+    output = " ".join(result.output.split())  # rich wraps lines
+    assert result.exit_code == 1
+    assert "engine.kv_offload_gib" in output
+    assert "CPU Offloading is currently only supported on CUDA-alike and XPU GPUs" in output
+    assert "vllm.entrypoints" not in output  # no worker planned, none started

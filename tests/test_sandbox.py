@@ -362,9 +362,11 @@ async def test_disk_above_watermark_evicts_pulled_images_no_container_uses(
     assert {kept.state, done.state} == {"ready"}
     await pool.program_ended("p2")
 
+    before = time.monotonic()
     await pool.maintain()
     stats = pool.stats()
     assert stats["evicted_images"] == 1 and stats["disk_bytes"] > 1024
+    assert 0 <= stats["hosts"][0]["disk_age_s"] <= time.monotonic() - before  # measured by this round
     with pytest.raises(NotFound):
         docker_client.images.get(unused)
     docker_client.images.get(in_use)  # its container still runs

@@ -241,7 +241,8 @@ def test_paused_program_resumes_on_another_backend_when_its_own_is_full() -> Non
 
 
 def test_forced_resume_after_timeout_even_when_full() -> None:
-    sched, clock, events = make()
+    # Priced retention would drop the hog after its first tool seconds (tests/test_retention.py).
+    sched, clock, events = make(retention=False)
     run_step(sched, "hog", 900)
     assert sched.on_request("starved", 300) is None
     clock.advance(30)
@@ -315,7 +316,7 @@ def test_shared_prefix_is_charged_once_per_backend() -> None:
 
 
 def test_buffer_is_charged_the_same_on_both_sides_so_pausing_converges() -> None:
-    sched, clock, events = make(buffer_tokens=50)
+    sched, clock, events = make(buffer_tokens=50, retention=False)  # pausing by size alone
     for i in range(8):
         run_step(sched, f"p{i}", 100 + i)
     for i in range(8):
@@ -429,7 +430,8 @@ def test_room_left_by_a_response_goes_to_the_waiting_queue_at_once() -> None:
 
 
 def test_busy_engine_lowers_the_weight_while_steps_per_second_rise_until_the_queue_moves() -> None:
-    sched, clock, _ = make(adapt_window_s=10)
+    # The ladder alone, the queue shortest first (no aging): the short workers pass the waiter.
+    sched, clock, _ = make(adapt_window_s=10, retention=False, resume_aging_tokens_per_s=None)
     run_step(sched, "holder", 800)
     sched.on_request("waiter", 850)  # fits only at weight 0
     responses_per_s = {1.0: 2, 0.5: 4, 0.0: 8}  # a load that more admission speeds up

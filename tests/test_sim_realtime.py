@@ -3,30 +3,35 @@ and the engine's count of a request's sampled tokens, which the server streams f
 
 from __future__ import annotations
 
-from thunderctl.engines.sim_tokens import ContentStream, answer_words, render_chat, token_ids
+from thunderctl.engines.sim_tokens import BlockIds, ContentStream, answer_words, render_chat, token_ids
 from thunderctl.sim.cost import EngineShape, LinearStepCost
 from thunderctl.sim.engine import Engine, Request
 
 BLOCK = 16
 
 
+def stream(text: str, ids: BlockIds) -> list[int]:
+    content = ContentStream.of(token_ids(text), BLOCK, ids)
+    return content.block_hashes(0, sum(map(len, content.runs)))
+
+
 def test_a_shared_text_prefix_gives_the_same_block_hashes_up_to_the_first_differing_block() -> None:
+    ids = BlockIds(capacity=1000)
     common = " ".join(f"w{i}" for i in range(40))
-    first = ContentStream.of(token_ids(f"{common} apple pear plum"), BLOCK)
-    second = ContentStream.of(token_ids(f"{common} fig kiwi lime"), BLOCK)
-    assert len(first.hashes) == len(second.hashes) == 2  # 43 tokens: two full blocks
-    assert first.hashes == second.hashes  # the difference is in the partial third block
-    longer_a = ContentStream.of(token_ids(f"{common} " + " ".join(["a"] * 20)), BLOCK)
-    longer_b = ContentStream.of(token_ids(f"{common} " + " ".join(["b"] * 20)), BLOCK)
-    assert longer_a.hashes[:2] == longer_b.hashes[:2] and longer_a.hashes[2] != longer_b.hashes[2]
+    first, second = stream(f"{common} apple pear plum", ids), stream(f"{common} fig kiwi lime", ids)
+    assert len(first) == len(second) == 2 and first == second  # 43 tokens: the difference is in the partial block
+    longer_a, longer_b = stream(f"{common} " + " ".join(["a"] * 20), ids), stream(f"{common} " + " ".join(["b"] * 20), ids)
+    assert longer_a[:2] == longer_b[:2] == first and longer_a[2] != longer_b[2]
+    assert all(b > a for a, b in zip(longer_b, longer_b[1:]))  # increasing runs, as the block pool wants them
 
 
 def test_a_block_hash_stands_for_everything_before_it() -> None:
+    ids = BlockIds(capacity=1000)
     words = [f"w{i}" for i in range(48)]
-    changed = ["other", *words[1:]]
-    a, b = ContentStream.of(token_ids(" ".join(words)), BLOCK), ContentStream.of(token_ids(" ".join(changed)), BLOCK)
-    assert all(x != y for x, y in zip(a.hashes, b.hashes, strict=True))  # block 2 is the same text, not the same prefix
-    assert a.block_hashes(1, 3) == list(a.hashes[1:3])
+    a, b = stream(" ".join(words), ids), stream(" ".join(["other", *words[1:]]), ids)
+    assert not set(a) & set(b)  # block 2 is the same text, not the same prefix
+    content = ContentStream.of(token_ids(" ".join(words)), BLOCK, ids)
+    assert content.block_hashes(1, 3) == a[1:3] and content.block_runs(0, 3) == [range(a[0], a[0] + 3)]
 
 
 def test_an_answer_sent_back_as_history_tokenizes_to_what_was_sampled() -> None:
@@ -67,15 +72,16 @@ def run_steps(sim: Engine, requests: list[Request], now: float = 0.0) -> dict[in
 
 def test_sampled_tokens_count_one_per_decode_step_up_to_the_answer() -> None:
     sim = engine(blocks=16)
-    request = Request(ContentStream.of(list(range(100)), BLOCK), prompt_tokens=40, max_tokens=12)
+    request = Request(ContentStream.of(list(range(100)), BLOCK, BlockIds(1000)), prompt_tokens=40, max_tokens=12)
     sim.submit(request)
     counts = run_steps(sim, [request])[id(request)]
     assert counts == list(range(1, 13))  # the prefill samples the first token, each decode one more
 
 
 def test_sampled_tokens_survive_a_preemption() -> None:
+    ids = BlockIds(1000)
     sim = engine(blocks=8)  # 128 tokens: two requests of 60 + 60 cannot both finish without a preemption
-    requests = [Request(ContentStream.of([k] * 120, BLOCK), prompt_tokens=60, max_tokens=60) for k in (1, 2)]
+    requests = [Request(ContentStream.of([k] * 120, BLOCK, ids), prompt_tokens=60, max_tokens=60) for k in (1, 2)]
     for request in requests:
         sim.submit(request)
     seen = run_steps(sim, requests)

@@ -106,6 +106,12 @@ def test_docker_runs_the_official_image_on_its_gpus_labelled_for_cleanup() -> No
         assert part in line, part
 
 
+def test_a_host_kv_tier_becomes_vllms_native_offloading_on_gpu_workers() -> None:
+    line = plan_workers(parse_profile(h100_profile(kv_offload_gib=870), "p.yaml"), HOME)[0].shell_line()
+    assert "--kv-offloading-backend native --kv-offloading-size 870" in line
+    assert "--kv-offloading" not in plan_workers(parse_profile(h100_profile(), "p.yaml"), HOME)[0].shell_line()
+
+
 def test_existing_install_has_nothing_to_install() -> None:
     assert install_step(parse_profile(h100_profile(install="existing"), "p.yaml").engine) is None
 

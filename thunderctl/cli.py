@@ -32,6 +32,7 @@ from thunderctl.cluster.lifecycle import (
     existing_state,
     launch,
     tear_down,
+    reconcile,
     recover,
 )
 from thunderctl.cluster.plan import plan_workers
@@ -275,7 +276,8 @@ def up(
 ) -> None:
     """Start a cluster: workers, then the daemon (gateway, scheduler, control socket).
 
-    Idempotent: on a running cluster it changes nothing; a cluster whose daemon died gets a new one.
+    Idempotent: on a running cluster it starts again any worker that died and changes nothing else;
+    a cluster whose daemon died gets a new one.
     """
 
     profile, path = load_profile_or_exit(file)
@@ -292,10 +294,15 @@ def up(
     if exposure:
         raise fail(f"{exposure}; nothing was started")
     state = existing_state(profile)
-    if state is not None and daemon_answers(state):
-        out.print(f"cluster [bold]{state.cluster}[/] is already up at {state.endpoint}; nothing changed")
-        return
     with Transports() as transports:
+        if state is not None and daemon_answers(state):
+            with out.status("the cluster is up: checking its workers") as status:
+                try:
+                    done = reconcile(state, plans, timeout, status.update, transports)
+                except (LaunchError, TransportError, httpx.HTTPError) as exc:
+                    raise fail(f"{exc}\n`thunderctl logs` shows the worker's log; `thunderctl down` stops the cluster") from exc
+            out.print(f"cluster [bold]{state.cluster}[/] is already up at {state.endpoint}; {done.summary()}")
+            return
         try:
             alive = state is not None and any_worker_alive(state, transports)
         except TransportError as exc:

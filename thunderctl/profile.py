@@ -34,6 +34,21 @@ class ModelSpec(Strict):
     served_name: str = "tiny"
 
 
+class RestartPolicy(Strict):
+    enabled: bool = Field(True, description="the daemon starts again a worker whose process died")
+    initial_backoff_s: float = Field(5.0, gt=0, description="the wait before a second restart; it doubles after each")
+    max_backoff_s: float = Field(300.0, gt=0, description="the longest wait between restarts")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> RestartPolicy:
+        if self.max_backoff_s < self.initial_backoff_s:
+            raise ValueError(
+                f"max_backoff_s: {self.max_backoff_s:g} is below initial_backoff_s: {self.initial_backoff_s:g}; "
+                "raise it or lower initial_backoff_s"
+            )
+        return self
+
+
 class EngineSpec(Strict):
     kind: Literal["vllm", "vllm-cpu", "sim"] = "vllm"
     install: Literal["existing", "pip", "docker"] = "existing"
@@ -45,9 +60,18 @@ class EngineSpec(Strict):
     max_model_len: int | None = Field(None, gt=0)
     preset: str | None = Field(None, description="with kind: sim, the worker simulated (default h100-tp4-32b)")
     time_scale: float | None = Field(None, ge=0, description="with kind: sim, wall seconds per simulated second")
+    kv_offload_gib: float | None = Field(
+        None, gt=0, description="a host KV tier per worker: --kv-offloading-backend native --kv-offloading-size"
+    )
+    restart: RestartPolicy = RestartPolicy()
 
     @model_validator(mode="after")
     def _cpu_blocks(self) -> EngineSpec:
+        if self.kind == "vllm-cpu" and self.kv_offload_gib is not None:
+            raise ValueError(
+                "kv_offload_gib: vllm-cpu refuses a host KV tier at startup (\"CPU Offloading is currently "
+                "only supported on CUDA-alike and XPU GPUs\"); remove it, or use kind: vllm on GPU nodes"
+            )
         if self.kind == "vllm-cpu" and self.block_size is not None and self.block_size % 32:
             raise ValueError(
                 f"block_size: {self.block_size} is not a multiple of 32, which vLLM-CPU's attention "

@@ -175,34 +175,57 @@ def verdict(report: dict[str, Any]) -> str | None:
 
 
 def plot_report(report: dict[str, Any], path: Path) -> None:
-    """Steps/min and hit rate over each arm's time, one line per arm, as a PNG."""
+    """Steps/min and hit rate over each arm's time, one line per arm, as a PNG; with sandboxes,
+    the pool's containers alive and disk used below them."""
     import matplotlib  # imported here: only a finished run draws, and it is slow to import
 
     matplotlib.use("Agg")  # no display: write files only
     from matplotlib import pyplot
 
-    figure, (steps_axis, hit_axis) = pyplot.subplots(2, 1, sharex=True, figsize=(8, 6))
+    sandboxed = {name: arm["sandboxes"] for name, arm in report["arms"].items() if arm.get("sandboxes")}
+    rows = 3 if sandboxed else 2
+    figure, axes = pyplot.subplots(rows, 1, sharex=True, figsize=(8, 3 * rows))
+    steps_axis, hit_axis = axes[0], axes[1]
     for name, arm in report["arms"].items():
         points = arm["timeline"]
         times = [p["t_s"] for p in points]
         hit_rates = [p["hit_rate"] if p["hit_rate"] is not None else float("nan") for p in points]
         steps_axis.plot(times, [p["steps_per_min"] for p in points], marker=".", label=name)
         hit_axis.plot(times, hit_rates, marker=".", label=name)
+    if sandboxed:
+        plot_sandboxes(sandboxed, axes[2])
     # Where a slice ends and the next (with its warm-up) begins.
     first_arm = next(iter(report["arms"].values()), {"slices": []})
     for boundary in itertools.accumulate(s["wall_s"] for s in first_arm["slices"][:-1]):
-        for axis in (steps_axis, hit_axis):
+        for axis in axes:
             axis.axvline(boundary, color="grey", linestyle=":", linewidth=1)
     steps_axis.set_ylabel("steps/min")
     hit_axis.set_ylabel("prefix-cache hit rate")
     hit_axis.set_ylim(0, 1)
-    hit_axis.set_xlabel("time in arm (s; slices back to back)")
+    axes[-1].set_xlabel("time in arm (s; slices back to back)")
     steps_axis.legend()
     steps_axis.set_title(f"{report['benchmark']}, concurrency {report['parameters']['concurrency']}")
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=100)
     pyplot.close(figure)
+
+
+def plot_sandboxes(sandboxed: dict[str, dict[str, Any]], axis: Any) -> None:
+    """Containers alive (solid, left) and disk used over all hosts (dashed, right), per arm."""
+    disk_axis = axis.twinx()
+    for name, summary in sandboxed.items():
+        points = summary["timeline"]
+        times = [p["t_s"] for p in points]
+        axis.plot(times, [p["containers"] for p in points], label=f"{name} containers")
+        disk_axis.plot(times, [sum(p["disk_bytes"].values()) / 1e6 for p in points], linestyle="--",
+                       label=f"{name} disk")
+    axis.set_ylabel("sandbox containers alive")
+    disk_axis.set_ylabel("sandbox disk (MB)")
+    axis.set_ylim(bottom=0)
+    disk_axis.set_ylim(bottom=0)
+    axis.legend(loc="upper left")
+    disk_axis.legend(loc="upper right")
 
 
 def write_outputs(

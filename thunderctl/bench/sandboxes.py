@@ -35,13 +35,16 @@ EXEC_TIMEOUT_MARGIN_S = 120.0
 # A sandbox's owner when collection at release is off: an id the gateway never sees as a program,
 # as with a harness that starts its sandboxes apart from its LLM calls.
 DETACHED_SUFFIX = ".detached"
-# States of the pool's containers that exist in Docker (a failed preparation leaves none).
-ALIVE_STATES = ("warm", "bound", "preparing", "adopted")
+# States of the pool's containers that exist in Docker (a failed preparation leaves none). An
+# adopted container is also counted as `bound` (it is ready and a program's): not added again.
+ALIVE_STATES = ("warm", "bound", "preparing")
 # After a run, the pool is sampled this often until the count of containers is the same this many
 # times in a row, for at most SETTLE_S.
 SETTLE_INTERVAL_S = 1.0
 SETTLE_SAMPLES = 3
 SETTLE_S = 60.0
+# Distinct exec errors kept in the report: enough to tell one cause from several.
+MAX_ERRORS_SHOWN = 5
 
 Result = TypeVar("Result")
 
@@ -77,17 +80,25 @@ class SandboxSample:
     t_s: float
     containers: int
     disk_bytes: dict[str, float]  # per host; measured by the pool's maintenance round
+    disk_age_s: dict[str, float] = field(default_factory=dict)  # per host: how long before t_s
+
+    def disk_measured_since(self, t_s: float) -> bool:
+        """Every host's disk figure was measured at or after `t_s` (as far as the gateway says)."""
+        return all(self.t_s - age >= t_s for age in self.disk_age_s.values())
 
 
 def read_sandbox_sample(t_s: float, metrics_text: str) -> SandboxSample:
     containers = 0
     disk: dict[str, float] = {}
+    ages: dict[str, float] = {}
     for sample in parse_samples(metrics_text):
         if sample.name == "thunderctl_sandboxes" and sample.labels.get("state") in ALIVE_STATES:
             containers += int(sample.value)
         elif sample.name == "thunderctl_sandbox_disk_bytes":
             disk[sample.labels.get("host", "")] = sample.value
-    return SandboxSample(t_s, containers, disk)
+        elif sample.name == "thunderctl_sandbox_disk_age_seconds":
+            ages[sample.labels.get("host", "")] = sample.value
+    return SandboxSample(t_s, containers, disk, ages)
 
 
 @dataclass
@@ -163,14 +174,22 @@ class SandboxTools:
 
     async def settle(self, http: httpx.AsyncClient, now: Callable[[], float]) -> None:
         """Sample after the run until the count of containers holds still (releases collect in the
-        background), for at most SETTLE_S: the report's end figures are the last sample."""
+        background) and then until the disk was measured since (the pool measures it at its
+        maintenance rounds), for at most SETTLE_S: the report's end figures are the last sample."""
         deadline = now() + SETTLE_S
         steady = 0
-        while steady < SETTLE_SAMPLES and now() < deadline:
+        settled_at: float | None = None
+        while now() < deadline:
+            if settled_at is not None and self.samples[-1].disk_measured_since(settled_at):
+                return
             before = self.samples[-1].containers if self.samples else None
             await asyncio.sleep(SETTLE_INTERVAL_S)
             await self.sample(http, now())
             steady = steady + 1 if self.samples and self.samples[-1].containers == before else 0
+            if steady < SETTLE_SAMPLES:
+                settled_at = None
+            elif settled_at is None:
+                settled_at = self.samples[-1].t_s
 
     def drain(self) -> tuple[list[ToolRecord], list[SandboxSample], int]:
         """This run's records, samples and failed creations; the next run starts afresh."""
@@ -194,6 +213,7 @@ def sandbox_summary(records: Sequence[ToolRecord], samples: Sequence[SandboxSamp
     return {
         "execs": len(records),
         "exec_failures": sum(not r.ok for r in records),
+        "exec_errors": sorted({r.error for r in records if r.error})[:MAX_ERRORS_SHOWN],
         "create_failures": create_failures,
         "wait_p50_s": percentile(waits, 50),
         "wait_p90_s": percentile(waits, 90),
@@ -211,9 +231,11 @@ def sandbox_line(arm: str, summary: dict[str, Any]) -> str:
         return "-" if value is None else f"{value:.2f} s"
 
     disk = summary["disk_bytes_end"]
+    errors = summary["exec_errors"]
     return (
         f"{arm} sandboxes: {summary['execs']} tool execs ({summary['exec_failures']} failed), wait after resume "
         f"p50 {seconds(summary['wait_p50_s'])} p90 {seconds(summary['wait_p90_s'])}, containers peak "
         f"{summary['containers_peak']} end {summary['containers_end']}, disk at end "
         f"{'-' if disk is None else f'{disk / 1e6:.1f} MB'}"
+        + (f"; first exec error: {errors[0][:160]}" if errors else "")
     )

@@ -313,29 +313,73 @@ def any_worker_alive(state: ClusterState, transports: Transports) -> bool:
     return any(transports.to(w.ssh).group_alive(w.process) for w in state.workers if not w.stopped)
 
 
+def revive_worker(state: ClusterState, worker: WorkerRecord, plan: WorkerPlan, transport: Transport,
+                  worker_key: str | None) -> bool:
+    """Start a worker again if its process group is gone (and its tunnel, if that ended), as its
+    plan says, logging to the same file. Returns whether the worker itself was restarted."""
+    restarted = False
+    if not transport.group_alive(worker.process):
+        if worker.container:
+            remove_container(transport, worker.container)  # a killed `docker run` can leave it behind
+        process = transport.start_detached(plan.command, plan.launch_env(worker_key), worker.log_path)
+        worker.pid, worker.start_ticks = process.pid, process.start_ticks
+        restarted = True
+    if worker.tunnel is not None and not process_alive(worker.tunnel):
+        # The same local end, so the URL the daemon knows stays right.
+        open_tunnel(state, worker, plan.port, httpx.URL(worker.url).port or pick_free_port())
+    return restarted
+
+
+def revive_dead_workers(state: ClusterState, plans: list[WorkerPlan], transports: Transports,
+                        worker_key: str | None) -> list[str]:
+    """Every worker that died without being stopped on purpose, started again. Returns their ids."""
+    by_id = {plan.id: plan for plan in plans}
+    return [
+        worker.id for worker in state.workers
+        if not worker.stopped and worker.id in by_id
+        and revive_worker(state, worker, by_id[worker.id], transports.to(worker.ssh), worker_key)
+    ]  # fmt: skip
+
+
 def recover(state: ClusterState, plans: list[WorkerPlan], timeout: float, report: Report,
             transports: Transports) -> list[str]:
     """A cluster whose daemon died: restart the workers that died with it (not those a drain
     stopped on purpose) and their tunnels, then a new daemon. Returns the ids of the workers restarted."""
-    by_id = {plan.id: plan for plan in plans}
     worker_key = read_worker_key(state.dir) or create_worker_key(state.dir)
-    revived = []
-    for worker in state.workers:
-        if worker.stopped or worker.id not in by_id:
-            continue
-        plan = by_id[worker.id]
-        transport = transports.to(worker.ssh)
-        if not transport.group_alive(worker.process):
-            process = transport.start_detached(plan.command, plan.launch_env(worker_key), worker.log_path)
-            worker.pid, worker.start_ticks = process.pid, process.start_ticks
-            revived.append(worker.id)
-        if worker.tunnel is not None and not process_alive(worker.tunnel):
-            # The same local end, so the URL the daemon knows stays right.
-            open_tunnel(state, worker, plan.port, httpx.URL(worker.url).port or pick_free_port())
+    revived = revive_dead_workers(state, plans, transports, worker_key)
     state.save()
     wait_workers_healthy(state, timeout, report, transports)
     start_daemon(state)
     return revived
+
+
+@dataclass(frozen=True)
+class Reconciliation:
+    """What `up` did to a running cluster, and what of the profile it cannot apply in place."""
+
+    restarted: list[str]
+    not_running: list[str]  # in the profile, not in the cluster
+    not_in_profile: list[str]
+
+    def summary(self) -> str:
+        done = f"restarted {', '.join(self.restarted)} (its process had exited)" if self.restarted else "nothing changed"
+        differs = [f"the profile's {', '.join(self.not_running)} not running"] if self.not_running else []
+        differs += [f"{', '.join(self.not_in_profile)} not in the profile"] if self.not_in_profile else []
+        if differs:
+            done += f"; {' and '.join(differs)}: `thunderctl down`, then `up`, to apply the profile"
+        return done
+
+
+def reconcile(state: ClusterState, plans: list[WorkerPlan], timeout: float, report: Report,
+              transports: Transports) -> Reconciliation:
+    """A running cluster: its daemon starts again, now, every worker that died (not those a drain
+    stopped), and `up` waits for them to be healthy."""
+    with control_client(state) as client:
+        restarted = client.post("/workers/revive").raise_for_status().json()["restarted"]
+    if restarted:
+        wait_workers_healthy(ClusterState.load(state.dir), timeout, report, transports)
+    planned, running = [p.id for p in plans], [w.id for w in state.workers]
+    return Reconciliation(restarted, [i for i in planned if i not in running], [i for i in running if i not in planned])
 
 
 def launch(profile: Profile, profile_path: Path, plans: list[WorkerPlan], timeout: float, report: Report,

@@ -134,6 +134,8 @@ def gpu_args(profile: Profile, node: NodeSpec, host: str, port: int, home: Engin
         args += ["--num-gpu-blocks-override", str(engine.kv_blocks)]
     if engine.max_model_len:
         args += ["--max-model-len", str(engine.max_model_len)]
+    if engine.kv_offload_gib:
+        args += ["--kv-offloading-backend", "native", "--kv-offloading-size", f"{engine.kv_offload_gib:g}"]
     return [*args, *engine.args]
 
 

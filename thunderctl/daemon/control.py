@@ -1,4 +1,4 @@
-"""The control API, served on the daemon's Unix socket: status, drain, undrain, stop, shutdown."""
+"""The control API, served on the daemon's Unix socket: status, drain, undrain, stop, revive, shutdown."""
 
 from __future__ import annotations
 
@@ -79,6 +79,7 @@ def status_view(daemon: Daemon) -> dict[str, Any]:
                 "preemptions": metrics.preemptions if metrics else 0,
                 "requests_running": metrics.requests_running if metrics else 0,
                 "requests_waiting": metrics.requests_waiting if metrics else 0,
+                "restarts": daemon.restarts.restarts(record.id),
             }
         )
     counts = Counter(
@@ -150,12 +151,17 @@ def build_control_app(daemon: Daemon) -> Starlette:
 
         return await with_targets(request, act)
 
+    async def revive(_: Request) -> JSONResponse:
+        """Start again, now, every worker whose process died (not those stopped or draining)."""
+        return JSONResponse({"restarted": await daemon.revive_workers(now=True)})
+
     async def shutdown(request: Request) -> JSONResponse:
         """Drain everything (bounded), release every program, then exit after answering."""
         try:
             timeout = shutdown_timeout(await read_json_object(request) if await request.body() else {})
         except BadRequest as exc:
             return bad_request(exc)
+        daemon.stopping = True
         worker_ids = [w.id for w in daemon.state.workers]
         for worker_id in worker_ids:
             gateway.drain(worker_id)
@@ -177,6 +183,7 @@ def build_control_app(daemon: Daemon) -> Starlette:
             Route("/drain", drain, methods=["POST"]),
             Route("/undrain", undrain, methods=["POST"]),
             Route("/workers/stop", stop_workers, methods=["POST"]),
+            Route("/workers/revive", revive, methods=["POST"]),
             Route("/shutdown", shutdown, methods=["POST"]),
         ]
     )

@@ -13,17 +13,24 @@ import uvicorn
 from starlette.types import Receive, Scope, Send
 
 from thunderctl import aio
-from thunderctl.cluster.state import ClusterState
+from thunderctl.cluster.lifecycle import revive_worker
+from thunderctl.cluster.plan import plan_workers
+from thunderctl.cluster.state import ClusterState, WorkerRecord, process_alive
+from thunderctl.cluster.transport import TransportError, Transports
 from thunderctl.cluster.worker_key import read_worker_key
 from thunderctl.daemon.control import build_control_app
+from thunderctl.daemon.supervisor import RestartPlanner
 from thunderctl.gateway import Gateway, Upstream, build_app
 from thunderctl.gateway.gateway import AGENT_KEEPALIVE_S
+from thunderctl.gateway.answers import resume_priority
 from thunderctl.jsonapi import BodyLimits
 from thunderctl.profile import ProfileError, load_profile
 from thunderctl.sandbox import SandboxPool, render_sandbox_metrics, sandbox_routes
 from thunderctl.scheduler import EventKind, ProgramEvent
 
 log = logging.getLogger(__name__)
+
+SUPERVISE_INTERVAL_S = 2.0  # how often the daemon checks that its workers' processes still run
 
 
 def bind_control_socket(path: Path) -> socket.socket:
@@ -51,13 +58,22 @@ class Daemon:
         self.state = state
         self.profile = load_profile(Path(state.profile_path))
         upstreams = [Upstream(w.id, w.url, stopped=w.stopped) for w in state.workers]
-        self.gateway = Gateway(upstreams, self.profile.scheduler, worker_key=read_worker_key(state.dir))
+        self.worker_key = read_worker_key(state.dir)
+        self.gateway = Gateway(
+            upstreams, self.profile.scheduler, worker_key=self.worker_key,
+            resumed_priority=resume_priority(self.profile.engine.args),
+        )  # fmt: skip
         self.auth = self.profile.gateway.auth()
         limits = BodyLimits(max_bytes=self.profile.gateway.max_body_bytes)
         self.started_at = time.time()
         self.server: uvicorn.Server | None = None
         self.sandboxes = self._sandbox_pool()
         self._background: set[asyncio.Task] = set()
+        self.plans = {plan.id: plan for plan in plan_workers(self.profile)}
+        self.restarts = RestartPlanner(self.profile.engine.restart)
+        self.transports = Transports()
+        self._reviving = asyncio.Lock()
+        self.stopping = False  # set by shutdown: a worker that ends then is not started again
         gateway_app = build_app(
             self.gateway,
             extra_routes=sandbox_routes(self.sandboxes, limits) if self.sandboxes else (),
@@ -108,6 +124,48 @@ class Daemon:
             await asyncio.sleep(self.gateway.scheduler.config.tick_interval_s)
             self.sandboxes.program_queue([p.id for p in self.gateway.scheduler.resume_queue()])
 
+    async def _supervise_workers(self) -> None:
+        while True:
+            await asyncio.sleep(SUPERVISE_INTERVAL_S)
+            try:
+                await self.revive_workers()
+            except TransportError as exc:  # a node out of reach now may answer at the next check
+                log.warning("cannot check the workers: %s", exc)
+
+    async def revive_workers(self, *, now: bool = False) -> list[str]:
+        """Start again the workers whose process died, as the restart policy allows, or all of
+        them at once with `now` (what `up` asks of a running cluster). Returns their ids."""
+        async with self._reviving:
+            return await asyncio.to_thread(self._revive_due, now)
+
+    def _revive_due(self, now: bool) -> list[str]:
+        revived = []
+        for worker in self.state.workers:
+            upstream = self.gateway.upstreams[worker.id]
+            # Stopped or draining on purpose: the operator took it out of service.
+            if self.stopping or worker.stopped or upstream.stopped or upstream.draining or worker.id not in self.plans:
+                continue
+            if self._revive(worker, upstream.healthy, now):
+                revived.append(worker.id)
+        if revived:
+            self.state.save()
+        return revived
+
+    def _revive(self, worker: WorkerRecord, healthy: bool, now: bool) -> bool:
+        transport = self.transports.to(worker.ssh)
+        alive = transport.group_alive(worker.process)
+        clock = time.monotonic()
+        due = self.restarts.should_restart(worker.id, alive=alive, healthy=healthy, now_s=clock) or (now and not alive)
+        tunnel_ended = worker.tunnel is not None and not process_alive(worker.tunnel)
+        if not (due or tunnel_ended):
+            return False
+        restarted = revive_worker(self.state, worker, self.plans[worker.id], transport, self.worker_key)
+        if restarted:
+            self.restarts.restarted(worker.id, clock)
+            log.warning("worker %s had exited; started it again (restart %d; log %s)",
+                        worker.id, self.restarts.restarts(worker.id), worker.log_path)
+        return restarted
+
     def sandbox_stats(self) -> dict:
         if self.sandboxes is None:
             return {"available": False, "reason": "no sandboxes in this profile", "warm": 0, "bound": 0, "preparing": 0}
@@ -123,6 +181,7 @@ class Daemon:
         if self.sandboxes is not None:
             await self.sandboxes.start()  # reaps what a crashed daemon left
             self._spawn(self._follow_resume_queue())
+        self._spawn(self._supervise_workers())
         gateway = self.profile.gateway
         sockets = [bind_tcp(gateway.host, gateway.port), bind_control_socket(self.state.socket_path)]
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
@@ -136,6 +195,7 @@ class Daemon:
             if self.sandboxes is not None:
                 await self.sandboxes.shutdown()
             await self.gateway.stop()
+            self.transports.close()
             self.state.socket_path.unlink(missing_ok=True)
 
 

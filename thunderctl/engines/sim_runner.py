@@ -12,8 +12,10 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from thunderctl.engines.sim_tokens import ContentStream, answer_words, token_ids
+from thunderctl.engines.sim_tokens import BlockIds, ContentStream, answer_words, token_ids
 from thunderctl.sim.engine import Engine, Request
+
+IDS_PER_CACHED_BLOCK = 4
 
 
 @dataclass(eq=False)
@@ -73,12 +75,14 @@ class RealTimeEngine:
         self.time_scale = time_scale
         self._streaming: set[Generation] = set()
         self._work = asyncio.Event()
+        # Contents remembered: a few times what the cache holds, so a cached block is not forgotten.
+        self.block_ids = BlockIds(capacity=IDS_PER_CACHED_BLOCK * engine.shape.num_gpu_blocks)
 
     def submit(self, prompt: Sequence[int], max_tokens: int, *, stream: bool) -> Generation:
         """Queue a request; the caller checked that prompt + max_tokens fits max_model_len."""
         words = answer_words(prompt, max_tokens)
         tokens = [*prompt, *token_ids(" ".join(words))]
-        content = ContentStream.of(tokens, self.engine.block_size)
+        content = ContentStream.of(tokens, self.engine.block_size, self.block_ids)
         request = Request(content, prompt_tokens=len(prompt), max_tokens=max_tokens,
                           arrival_s=asyncio.get_running_loop().time())
         generation = Generation(request, words)

@@ -10,7 +10,12 @@ from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import (
+    JSONResponse,
+    PlainTextResponse,
+    Response,
+    StreamingResponse,
+)
 from starlette.routing import BaseRoute, Route
 
 from thunderctl.gateway.auth import GatewayAuth, RequireApiKey
@@ -23,7 +28,14 @@ from thunderctl.gateway.requests import (
     pop_program_id,
     prompt_shape,
 )
-from thunderctl.jsonapi import BadRequest, BodyLimits, bad_request, error, read_json_object, valid_program_id
+from thunderctl.jsonapi import (
+    BadRequest,
+    BodyLimits,
+    bad_request,
+    error,
+    read_json_object,
+    valid_program_id,
+)
 
 
 def build_app(

@@ -19,12 +19,24 @@ from typing import Any
 import httpx
 
 from thunderctl.engines.vllm import EngineMetrics, fetch_metrics, is_healthy
+from thunderctl.gateway.answers import (
+    StreamedAnswer,
+    tool_in_response,
+    uncached_prompt_tokens,
+)
 from thunderctl.gateway.recorder import TraceRecorder
 from thunderctl.gateway.requests import PromptShape, TokenEstimator
 from thunderctl.gateway.timings import GatewayTimings
 from thunderctl.jsonapi import bearer_headers
 from thunderctl.scheduler import EventKind, ProgramEvent, Scheduler, SchedulerConfig
-from thunderctl.scheduler.front import WAKING_EVENTS, BusyMeter, account, beat, mean_utilization, woken
+from thunderctl.scheduler.front import (
+    WAKING_EVENTS,
+    BusyMeter,
+    account,
+    beat,
+    mean_utilization,
+    woken,
+)
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +114,8 @@ class Gateway:
         metrics_interval_s: float = 2.0,
         recorder: TraceRecorder | None = None,
         worker_key: str | None = None,
+        resumed_priority: int | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,  # the workers' HTTP; tests pass a fake
     ) -> None:
         if not upstreams:
             raise ValueError("the gateway needs at least one backend")
@@ -111,6 +125,7 @@ class Gateway:
         self.estimator = TokenEstimator()
         self.recorder = recorder
         self.timings = GatewayTimings()
+        self.resumed_priority = resumed_priority  # sent with a request that waited for its resume
         self.metrics_interval_s = metrics_interval_s
         self.started_at = clock()
         self._clock = clock
@@ -121,6 +136,7 @@ class Gateway:
             headers=bearer_headers(worker_key),
             timeout=httpx.Timeout(None, connect=10.0),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=WORKER_KEEPALIVE_S),
+            transport=transport,
         )
 
     # ---- life -----------------------------------------------------------------------------
@@ -240,14 +256,14 @@ class Gateway:
             if waiter is not None:
                 waiter.set()
 
-    async def admit(self, program_id: str | None, shape: PromptShape) -> Upstream:
-        """Where this request goes; a paused program's request waits here for its resume."""
+    async def admit(self, program_id: str | None, shape: PromptShape) -> tuple[Upstream, bool]:
+        """Where this request goes, and whether it waited here for its program's resume."""
         if program_id is None:
-            return self.least_loaded()
+            return self.least_loaded(), False
         with self.timings.admission_wait.time():
             return await self._admit_program(program_id, shape)
 
-    async def _admit_program(self, program_id: str, shape: PromptShape) -> Upstream:
+    async def _admit_program(self, program_id: str, shape: PromptShape) -> tuple[Upstream, bool]:
         while True:
             backend = self.scheduler.on_request(
                 program_id,
@@ -256,12 +272,12 @@ class Gateway:
                 self.estimator.estimate(shape.prefix_chars),
             )
             if backend is not None:
-                return self.upstreams[backend]
+                return self.upstreams[backend], False
             waiter = self._resumed.setdefault(program_id, asyncio.Event())
             await waiter.wait()
             placement = woken(self.scheduler, program_id)
             if placement is not None:
-                return self.upstreams[placement.backend] if placement.backend else self.least_loaded()
+                return (self.upstreams[placement.backend] if placement.backend else self.least_loaded()), True
 
     def least_loaded(self) -> Upstream:
         candidates = [u for u in self.upstreams.values() if u.usable] or list(self.upstreams.values())
@@ -288,8 +304,12 @@ class Gateway:
         # ASCII escapes: a lone surrogate from the client's JSON stays representable.
         payload = json.dumps(body).encode()
         for attempt in (1, 2):
-            upstream = await self.admit(program_id, shape)
+            upstream, waited = await self.admit(program_id, shape)
+            if waited and self.resumed_priority is not None:
+                # Resumed programs first inside the engine, as Dynamo's resume boost does.
+                payload = json.dumps({**body, "priority": self.resumed_priority}).encode()
             upstream.add_in_flight(1, self._clock())
+            answer = StreamedAnswer(sent_at=self._clock())
             response = None
             try:
                 response = await self._client.send(
@@ -298,7 +318,7 @@ class Gateway:
                     stream=True,
                 )
                 if response.status_code == 200 and stream:
-                    lines = self._relay_stream(response, upstream, program_id, shape, client_wants_usage)
+                    lines = self._relay_stream(response, upstream, program_id, shape, client_wants_usage, answer)
                     return Relayed(200, response.headers.get("content-type", "text/event-stream"), lines)
                 content = await response.aread()
                 break
@@ -312,11 +332,12 @@ class Gateway:
             finally:
                 if response is not None and not (stream and response.status_code == 200):
                     await response.aclose()
-        usage = None
+        usage, tool = None, None
         if response.status_code == 200:
             with contextlib.suppress(ValueError, AttributeError):
-                usage = json.loads(content).get("usage")
-        self._finish(upstream, program_id, shape, usage)
+                answered = json.loads(content)
+                usage, tool = answered.get("usage"), tool_in_response(answered)
+        self._finish(upstream, program_id, shape, usage, tool)
         media_type = response.headers.get("content-type", "application/json")
         return Relayed(response.status_code, media_type, content)
 
@@ -327,6 +348,7 @@ class Gateway:
         program_id: str | None,
         shape: PromptShape,
         client_wants_usage: bool,
+        answer: StreamedAnswer,
     ) -> AsyncIterator[bytes]:
         usage = None
         drop_blank = False
@@ -337,6 +359,9 @@ class Gateway:
                         yield b"\n"
                     drop_blank = False
                     continue
+                if program_id is not None and line.startswith("data: {"):
+                    # The scheduler learns the tool the answer calls and the prefill rate.
+                    answer.chunk(json.loads(line[6:]), self._clock())
                 if line.startswith("data: {") and '"usage"' in line:
                     chunk = json.loads(line[6:])
                     usage = chunk.get("usage") or usage
@@ -350,7 +375,7 @@ class Gateway:
         finally:
             # Runs on normal end, backend error and client disconnect alike: the slot is freed.
             await response.aclose()
-            self._finish(upstream, program_id, shape, usage)
+            self._finish(upstream, program_id, shape, usage, answer.tool, answer.ttft_s)
 
     def _fail_over(self, upstream: Upstream, program_id: str | None) -> bool:
         """Take a worker that refused a connection out of scheduling; is there another?"""
@@ -360,14 +385,22 @@ class Gateway:
         return any(u.usable for u in self.upstreams.values())
 
     def _finish(
-        self, upstream: Upstream, program_id: str | None, shape: PromptShape, usage: dict | None
+        self,
+        upstream: Upstream,
+        program_id: str | None,
+        shape: PromptShape,
+        usage: dict | None,
+        tool: str | None = None,
+        ttft_s: float | None = None,
     ) -> None:
         upstream.add_in_flight(-1, self._clock())
         if usage and usage.get("prompt_tokens"):
             self.estimator.observe(shape, usage["prompt_tokens"])
         if program_id is not None and usage and self.recorder is not None:
             self.recorder.on_usage(program_id, usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0))
-        account(self.scheduler, program_id, usage)
+        if usage and ttft_s:
+            self.scheduler.observe_prefill(uncached_prompt_tokens(usage), ttft_s)
+        account(self.scheduler, program_id, usage, tool)
 
     def _finish_failed(self, program_id: str | None) -> None:
         if program_id is not None:

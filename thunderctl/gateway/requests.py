@@ -6,7 +6,13 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from thunderctl.jsonapi import MAX_CONTAINER_REF_CHARS, BadRequest, json_type, shown, valid_program_id
+from thunderctl.jsonapi import (
+    MAX_CONTAINER_REF_CHARS,
+    BadRequest,
+    json_type,
+    shown,
+    valid_program_id,
+)
 
 PROGRAM_HEADER = "x-program-id"
 # Dynamo's clients name an agent's session, and mark its last request, with these.

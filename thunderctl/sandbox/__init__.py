@@ -1,21 +1,21 @@
 """Docker sandboxes tied to agent programs: a pool over Docker engines and its HTTP routes."""
 
 from thunderctl.sandbox.config import SandboxConfig
-from thunderctl.sandbox.docker_host import (
+from thunderctl.sandbox.host import (
     ExecResult,
     HostUnavailable,
     ImageUnavailable,
     SandboxError,
 )
-from thunderctl.sandbox.metrics import render_sandbox_metrics
-from thunderctl.sandbox.pool import (
+from thunderctl.sandbox.lease import (
     PoolUnavailable,
     Sandbox,
     SandboxFailed,
     SandboxNotFound,
-    SandboxPool,
     SandboxState,
 )
+from thunderctl.sandbox.metrics import render_sandbox_metrics
+from thunderctl.sandbox.pool import SandboxPool
 from thunderctl.sandbox.routes import sandbox_routes
 
 __all__ = [

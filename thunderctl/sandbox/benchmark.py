@@ -25,7 +25,8 @@ import time
 from collections.abc import Awaitable, Callable
 
 from thunderctl.sandbox.config import SandboxConfig
-from thunderctl.sandbox.pool import SandboxPool, percentiles
+from thunderctl.sandbox.pool import SandboxPool
+from thunderctl.sandbox.stats import percentiles
 
 
 async def time_to_ready_and_first_command(pool: SandboxPool, program_id: str) -> tuple[float, float]:

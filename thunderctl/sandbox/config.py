@@ -68,11 +68,11 @@ class SandboxConfig(BaseModel):
 
     @property
     def memory_bytes(self) -> int:
-        return parse_bytes(self.memory)
+        return int(parse_bytes(self.memory))
 
     @property
     def disk_high_watermark_bytes(self) -> int:
-        return parse_bytes(self.disk_high_watermark)
+        return int(parse_bytes(self.disk_high_watermark))
 
     def warm_targets(self) -> dict[str, int]:
         """Image -> number of ready containers the warm pool keeps."""

@@ -8,7 +8,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from typing import cast
 
 import docker
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
@@ -27,6 +27,7 @@ from thunderctl.docker_labels import (
     sandbox_selectors,
 )
 from thunderctl.sandbox.config import SandboxConfig
+from thunderctl.sandbox.host import ContainerInfo, DiskUsage, ExecResult, HostUnavailable, ImageUnavailable
 
 # After a timed-out command is killed, its output stream should close at once; if something
 # else still holds it open (a process that left the process group), stop reading after this.
@@ -42,42 +43,6 @@ PID_PREAMBLE = 'echo $$; exec "$@" 2>&1'
 # What a Docker call can raise besides the SDK's own errors: the transport (requests) failing
 # when an engine goes away mid-call, and plain socket errors on exec streams.
 DOCKER_ERRORS: tuple[type[Exception], ...] = (DockerException, RequestException, OSError)
-
-
-class SandboxError(Exception):
-    """A failure a user can act on; the message names the image, host or sandbox."""
-
-
-class HostUnavailable(SandboxError):
-    pass
-
-
-class ImageUnavailable(SandboxError):
-    pass
-
-
-@dataclass
-class ExecResult:
-    exit_code: int | None  # None when the command was killed before it reported one
-    output: str
-    duration_s: float
-    timed_out: bool = False
-    truncated: bool = False
-
-
-@dataclass
-class ContainerInfo:
-    id: str
-    labels: dict[str, str]
-    running: bool
-    image: str
-
-
-@dataclass
-class DiskUsage:
-    containers_bytes: int = 0  # writable layers of this cluster's sandboxes
-    pulled_images_bytes: int = 0  # images the pool pulled
-    unused_images: dict[str, int] = field(default_factory=dict)  # pulled, no container: name -> size
 
 
 class _OutputCollector:
@@ -111,6 +76,8 @@ class _OutputCollector:
 
 
 class DockerHost:
+    """The `SandboxHost` of a real Docker engine."""
+
     def __init__(self, url: str, config: SandboxConfig, cluster: str) -> None:
         self.url = url
         self.config = config
@@ -181,10 +148,17 @@ class DockerHost:
             security_opt=["no-new-privileges"],
             init=True,  # a PID 1 that reaps the zombies of commands agents leave behind
         )
-        labels = {LABEL_CLUSTER: self.cluster, LABEL_ROLE: ROLE_SANDBOX, LABEL_PROGRAM: program_id or "",
-                  LABEL_LEASE: lease}
+        labels = {
+            LABEL_CLUSTER: self.cluster,
+            LABEL_ROLE: ROLE_SANDBOX,
+            LABEL_PROGRAM: program_id or "",
+            LABEL_LEASE: lease,
+        }
         container = self.api.create_container(
-            image, entrypoint=config.keepalive, labels=labels, host_config=host_config,
+            image,
+            entrypoint=config.keepalive,
+            labels=labels,
+            host_config=host_config,
             name=f"thunderctl-{self.cluster}-{lease}",
         )
         container_id = container["Id"]
@@ -220,11 +194,13 @@ class DockerHost:
     def sandbox_containers(self) -> list[ContainerInfo]:
         """Every sandbox container of this cluster, running or not, as Docker's label filters
         select them: a worker of the same cluster on this engine is never listed."""
-        listed = {c["Id"]: c for selector in sandbox_selectors(self.cluster)
-                  for c in self.api.containers(all=True, filters={"label": selector})}
+        listed = {
+            c["Id"]: c
+            for selector in sandbox_selectors(self.cluster)
+            for c in self.api.containers(all=True, filters={"label": selector})
+        }
         return [
-            ContainerInfo(id=c["Id"], labels=c.get("Labels") or {}, running=c["State"] == "running",
-                          image=c["Image"])
+            ContainerInfo(id=c["Id"], labels=c.get("Labels") or {}, running=c["State"] == "running", image=c["Image"])
             for c in listed.values()
         ]
 
@@ -251,11 +227,13 @@ class DockerHost:
         """Run argv in the container; past timeout_s its whole process group is killed."""
         started = time.monotonic()
         exec_id = self.api.exec_create(
-            container_id, ["/bin/sh", "-c", PID_PREAMBLE, "thunderctl-exec", *argv],
+            container_id,
+            ["/bin/sh", "-c", PID_PREAMBLE, "thunderctl-exec", *argv],
             environment=env or None,
         )["Id"]
         stream = self.api.exec_start(exec_id, socket=True)
-        raw = getattr(stream, "_sock", stream)
+        # The socket itself, under the SocketIO wrapper of a unix or tcp connection.
+        raw = cast(socket.socket, getattr(stream, "_sock", stream))
         # Silence is not an error: commands may print nothing for minutes. The timer bounds it.
         raw.settimeout(None)
         collector = _OutputCollector(self.config.exec_output_limit_bytes)

@@ -25,6 +25,10 @@ def render_sandbox_metrics(stats: dict) -> str:
     lines.append("# TYPE thunderctl_sandbox_disk_bytes gauge")
     lines += [_sample("thunderctl_sandbox_disk_bytes", host["disk_bytes"], host=host["url"])
               for host in stats["hosts"] if host["disk_bytes"] is not None]
+    # How old that figure is: a reader after a change waits for a measurement taken since.
+    lines.append("# TYPE thunderctl_sandbox_disk_age_seconds gauge")
+    lines += [_sample("thunderctl_sandbox_disk_age_seconds", round(host["disk_age_s"], 3), host=host["url"])
+              for host in stats["hosts"] if host["disk_age_s"] is not None]
     for name, key in [("thunderctl_sandboxes_reaped_total", "reaped"),
                       ("thunderctl_sandbox_images_evicted_total", "evicted_images")]:
         lines += [f"# TYPE {name} counter", _sample(name, stats[key])]

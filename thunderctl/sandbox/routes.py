@@ -20,14 +20,9 @@ from thunderctl.jsonapi import (
     read_json_object,
     valid_program_id,
 )
-from thunderctl.sandbox.docker_host import HostUnavailable, ImageUnavailable, SandboxError
-from thunderctl.sandbox.pool import (
-    PoolUnavailable,
-    SandboxFailed,
-    SandboxNotFound,
-    SandboxPool,
-    SandboxState,
-)
+from thunderctl.sandbox.host import HostUnavailable, ImageUnavailable, SandboxError
+from thunderctl.sandbox.lease import PoolUnavailable, SandboxFailed, SandboxNotFound, SandboxState
+from thunderctl.sandbox.pool import SandboxPool
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 Body = TypeVar("Body", bound=BaseModel)

@@ -1,12 +1,8 @@
 """Program-aware scheduling: the pure policy and the state it keeps."""
 
-from thunderctl.scheduler.policy import (
-    Decay,
-    EventKind,
-    ProgramEvent,
-    Scheduler,
-    SchedulerConfig,
-)
+from thunderctl.scheduler.config import Decay, SchedulerConfig
+from thunderctl.scheduler.events import EventKind, ProgramEvent
+from thunderctl.scheduler.policy import Scheduler
 from thunderctl.scheduler.program import Backend, Phase, Program, Status
 
 __all__ = [

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from thunderctl.scheduler.policy import SchedulerConfig
+    from thunderctl.scheduler.config import SchedulerConfig
 
 OPEN = None  # the last rung: no gate at all, the engine admits by its own KV cache
 
@@ -72,6 +72,10 @@ class AdmissionTuner:
     _window_steps: int = 0
     _window_loaded: bool = False
     _started: bool = False
+    # Set by the scheduler from priced retention (retention.py): keeping an ACTING program's
+    # KV through its expected tool time costs less than recomputing it, even at the full price
+    # of KV. Then the top rung is not left on a probe; only starved engines move it.
+    retention_pays: bool = False
 
     def __post_init__(self) -> None:
         self.levels = admission_levels(self.config)
@@ -160,6 +164,8 @@ class AdmissionTuner:
         if best != self.rung:
             return best, False
         unmeasured = [r for r in neighbours if r not in fresh]
+        if self.retention_pays and self.rung == 0:
+            return self.rung, False  # priced: full protection is worth it, nothing to probe below
         return (unmeasured[0], True) if unmeasured else (self.rung, False)
 
     def _tie_rank(self, rung: int) -> float:

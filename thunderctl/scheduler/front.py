@@ -12,7 +12,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from thunderctl.scheduler.policy import EventKind, Scheduler
+from thunderctl.scheduler.events import EventKind
+from thunderctl.scheduler.policy import Scheduler
 from thunderctl.scheduler.program import Status
 
 # Events after which a waiting request asks again where it goes.
@@ -71,12 +72,15 @@ def woken(scheduler: Scheduler, program_id: str) -> Placement | None:
     return None
 
 
-def account(scheduler: Scheduler, program_id: str | None, usage: dict[str, Any] | None) -> None:
-    """A request of the program ended: with usage it ACTs at its new size, without it failed."""
+def account(
+    scheduler: Scheduler, program_id: str | None, usage: dict[str, Any] | None, tool: str | None = None
+) -> None:
+    """A request of the program ended: with usage it ACTs (in `tool`, when the answer names
+    one) at its new size, without it failed."""
     if program_id is None:
         return
     if usage:
-        scheduler.on_response(program_id, usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0))
+        scheduler.on_response(program_id, usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), tool)
     else:
         scheduler.on_request_failed(program_id)
 

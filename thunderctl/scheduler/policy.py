@@ -1,9 +1,4 @@
-"""The program-aware scheduling policy of DESIGN.md: pure, synchronous, clock injected.
-
-The gateway tells it what happens (a request arrives, a response ends, a program is released)
-and drives `tick()`; the policy decides where each program runs and which wait. It does no
-I/O: decisions reach the outside world through the listeners it is given.
-"""
+"""The program-aware scheduling policy of DESIGN.md: pure, synchronous, clock injected; no I/O (listeners)."""
 
 from __future__ import annotations
 
@@ -11,155 +6,17 @@ import bisect
 import logging
 import math
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from enum import StrEnum
-
-from pydantic import BaseModel, Field, model_validator
 
 from thunderctl.scheduler.admission import AdmissionTuner
+from thunderctl.scheduler.config import Decay, SchedulerConfig
+from thunderctl.scheduler.events import Counters, EventKind, Listener, ProgramEvent
+from thunderctl.scheduler.ledger import Ledger, Load
 from thunderctl.scheduler.program import Backend, Phase, Program, Status
+from thunderctl.scheduler.retention import PrefillRate, RetentionLaw, ToolTimes
 
 log = logging.getLogger(__name__)
-
-
-class Decay(StrEnum):
-    OFF = "off"
-    EXP = "exp"
-    LINEAR = "linear"
-
-
-class SchedulerConfig(BaseModel):
-    """Knobs of the policy; fractions are of a backend's KV capacity."""
-
-    model_config = {"extra": "forbid"}
-
-    tick_interval_s: float = Field(5.0, gt=0)
-    pause_threshold: float = Field(0.95, gt=0, le=1.5)
-    pause_target: float = Field(0.85, gt=0, le=1.5)
-    resume_threshold: float = Field(0.90, gt=0, le=1.5)
-    buffer_tokens: int = Field(256, ge=0, description="decode headroom charged per program")
-    resume_timeout_s: float = Field(600.0, gt=0)
-    idle_ttl_s: float = Field(900.0, gt=0)
-    acting_decay: Decay = Decay.OFF
-    acting_decay_tau_s: float = Field(30.0, gt=0)
-    acting_overbook: float = Field(
-        1.0, ge=0, le=1, description="weight of an ACTING reservation on the resume side"
-    )
-    adaptive: bool = Field(True, description="seek the ACTING weight that gives the most steps/s")
-    acting_weight_min: float = Field(0.0, ge=0, le=1)
-    adapt_utilization_low: float = Field(
-        0.80, gt=0, le=1, description="workers busy less than this while requests wait: admit more"
-    )
-    adapt_step: float = Field(0.5, gt=0, le=1, description="ACTING weight between rungs of the ladder")
-    adapt_window_s: float = Field(15.0, gt=0, description="seconds of steps/s measured per move")
-    adapt_settle_s: float = Field(10.0, ge=0, description="seconds not measured after a move")
-    adapt_tolerance: float = Field(0.1, ge=0, lt=1, description="change of steps/s taken as level")
-    adapt_probe_windows: int = Field(8, ge=1, description="windows before a neighbouring rung is measured again")
-    adapt_open_gate: bool = Field(
-        True, description="last rung: no gate, the engine admits by its own KV cache (vLLM alone)"
-    )
-
-    @model_validator(mode="after")
-    def _bands_are_ordered(self) -> SchedulerConfig:
-        if not self.pause_target < self.pause_threshold:
-            raise ValueError(
-                f"pause_target ({self.pause_target}) must be below pause_threshold "
-                f"({self.pause_threshold}), or pausing never gets usage back under the threshold"
-            )
-        if not self.resume_threshold < self.pause_threshold:
-            raise ValueError(
-                f"resume_threshold ({self.resume_threshold}) must be below pause_threshold "
-                f"({self.pause_threshold}), or a resumed program is paused again at once"
-            )
-        return self
-
-
-class EventKind(StrEnum):
-    CREATED = "created"
-    PAUSED = "paused"
-    RESUMED = "resumed"
-    RELEASED = "released"
-    EXPIRED = "expired"
-
-
-@dataclass(frozen=True)
-class ProgramEvent:
-    kind: EventKind
-    program: Program
-    forced: bool = False
-
-
-Listener = Callable[[ProgramEvent], None]
-
-
-@dataclass
-class Counters:
-    pauses: int = 0
-    resumes: int = 0
-    forced_resumes: int = 0
-    released: int = 0
-    expired: int = 0
-    tick_failures: int = 0
-    steps: int = 0  # responses with usage: the throughput the admission law seeks
-
-
-@dataclass
-class _Load:
-    """Tokens charged on one backend, with each shared prefix counted once."""
-
-    tokens: float = 0.0
-    prefix_holders: Counter[str] = field(default_factory=Counter)
-
-    def need(self, program: Program, weight: float, buffer: int) -> float:
-        shared = program.prefix_key is not None and self.prefix_holders[program.prefix_key] > 0
-        prefix = 0 if shared else program.prefix_tokens
-        return weight * program.private_tokens + buffer + prefix
-
-    def add(self, program: Program, weight: float, buffer: int) -> None:
-        self.tokens += self.need(program, weight, buffer)
-        if program.prefix_key is not None:
-            self.prefix_holders[program.prefix_key] += 1
-
-    def remove(self, program: Program, weight: float, buffer: int) -> None:
-        if program.prefix_key is not None:
-            self.prefix_holders[program.prefix_key] -= 1
-        self.tokens -= self.need(program, weight, buffer)
-
-
-@dataclass
-class _Ledger:
-    """A backend's charges, kept up to date as programs come, go and change, so that a
-    resume pass costs O(backends) rather than O(programs)."""
-
-    private: int = 0  # Σ private tokens + buffer over its programs
-    acting_private: int = 0  # Σ private tokens of its ACTING programs
-    holders: Counter[str] = field(default_factory=Counter)
-    prefix_tokens: dict[str, int] = field(default_factory=dict)
-
-    def add(self, program: Program, buffer: int) -> None:
-        self.private += program.private_tokens + buffer
-        if program.phase is Phase.ACTING:
-            self.acting_private += program.private_tokens
-        if program.prefix_key is not None:
-            self.prefix_tokens.setdefault(program.prefix_key, program.prefix_tokens)
-            self.holders[program.prefix_key] += 1
-
-    def remove(self, program: Program, buffer: int) -> None:
-        self.private -= program.private_tokens + buffer
-        if program.phase is Phase.ACTING:
-            self.acting_private -= program.private_tokens
-        key = program.prefix_key
-        if key is not None:
-            self.holders[key] -= 1
-            if self.holders[key] <= 0:
-                del self.holders[key], self.prefix_tokens[key]
-
-    def load(self, acting_weight: float) -> _Load:
-        tokens = self.private - (1.0 - acting_weight) * self.acting_private
-        return _Load(tokens + sum(self.prefix_tokens.values()), Counter(self.holders))
 
 
 class Scheduler:
@@ -176,10 +33,15 @@ class Scheduler:
         self.listeners = list(listeners)
         self.programs: dict[str, Program] = {}
         self.backends: dict[str, Backend] = {}
-        self._ledgers: dict[str, _Ledger] = {}
+        self._ledgers: dict[str, Ledger] = {}
         # Paused programs whose request waits, kept in resume order: a waiting program's
         # order key does not change until it resumes, so insertion keeps the list sorted.
-        self._waiting: list[tuple[tuple[int, int, float], str]] = []
+        self._waiting: list[tuple[tuple[int, float, float], str]] = []
+        cfg = self.config
+        self.retention = RetentionLaw(
+            cfg.retention_price_scale, cfg.tool_time_min_samples,
+            ToolTimes(cfg.tool_time_window, cfg.tool_time_min_samples), PrefillRate(cfg.prefill_tokens_per_s),
+        )  # fmt: skip
         self.counters = Counters()
         self.tuner = AdmissionTuner(self.config)
         self._waited = False  # a request waited for admission since the last adapt()
@@ -189,7 +51,7 @@ class Scheduler:
 
     def add_backend(self, backend_id: str, capacity: int | None) -> Backend:
         backend = self.backends.setdefault(backend_id, Backend(backend_id, capacity))
-        self._ledgers.setdefault(backend_id, _Ledger())
+        self._ledgers.setdefault(backend_id, Ledger())
         backend.capacity = capacity
         return backend
 
@@ -218,6 +80,7 @@ class Scheduler:
             return
         self._pause(program)
         program.phase = Phase.REASONING
+        assert program.paused_at is not None, "_pause stamps it"
         self._enqueue(program, program.paused_at)
         self._resume_waiting()
 
@@ -241,6 +104,7 @@ class Scheduler:
             program = Program(program_id, created_at=now, paused_at=now)
             self.programs[program_id] = program
             self._emit(EventKind.CREATED, program)
+        self.retention.on_request(program, now)
         waiting_since = program.waiting_since or now
         with self._recharged(program):
             program.tokens = max(program.tokens, prompt_tokens)
@@ -258,8 +122,11 @@ class Scheduler:
             return None
         return program.backend
 
-    def on_response(self, program_id: str, prompt_tokens: int, completion_tokens: int) -> None:
-        """A response ended: the engine's usage becomes the program's size; it now ACTs."""
+    def on_response(
+        self, program_id: str, prompt_tokens: int, completion_tokens: int, tool: str | None = None
+    ) -> None:
+        """A response ended: the engine's usage becomes the program's size; it now ACTs, in
+        `tool` when the answer names the tool it called."""
         program = self.programs.get(program_id)
         if program is None or program.status is Status.TERMINATED:
             return
@@ -270,7 +137,8 @@ class Scheduler:
             program.phase = Phase.ACTING
             program.steps += 1
         self.counters.steps += 1
-        program.acting_since = now
+        program.acting_since = program.responded_at = now
+        program.tool = tool
         program.last_activity = now
         if program.pause_at_boundary:
             self._pause(program)
@@ -286,9 +154,14 @@ class Scheduler:
         with self._recharged(program):
             program.phase = Phase.ACTING
         program.acting_since = program.last_activity = self.clock()
+        program.responded_at = None  # no tool runs: the gap to its retry is not a tool time
         if program.pause_at_boundary:
             self._pause(program)
         self._resume_waiting()
+
+    def observe_prefill(self, uncached_tokens: int, seconds: float) -> None:
+        """A request's uncached prompt tokens and its time to first token: the re-prefill rate."""
+        self.retention.prefill.observe(uncached_tokens, seconds)
 
     def release(self, program_id: str) -> bool:
         """The program ended; idempotent. Returns whether it was known."""
@@ -313,6 +186,7 @@ class Scheduler:
         waited, waited_throughout = self._waited or waiting, waiting and self._waiting_at_adapt
         self._waited, self._waiting_at_adapt = False, waiting
         if self.config.adaptive:
+            self.tuner.retention_pays = self.config.retention and self.retention.pays(self.backends.values())
             before = self.tuner.label
             self.tuner.observe(self.clock(), self.counters.steps, utilization, waited, waited_throughout)
             if self.tuner.label != before:
@@ -328,6 +202,7 @@ class Scheduler:
             self._expire_idle()
             self._resume()
             self._pause_overfull()
+            self._pause_priced()
         except Exception:
             self.counters.tick_failures += 1
             log.exception("scheduler tick failed; resuming every paused program")
@@ -363,10 +238,10 @@ class Scheduler:
                 decay = 1.0
         return self.acting_weight * decay
 
-    def _load(self, backend: Backend, physical: bool) -> _Load:
+    def _load(self, backend: Backend, physical: bool) -> Load:
         if physical or self.config.acting_decay is Decay.OFF:
             return self._ledgers[backend.id].load(1.0 if physical else self.acting_weight)
-        load = _Load()
+        load = Load()
         for program_id in backend.programs:
             program = self.programs[program_id]
             load.add(program, self._weight(program, physical), self.config.buffer_tokens)
@@ -380,12 +255,17 @@ class Scheduler:
                 self._terminate(program, EventKind.EXPIRED)
                 self.counters.expired += 1
 
-    def _resume_order(self, program: Program) -> tuple[int, int, float]:
-        if program.waiting_since is not None:
-            group = 1 if program.is_new else 0  # a new program waits behind paused ones
-        else:
-            group = 2
-        return group, program.tokens, program.paused_at or 0.0
+    def _resume_order(self, program: Program) -> tuple[int, float, float]:
+        cfg = self.config
+        if program.waiting_since is None:
+            return 1, program.tokens, program.paused_at or 0.0
+        if cfg.resume_aging_tokens_per_s is None:
+            return 0, float(program.is_new), program.tokens
+        # Shorter first, but aged: a program is behind none that began waiting more than
+        # tokens / rate (+ the delay of a new program) after it. The key is fixed while it
+        # waits, so the waiting list stays sorted by insertion.
+        place = program.waiting_since + program.tokens / cfg.resume_aging_tokens_per_s
+        return 0, place + cfg.new_program_delay_s * program.is_new, program.tokens
 
     def _resume_waiting(self) -> None:
         """The event-driven resume: only programs whose request waits, nobody forced."""
@@ -421,7 +301,7 @@ class Scheduler:
             waiting = self._force_overdue(list(waiting), targets, loads)
         self._place_all(self._admit_in_order(waiting, targets, loads), targets, loads)
 
-    def _place_all(self, chosen: list[Program], targets: list[Backend], loads: dict[str, _Load]) -> None:
+    def _place_all(self, chosen: list[Program], targets: list[Backend], loads: dict[str, Load]) -> None:
         # Best fit decreasing: the largest chosen program first, onto the most headroom.
         for program in sorted(chosen, key=lambda p: p.tokens, reverse=True):
             backend = self._roomiest_fit(program, targets, loads)
@@ -429,7 +309,7 @@ class Scheduler:
                 self._place(program, backend, loads[backend.id])
 
     def _force_overdue(
-        self, queue: list[Program], targets: list[Backend], loads: dict[str, _Load]
+        self, queue: list[Program], targets: list[Backend], loads: dict[str, Load]
     ) -> list[Program]:
         deadline = self.clock() - self.config.resume_timeout_s
         waiting = []
@@ -441,13 +321,13 @@ class Scheduler:
         return waiting
 
     def _place_on_roomiest(
-        self, program: Program, targets: list[Backend], loads: dict[str, _Load], forced: bool = False
+        self, program: Program, targets: list[Backend], loads: dict[str, Load], forced: bool = False
     ) -> None:
         backend = max(targets, key=lambda b: self._headroom(b, loads[b.id]))
         self._place(program, backend, loads[backend.id], forced=forced)
 
     def _admit_in_order(
-        self, queue: Iterable[Program], targets: list[Backend], loads: dict[str, _Load]
+        self, queue: Iterable[Program], targets: list[Backend], loads: dict[str, Load]
     ) -> list[Program]:
         """The head of the queue that fits in the total headroom; nobody jumps the queue."""
         headroom = sum(self._headroom(b, loads[b.id]) for b in targets)
@@ -460,7 +340,7 @@ class Scheduler:
             chosen.append(program)
         return chosen
 
-    def _headroom(self, backend: Backend, load: _Load) -> float:
+    def _headroom(self, backend: Backend, load: Load) -> float:
         if backend.capacity is None:
             return math.inf
         return backend.capacity * self.config.resume_threshold - load.tokens
@@ -469,7 +349,7 @@ class Scheduler:
         return not backend.programs
 
     def _roomiest_fit(
-        self, program: Program, targets: list[Backend], loads: dict[str, _Load]
+        self, program: Program, targets: list[Backend], loads: dict[str, Load]
     ) -> Backend | None:
         def fits(backend: Backend) -> bool:
             need = loads[backend.id].need(program, 1.0, self.config.buffer_tokens)
@@ -482,7 +362,7 @@ class Scheduler:
             return None
         return max(fitting, key=lambda b: self._headroom(b, loads[b.id]))
 
-    def _place(self, program: Program, backend: Backend, load: _Load, forced: bool = False) -> None:
+    def _place(self, program: Program, backend: Backend, load: Load, forced: bool = False) -> None:
         now = self.clock()
         load.add(program, 1.0, self.config.buffer_tokens)
         backend.programs.add(program.id)
@@ -527,6 +407,26 @@ class Scheduler:
                         program.pause_at_boundary = True
                         load.remove(program, 1.0, cfg.buffer_tokens)
 
+    def _pause_priced(self) -> None:
+        """While requests wait, pause the ACTING programs whose KV costs more to hold than to
+        recompute (retention.py); the room goes to the queue at once."""
+        if not (self.config.retention and self._waiting) or self.tuner.gate_open:
+            return
+        demand = sum(self.programs[i].tokens + self.config.buffer_tokens for _, i in self._waiting)
+        held = [
+            (self.programs[i], backend.capacity)
+            for backend in self.backends.values()
+            if backend.capacity
+            for i in backend.programs
+            if self.programs[i].phase is Phase.ACTING
+        ]
+        drops = self.retention.drops(held, demand, self.clock())
+        for program_id in drops:
+            self._pause(self.programs[program_id])
+        self.counters.priced_pauses += len(drops)
+        if drops:
+            self._resume_waiting()
+
     def _pause(self, program: Program) -> None:
         self._detach(program)
         program.status = Status.PAUSED
@@ -555,7 +455,9 @@ class Scheduler:
         """Around a change of a program's size or phase: its backend's ledger is debited
         before and credited after, and a waiting program takes its place in the queue
         again, so ledgers and queue always match the programs."""
-        ledger = self._ledgers.get(program.backend) if program.status is Status.ACTIVE else None
+        ledger = None
+        if program.status is Status.ACTIVE and program.backend is not None:
+            ledger = self._ledgers.get(program.backend)
         if ledger is not None:
             ledger.remove(program, self.config.buffer_tokens)
         waiting_since = program.waiting_since
@@ -569,6 +471,7 @@ class Scheduler:
                 self._enqueue(program, waiting_since)
 
     def _terminate(self, program: Program, kind: EventKind) -> None:
+        self.retention.on_end(program)
         self._detach(program)
         self._dequeue(program)
         program.status = Status.TERMINATED
@@ -581,7 +484,7 @@ class Scheduler:
             return
         for program in self.paused():
             backend = min(targets, key=lambda b: len(b.programs))
-            self._place(program, backend, _Load(), forced=True)
+            self._place(program, backend, Load(), forced=True)
 
     def _emit(self, kind: EventKind, program: Program, forced: bool = False) -> None:
         event = ProgramEvent(kind, program, forced)

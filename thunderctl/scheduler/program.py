@@ -36,6 +36,8 @@ class Program:
     paused_total_s: float = 0.0
     waiting_since: float | None = None  # a request arrived while PAUSED and waits for resume
     pause_at_boundary: bool = False  # REASONING and chosen to pause once its response is out
+    responded_at: float | None = None  # its last response ended and no request followed yet
+    tool: str | None = None  # the tool its last answer called, when the answer names one
 
     @property
     def is_new(self) -> bool:

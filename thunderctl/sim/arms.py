@@ -24,6 +24,7 @@ from thunderctl.sim.routing import LeastLoadedRouter, PolicyRouter, StickyRouter
 from thunderctl.sim.worker import Worker
 
 GIB = 2**30
+PRICED_CONTEXT_TOKENS = 16_384  # an agent's context mid-run, at which re-prefill is priced
 
 
 class ArmName(StrEnum):
@@ -112,7 +113,7 @@ class ArmResult:
         }
 
 
-def percentile(values: list[float], q: float) -> float | None:
+def percentile(values: list[float], q: int) -> float | None:
     if not values:
         return None
     if len(values) == 1:
@@ -145,15 +146,25 @@ def subtract_counters(after: EngineCounters, before: EngineCounters) -> EngineCo
     return EngineCounters(**{name: value - getattr(before, name) for name, value in vars(after).items()})
 
 
-def build_router(arm: ArmName, workers: list[Worker], clock: VirtualClock) -> tuple[Router, PolicyRouter | None]:
+def build_router(
+    arm: ArmName, workers: list[Worker], clock: VirtualClock, preset: Preset, host_kv_tokens: int = 0
+) -> tuple[Router, PolicyRouter | None]:
     match arm:
         case ArmName.STICKY | ArmName.LIMIT:
             return StickyRouter(workers), None
         case ArmName.LEAST_LOADED:
             return LeastLoadedRouter(workers), None
-        case ArmName.REFERENCE | ArmName.THUNDERCTL:
-            config = SchedulerConfig(adaptive=False) if arm is ArmName.REFERENCE else SchedulerConfig()
-            router = PolicyRouter(workers, clock, config)
+        case ArmName.REFERENCE:
+            reference = SchedulerConfig(adaptive=False, retention=False, resume_aging_tokens_per_s=None)
+            router = PolicyRouter(workers, clock, reference)
+            return router, router
+        case ArmName.THUNDERCTL:
+            # What the gateway measures from usage and time to first token, from the cost model;
+            # with a host tier a paused program comes back by a transfer, not a prefill.
+            rate = preset.prefill_tokens_per_s(min(PRICED_CONTEXT_TOKENS, preset.engine.max_model_len))
+            if host_kv_tokens:
+                rate = max(rate, 1.0 / preset.transfer_seconds(1))
+            router = PolicyRouter(workers, clock, SchedulerConfig(prefill_tokens_per_s=rate), host_kv_tokens)
             return router, router
 
 
@@ -169,7 +180,7 @@ def run_arm(arm: ArmName, spec: SimSpec, progress: Callable[[float], None] | Non
             unbounded_kv=arm is ArmName.LIMIT,
         )  # fmt: skip
         workers.append(Worker(f"w{index}", engine, clock))
-    router, policy = build_router(arm, workers, clock)
+    router, policy = build_router(arm, workers, clock, preset, spec.host_blocks * preset.engine.block_size)
     loop = ClosedLoop(
         spec.workload, spec.seed, spec.concurrency, clock, router, preset.engine.block_size,
         age_initial_programs=spec.age_initial_programs,
@@ -182,7 +193,10 @@ def run_arm(arm: ArmName, spec: SimSpec, progress: Callable[[float], None] | Non
         if policy is None:
             return {}
         c = policy.scheduler.counters
-        return {"pauses": c.pauses, "resumes": c.resumes, "forced_resumes": c.forced_resumes}
+        return {
+            "pauses": c.pauses, "resumes": c.resumes, "forced_resumes": c.forced_resumes,
+            "priced_pauses": c.priced_pauses,
+        }  # fmt: skip
 
     def sample() -> None:
         if clock.now >= spec.warmup_s:

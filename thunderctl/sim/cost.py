@@ -54,6 +54,17 @@ class Preset:
         """Time to bring `tokens` of KV from the host tier back to the GPU."""
         return tokens * self.kv_bytes_per_token / self.host_link_bytes_per_s
 
+    def prefill_tokens_per_s(self, context_tokens: int) -> float:
+        """The rate of prefilling a context of `context_tokens` alone, chunk after chunk: what a
+        program that lost its cache costs to recompute."""
+        chunk, done, seconds = self.engine.max_num_batched_tokens, 0, 0.0
+        while done < context_tokens:
+            n = min(chunk, context_tokens - done)
+            pairs = n * done + n * (n + 1) // 2
+            seconds += self.cost.step_seconds(StepLoad(n, 1, pairs, done + n))
+            done += n
+        return context_tokens / seconds
+
 
 # --- GPU roofline ----------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Protocol
 
 from thunderctl.sim.cost import CostModel, EngineShape, StepLoad
@@ -37,17 +38,24 @@ class TokenStream:
     uid: int  # >= 1, unique per program in a run
     shared_blocks: int = 0
 
+    def block_runs(self, start: int, stop: int) -> list[range]:
+        """The hashes of blocks start..stop-1 as runs of consecutive hashes: small integers
+        for the shared blocks, then the program's (uid << 32) + index."""
+        shared, own = self.shared_blocks, self.uid << 32
+        runs = [range(start, min(stop, shared)), range(own + max(start, shared), own + stop)]
+        return [run for run in runs if run]
+
     def block_hashes(self, start: int, stop: int) -> list[int]:
-        """The hashes of blocks start..stop-1: small integers for the shared blocks, then the
-        program's (uid << 32) + index, made by ranges so that no loop runs per block."""
-        shared = self.shared_blocks
-        own = self.uid << 32
-        return [*range(start, min(stop, shared)), *range(own + max(start, shared), own + stop)]
+        """The hashes of blocks start..stop-1, one by one."""
+        return list(chain.from_iterable(self.block_runs(start, stop)))
 
 
 class BlockHashes(Protocol):
-    """What the engine knows of a request's tokens: the hashes of its blocks start..stop-1 (a
-    `TokenStream`, or the HTTP server's hash chain over real token ids)."""
+    """What the engine knows of a request's tokens: the hashes of its blocks start..stop-1, as
+    increasing runs of consecutive integers and one by one (a `TokenStream`, or the HTTP
+    server's `ContentStream`, content-addressed over real token ids)."""
+
+    def block_runs(self, start: int, stop: int) -> list[range]: ...
 
     def block_hashes(self, start: int, stop: int) -> list[int]: ...
 
@@ -61,8 +69,9 @@ class Request:
     on_finish: Callable[[Request], None] | None = None
     output_tokens: int = 0
     computed_tokens: int = 0
-    blocks: list[int] = field(default_factory=list)
+    num_blocks: int = 0  # KV blocks it holds
     registered_blocks: int = 0  # leading blocks whose hash is in the prefix cache
+    duplicate_runs: list[range] = field(default_factory=list)  # of those, hashes another block held first
     preemptions: int = 0
     finished_s: float | None = None
     # While decoding: computed tokens = base + the engine's step index.
@@ -189,7 +198,7 @@ class Engine:
             chunk = min(request.num_tokens - request.computed_tokens, budget)
             if chunk <= 0:
                 continue
-            need = cdiv(request.computed_tokens + chunk, self.block_size) - len(request.blocks)
+            need = cdiv(request.computed_tokens + chunk, self.block_size) - request.num_blocks
             if not self._make_room(request, need):
                 preempted = True
                 continue
@@ -247,7 +256,8 @@ class Engine:
             if not self._make_room(request, 1):
                 preempted = True
                 continue
-            request.blocks += self.pool.allocate(1)
+            self.pool.allocate(1)
+            request.num_blocks += 1
             heapq.heappush(events, (step + self.block_size, request.order, request.epoch, request))
         return preempted
 
@@ -268,7 +278,7 @@ class Engine:
                     index += 1
                     continue
             chunk = min(request.num_tokens - request.computed_tokens, budget)
-            need = cdiv(request.computed_tokens + chunk, self.block_size) - len(request.blocks)
+            need = cdiv(request.computed_tokens + chunk, self.block_size) - request.num_blocks
             if need > self.pool.num_free:
                 break
             del self.waiting[index]
@@ -284,25 +294,25 @@ class Engine:
         blocks its first chunk needs are not free (it stays at the head, uncounted)."""
         size = self.block_size
         hashable = (request.num_tokens - 1) // size  # the last token is always computed
-        hashes = request.stream.block_hashes(0, hashable)
-        hits = self.pool.cache_hits(hashes)
+        hits = self.pool.cache_hits(request.stream.block_runs(0, hashable))
         host_blocks = 0
-        if self.pool.host is not None and len(hits) < hashable:
-            host_blocks = self.pool.host.hits(hashes[len(hits) :])
-        computed = (len(hits) + host_blocks) * size
+        if self.pool.host is not None and hits < hashable:
+            host_blocks = self.pool.host.hits(request.stream.block_hashes(hits, hashable))
+        computed = (hits + host_blocks) * size
         if host_blocks:
             need = host_blocks  # the load fills whole blocks; its prefill is scheduled later
         else:
             first_chunk = min(request.num_tokens - computed, budget)
-            need = cdiv(computed + first_chunk, size) - len(hits)
-        held = self.pool.held(hits)
-        if need + len(hits) - len(held) > self.pool.num_free:
+            need = cdiv(computed + first_chunk, size) - hits
+        hit_runs = request.stream.block_runs(0, hits)
+        if need + hits - self.pool.held(hit_runs) > self.pool.num_free:
             return False
-        self.pool.take(hits, held)
-        request.blocks = hits + self.pool.allocate(host_blocks)
-        request.registered_blocks = len(hits)
+        self.pool.take(hit_runs)
+        self.pool.allocate(host_blocks)
+        request.num_blocks = hits + host_blocks
+        request.registered_blocks = hits
         request.computed_tokens = computed
-        self._count_lookup(request, len(hits) * size)
+        self._count_lookup(request, hits * size)
         if host_blocks:
             tokens = host_blocks * size
             assert self.transfer_seconds is not None
@@ -324,9 +334,10 @@ class Engine:
 
     def _extend(self, request: Request, chunk: int) -> None:
         """Schedule `chunk` prompt tokens of a request; the caller made room for them."""
-        need = cdiv(request.computed_tokens + chunk, self.block_size) - len(request.blocks)
+        need = cdiv(request.computed_tokens + chunk, self.block_size) - request.num_blocks
         if need > 0:
-            request.blocks += self.pool.allocate(need)
+            self.pool.allocate(need)
+            request.num_blocks += need
         self._register(request, request.computed_tokens + chunk)
         self._chunks.append((request, chunk))
 
@@ -358,7 +369,7 @@ class Engine:
         request.base = request.computed_tokens - step
         self._decoders += 1
         self._decoder_base_sum += request.base
-        boundary = len(request.blocks) * self.block_size - request.base
+        boundary = request.num_blocks * self.block_size - request.base
         last = request.max_tokens + request.prompt_tokens - 2 - request.base
         heapq.heappush(self._block_events, (boundary, request.order, request.epoch, request))
         heapq.heappush(self._finish_events, (last, request.order, request.epoch, request))
@@ -374,17 +385,18 @@ class Engine:
 
     def _register(self, request: Request, tokens: int) -> None:
         """Blocks full of known tokens (of the first `tokens`) serve prefix hits from now on."""
-        full = min(tokens, len(request.blocks) * self.block_size) // self.block_size
+        full = min(tokens, request.num_blocks * self.block_size) // self.block_size
         done = request.registered_blocks
         if full > done:
-            self.pool.register(request.blocks[done:full], request.stream.block_hashes(done, full))
+            request.duplicate_runs += self.pool.register(request.stream.block_runs(done, full))
             request.registered_blocks = full
 
     def _release_blocks(self, request: Request) -> None:
         self._register(request, request.computed_tokens)
-        self.pool.free(request.blocks, request.registered_blocks)
-        request.blocks = []
-        request.registered_blocks = 0
+        hashed = request.registered_blocks
+        self.pool.free(request.stream.block_runs(0, hashed), request.duplicate_runs, request.num_blocks - hashed)
+        request.num_blocks = request.registered_blocks = 0
+        request.duplicate_runs = []
 
     def _finish(self, request: Request, now: float) -> None:
         self.running.remove(request)

@@ -59,14 +59,18 @@ class LeastLoadedRouter(EngineRouter):
 class PolicyRouter(EngineRouter):
     """The project's scheduler in front of the workers, driven as the gateway drives it."""
 
-    def __init__(self, workers: Sequence[Worker], clock: VirtualClock, config: SchedulerConfig) -> None:
+    def __init__(
+        self, workers: Sequence[Worker], clock: VirtualClock, config: SchedulerConfig, host_kv_tokens: int = 0
+    ) -> None:
         super().__init__(workers)
         self.clock = clock
         self.by_id = {worker.id: worker for worker in self.workers}
         self.meters = {worker.id: BusyMeter() for worker in self.workers}
         self.scheduler = Scheduler(config, clock, [self._on_program_event])
         for worker in self.workers:
-            self.scheduler.add_backend(worker.id, worker.engine.shape.kv_capacity_tokens)
+            # A host KV tier counts with the GPU's, as Dynamo counts HiCache: a paused program's
+            # KV waits there and comes back by a transfer.
+            self.scheduler.add_backend(worker.id, worker.engine.shape.kv_capacity_tokens + host_kv_tokens)
         self._waiting: dict[str, tuple[int, int, Go]] = {}
         clock.after(config.tick_interval_s, self._tick)
 

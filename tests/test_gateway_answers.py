@@ -1,0 +1,43 @@
+"""The gateway reads an answer for the scheduler: the tool it calls, and the prompt's uncached tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from thunderctl.gateway.answers import StreamedAnswer, tool_in_response, uncached_prompt_tokens
+
+
+def response(message: dict) -> dict:
+    return {"choices": [{"index": 0, "message": message}]}
+
+
+def test_an_openai_tool_call_names_the_tool() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "run_tests", "arguments": "{}"}}
+    assert tool_in_response(response({"role": "assistant", "content": None, "tool_calls": [call]})) == "run_tests"
+
+
+@pytest.mark.parametrize(
+    ("content", "tool"),
+    [
+        ("I will run the tests.\n```bash\npytest -x tests/\n```", "pytest"),
+        ("```\nFOO=1 /usr/bin/python3 setup.py\n```", "python3"),
+        ("```sh\n  cd repo && ls\n```", "cd"),
+        ("No command in this answer.", None),
+    ],
+)
+def test_the_command_word_of_a_bash_block_names_the_tool(content: str, tool: str | None) -> None:
+    assert tool_in_response(response({"role": "assistant", "content": content})) == tool
+
+
+def test_a_streamed_answer_gives_its_tool_and_time_to_first_token() -> None:
+    answer = StreamedAnswer(sent_at=10.0)
+    answer.chunk({"choices": [{"delta": {"role": "assistant"}}]}, now=10.5)  # no token yet
+    for now, text in ((12.0, "```bash\ngr"), (12.1, "ep -rn foo .\n```")):
+        answer.chunk({"choices": [{"delta": {"content": text}}]}, now=now)
+    assert answer.ttft_s == pytest.approx(2.0)
+    assert answer.tool == "grep"
+
+
+def test_uncached_tokens_leave_out_the_prefix_cache_hit() -> None:
+    assert uncached_prompt_tokens({"prompt_tokens": 1000, "prompt_tokens_details": {"cached_tokens": 640}}) == 360
+    assert uncached_prompt_tokens({"prompt_tokens": 1000}) == 1000  # the engine does not say

@@ -1,0 +1,199 @@
+"""The gateway's relay in-process: the app through httpx's ASGITransport, the workers an httpx
+MockTransport. Relay, failover to another worker and the SSE usage rewrite, with the engine's
+usage accounted to the program. tests/test_gateway_vllm.py does the same over real vLLM."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+
+from thunderctl.gateway import Gateway, Upstream, build_app
+
+pytestmark = pytest.mark.anyio
+
+METRICS = 'vllm:cache_config_info{block_size="16",num_gpu_blocks="4096",engine="0"} 1.0\n'
+USAGE = {"prompt_tokens": 12, "completion_tokens": 2, "total_tokens": 14}
+CONTENT_CHUNK = {"id": "c1", "choices": [{"index": 0, "delta": {"content": "ok"}}]}
+USAGE_CHUNK = {"id": "c1", "choices": [], "usage": USAGE}
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def sse(*chunks: dict) -> bytes:
+    return b"".join(f"data: {json.dumps(chunk)}\n\n".encode() for chunk in chunks) + b"data: [DONE]\n\n"
+
+
+@dataclass
+class Workers:
+    """vLLM workers behind a MockTransport, by host name. `dead` ones refuse connections to
+    their completion routes (health and metrics, asked at start, still answer); `fail_next`
+    refuses the next completion request whichever worker it goes to."""
+
+    stream_body: bytes = field(default_factory=lambda: sse(CONTENT_CHUNK, USAGE_CHUNK))
+    dead: set[str] = field(default_factory=set)
+    fail_next: int = 0
+    status: int = 200
+    attempts: list[str] = field(default_factory=list)  # worker of every completion request
+    bodies: list[dict] = field(default_factory=list)  # what the ones answered were sent
+
+    def transport(self) -> httpx.MockTransport:
+        return httpx.MockTransport(self.handle)
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        worker = request.url.host
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text=METRICS)
+        self.attempts.append(worker)
+        if worker in self.dead or self.fail_next:
+            self.fail_next = max(0, self.fail_next - 1)
+            raise httpx.ConnectError("connection refused", request=request)
+        body = json.loads(request.content)
+        self.bodies.append(body)
+        if self.status != 200:
+            return httpx.Response(self.status, json={"error": {"message": "max_tokens is too large"}})
+        if body.get("stream"):
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=self.stream_body)
+        reply = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}], "usage": USAGE}
+        return httpx.Response(200, json=reply)
+
+
+@pytest.fixture
+async def gateway_over(
+    anyio_backend: str,
+) -> AsyncIterator[Callable[..., Awaitable[tuple[httpx.AsyncClient, Gateway]]]]:
+    """The gateway's app over the given workers (a, b, ... as http://a:8000 ...), spoken to
+    in-process; its loops stop at the end."""
+    started: list[tuple[Gateway, httpx.AsyncClient]] = []
+
+    async def make(workers: Workers, names: tuple[str, ...] = ("a", "b")) -> tuple[httpx.AsyncClient, Gateway]:
+        upstreams = [Upstream(name, f"http://{name}:8000") for name in names]
+        gateway = Gateway(upstreams, transport=workers.transport())
+        assert await gateway.start() == []
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(gateway)), base_url="http://gateway")
+        started.append((gateway, client))
+        return client, gateway
+
+    yield make
+    for gateway, client in started:
+        await client.aclose()
+        await gateway.stop()
+
+
+def chat(program_id: str | None = "p1", **extra: object) -> dict:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "list the files"}], "max_tokens": 8}
+    return body | ({"program_id": program_id} if program_id else {}) | extra
+
+
+def program(gateway: Gateway, program_id: str) -> dict:
+    return next(p for p in gateway.programs_view() if p["program_id"] == program_id)
+
+
+async def test_a_reply_is_relayed_as_is_and_its_usage_accounted(gateway_over) -> None:
+    workers = Workers()
+    client, gateway = await gateway_over(workers)
+    response = await client.post("/v1/chat/completions", json=chat())
+    assert response.status_code == 200 and response.headers["content-type"] == "application/json"
+    assert response.json()["usage"] == USAGE and response.json()["choices"][0]["message"]["content"] == "ok"
+    assert "program_id" not in workers.bodies[0]  # the engine never sees the field
+    assert workers.bodies[0]["messages"] == chat()["messages"]
+    seen = program(gateway, "p1")
+    assert (seen["tokens"], seen["steps"], seen["phase"]) == (USAGE["total_tokens"], 1, "acting")
+    assert all(u.in_flight == 0 for u in gateway.upstreams.values())
+
+
+async def test_an_engine_error_is_relayed_with_its_status_and_not_retried(gateway_over) -> None:
+    workers = Workers(status=400)
+    client, gateway = await gateway_over(workers)
+    response = await client.post("/v1/chat/completions", json=chat())
+    assert response.status_code == 400 and "max_tokens" in response.json()["error"]["message"]
+    assert len(workers.attempts) == 1
+    seen = program(gateway, "p1")  # no usage: no step, the size stays the gateway's estimate
+    assert seen["steps"] == 0 and seen["phase"] == "acting" and seen["tokens"] != USAGE["total_tokens"]
+    assert all(u.healthy for u in gateway.upstreams.values())
+
+
+async def test_a_worker_that_refuses_is_failed_over_once_to_another(gateway_over) -> None:
+    workers = Workers(fail_next=1)
+    client, gateway = await gateway_over(workers)
+    response = await client.post("/v1/chat/completions", json=chat())
+    assert response.status_code == 200 and response.json()["usage"] == USAGE
+
+    refused, served = workers.attempts
+    assert refused != served
+    assert not gateway.upstreams[refused].healthy and gateway.upstreams[served].healthy
+    seen = program(gateway, "p1")
+    assert seen["backend"] == served and seen["tokens"] == USAGE["total_tokens"] and seen["steps"] == 1
+    assert all(u.in_flight == 0 for u in gateway.upstreams.values())
+
+    # The program's next request goes to the worker that answered, at once.
+    assert (await client.post("/v1/chat/completions", json=chat())).status_code == 200
+    assert workers.attempts[2:] == [served]
+
+
+async def test_no_second_retry_when_the_other_worker_refuses_too(gateway_over) -> None:
+    workers = Workers(dead={"a", "b", "c"})
+    client, gateway = await gateway_over(workers, names=("a", "b", "c"))
+    response = await client.post("/v1/chat/completions", json=chat())
+    assert response.status_code == 502
+    error = response.json()["error"]
+    assert error["type"] == "backend_error" and f"backend {workers.attempts[-1]}" in error["message"]
+    assert len(workers.attempts) == 2 and len(set(workers.attempts)) == 2
+    assert all(u.in_flight == 0 for u in gateway.upstreams.values())
+
+
+async def test_the_only_worker_refusing_is_a_502_without_a_retry(gateway_over) -> None:
+    workers = Workers(dead={"a"})
+    client, _ = await gateway_over(workers, names=("a",))
+    response = await client.post("/v1/chat/completions", json=chat(program_id=None))
+    assert response.status_code == 502 and "http://a:8000" in response.json()["error"]["message"]
+    assert workers.attempts == ["a"]
+
+
+async def test_stream_asks_for_usage_and_drops_the_chunk_the_client_did_not_ask_for(gateway_over) -> None:
+    workers = Workers()
+    client, gateway = await gateway_over(workers)
+    response = await client.post("/v1/chat/completions", json=chat(stream=True))
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    assert workers.bodies[0]["stream_options"] == {"include_usage": True}
+    # The content chunk as the engine sent it; its usage-only chunk (and that event's blank line) gone.
+    assert response.text == f"data: {json.dumps(CONTENT_CHUNK)}\n\ndata: [DONE]\n\n"
+    assert program(gateway, "p1")["tokens"] == USAGE["total_tokens"]
+    assert all(u.in_flight == 0 for u in gateway.upstreams.values())
+
+
+async def test_stream_keeps_the_usage_chunk_a_client_asked_for(gateway_over) -> None:
+    workers = Workers()
+    client, gateway = await gateway_over(workers)
+    options = {"include_usage": True, "continuous_usage_stats": False}
+    response = await client.post("/v1/chat/completions", json=chat(stream=True, stream_options=options))
+    assert workers.bodies[0]["stream_options"] == options
+    assert response.text == workers.stream_body.decode()
+    assert program(gateway, "p1")["tokens"] == USAGE["total_tokens"]
+
+
+async def test_stream_strips_usage_riding_on_a_content_chunk_the_client_did_not_ask_for(gateway_over) -> None:
+    workers = Workers(stream_body=sse(CONTENT_CHUNK | {"usage": USAGE}))
+    client, gateway = await gateway_over(workers)
+    response = await client.post("/v1/chat/completions", json=chat(stream=True))
+    events = [line for line in response.text.split("\n") if line]
+    assert events == [f"data: {json.dumps(CONTENT_CHUNK, separators=(',', ':'))}", "data: [DONE]"]
+    assert program(gateway, "p1")["tokens"] == USAGE["total_tokens"]
+
+
+async def test_a_stream_without_usage_counts_as_a_failed_request(gateway_over) -> None:
+    workers = Workers(stream_body=sse(CONTENT_CHUNK))  # an engine that ignored include_usage
+    client, gateway = await gateway_over(workers)
+    response = await client.post("/v1/chat/completions", json=chat(stream=True))
+    assert response.status_code == 200 and response.text == workers.stream_body.decode()
+    seen = program(gateway, "p1")  # ended as a failed request: acting, no step, no engine count
+    assert seen["steps"] == 0 and seen["phase"] == "acting" and seen["tokens"] != USAGE["total_tokens"]
+    assert all(u.in_flight == 0 for u in gateway.upstreams.values())

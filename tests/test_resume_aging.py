@@ -1,0 +1,68 @@
+"""Bounded waits: the resume order is aged, so no program waits behind an endless stream of shorter ones."""
+
+from __future__ import annotations
+
+from thunderctl.scheduler import Scheduler, SchedulerConfig, Status
+
+SMALL, LARGE, HOG = 50, 450, 400  # admission up to 900 of 1000: the large fits only without smalls
+SMALL_STEP_S = 3  # a small program's one request, then its end
+LARGE_ASKS_AT = 5
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run(aging_tokens_per_s: float | None, seconds: int = 120) -> tuple[float | None, dict[str, tuple[float, float]]]:
+    """A hog decodes throughout; a small program asks every second and runs 3 s; a large one
+    asks at 5 s. Returns when the large one was admitted, and every small's (asked, admitted)."""
+    clock = FakeClock()
+    config = SchedulerConfig(
+        adaptive=False, retention=False, buffer_tokens=0, resume_timeout_s=10_000, idle_ttl_s=10_000,
+        resume_aging_tokens_per_s=aging_tokens_per_s, new_program_delay_s=0,
+    )  # fmt: skip
+    sched = Scheduler(config, clock)
+    sched.add_backend("a", 1000)
+    assert sched.on_request("hog", HOG) == "a"
+    smalls: dict[str, tuple[float, float]] = {}
+    asked: dict[str, float] = {}
+    large_admitted = None
+    for second in range(seconds):
+        clock.now = float(second)
+        for pid, (_, at) in smalls.items():
+            if at + SMALL_STEP_S == second:
+                sched.on_response(pid, SMALL, 0)
+                sched.release(pid)
+        if second == LARGE_ASKS_AT:
+            sched.on_request("large", LARGE)
+        asked[f"small-{second}"] = clock.now
+        sched.on_request(f"small-{second}", SMALL)
+        sched.tick()
+        for pid, program in sched.programs.items():
+            if pid.startswith("small") and program.status is Status.ACTIVE and pid not in smalls:
+                smalls[pid] = (asked[pid], clock.now)
+        if large_admitted is None and "large" in sched.programs and sched.programs["large"].status is Status.ACTIVE:
+            large_admitted = clock.now
+    return large_admitted, smalls
+
+
+def test_a_large_program_is_overtaken_only_by_programs_that_asked_within_its_aging_bound() -> None:
+    rate = 100.0  # tokens per second of head start: the large one is behind smalls for 4.5 s
+    bound = LARGE / rate - SMALL / rate  # a small asking later than this after it queues behind it
+    admitted, smalls = run(rate)
+    assert admitted is not None
+    overtook = [pid for pid, (asked, at) in smalls.items() if at < admitted and asked > LARGE_ASKS_AT]
+    assert overtook, "the smalls that asked just after it go first: shorter first within the bound"
+    assert all(smalls[pid][0] - LARGE_ASKS_AT <= bound for pid in overtook), overtook
+    # Once it heads the queue, the smalls running finish and free its room.
+    assert admitted - LARGE_ASKS_AT <= LARGE / rate + SMALL_STEP_S + 1
+
+
+def test_without_aging_a_stream_of_shorter_programs_starves_a_large_one() -> None:
+    admitted, smalls = run(aging_tokens_per_s=None)  # shortest first, as the reference orders
+    assert admitted is None
+    assert len(smalls) > 100  # while the smalls all went

@@ -1,0 +1,82 @@
+"""What passes between the gateway and an engine for the scheduler: an answer's tool and prefill rate, a resumed request's priority."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+# The first command word of a fenced shell block, as mini-swe-agent style agents answer.
+BASH_COMMAND = re.compile(r"```(?:bash|sh|shell)?\s*\n\s*(?:[A-Za-z_][A-Za-z0-9_]*=\S*\s+)*([\w./-]+)")
+
+
+def tool_in_text(text: str) -> str | None:
+    match = BASH_COMMAND.search(text)
+    return match.group(1).rsplit("/", 1)[-1] if match else None
+
+
+def tool_in_message(message: dict[str, Any]) -> str | None:
+    """An OpenAI `tool_calls[].function.name`, else the command word of a bash block."""
+    for call in message.get("tool_calls") or []:
+        name = (call.get("function") or {}).get("name")
+        if isinstance(name, str) and name:
+            return name
+    content = message.get("content")
+    return tool_in_text(content) if isinstance(content, str) else None
+
+
+def tool_in_response(body: dict[str, Any]) -> str | None:
+    choices = body.get("choices") or []
+    message = choices[0].get("message") if choices and isinstance(choices[0], dict) else None
+    return tool_in_message(message) if isinstance(message, dict) else None
+
+
+@dataclass
+class StreamedAnswer:
+    """A streamed answer as its chunks pass: its text, its first tool call, its first token's time."""
+
+    sent_at: float
+    first_token_at: float | None = None
+    tool_call: str | None = None
+    _text: list[str] = field(default_factory=list)
+
+    def chunk(self, chunk: dict[str, Any], now: float) -> None:
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if self.first_token_at is None and (delta.get("content") or delta.get("tool_calls")):
+                self.first_token_at = now
+            if isinstance(delta.get("content"), str):
+                self._text.append(delta["content"])
+            for call in delta.get("tool_calls") or []:
+                name = (call.get("function") or {}).get("name")
+                self.tool_call = self.tool_call or name
+
+    @property
+    def tool(self) -> str | None:
+        return self.tool_call or tool_in_text("".join(self._text))
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.sent_at
+
+
+def uncached_prompt_tokens(usage: dict[str, Any]) -> int:
+    """Prompt tokens the engine computed: all of them, less its prefix cache's hit when it says."""
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return max(int(usage.get("prompt_tokens") or 0) - int(cached), 0)
+
+
+# vLLM serves lower `priority` values first under --scheduling-policy priority; 0 is the default.
+RESUMED_PRIORITY = -1
+
+
+def resume_priority(engine_args: list[str]) -> int | None:
+    """The priority a resumed program's request gets: only when the workers schedule by priority
+    (otherwise vLLM refuses a request that carries one)."""
+    for i, arg in enumerate(engine_args):
+        value = arg.partition("=")[2] if arg.startswith("--scheduling-policy=") else None
+        if arg == "--scheduling-policy" and i + 1 < len(engine_args):
+            value = engine_args[i + 1]
+        if value == "priority":
+            return RESUMED_PRIORITY
+    return None

@@ -1,0 +1,144 @@
+"""Taking back containers (released, orphaned, adopted, idle) and pulled images (above the disk watermark).
+
+Orphans are containers of the cluster that no live sandbox owns; adopted ones are remembered in the
+state file, so a daemon that crashed has its programs' containers collected at the next start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+
+from thunderctl.docker_labels import LABEL_LEASE
+from thunderctl.sandbox.calls import HostCalls
+from thunderctl.sandbox.config import SandboxConfig
+from thunderctl.sandbox.docker_host import DOCKER_ERRORS
+from thunderctl.sandbox.host import SandboxHost
+from thunderctl.sandbox.lease import Sandbox, SandboxState
+from thunderctl.sandbox.state import PoolState
+from thunderctl.sandbox.stats import PoolCounters
+
+log = logging.getLogger(__name__)
+
+
+class Reclaimer:
+    """Works on the pool's own registry of live sandboxes (by lease id), which it shares."""
+
+    def __init__(
+        self,
+        config: SandboxConfig,
+        hosts: Sequence[SandboxHost],
+        sandboxes: dict[str, Sandbox],
+        calls: HostCalls,
+        state: PoolState,
+        save_state: Callable[[], None],
+        counters: PoolCounters,
+        clock: Callable[[], float],
+    ) -> None:
+        self.config = config
+        self.hosts = hosts
+        self._sandboxes = sandboxes
+        self._calls = calls
+        self._state = state
+        self._save_state = save_state
+        self._counters = counters
+        self._clock = clock
+
+    async def discard(self, sandbox: Sandbox) -> None:
+        """Mark the sandbox released and remove its container (if a preparation holds it, it will)."""
+        sandbox.state = SandboxState.RELEASED
+        sandbox.settled.set()
+        if sandbox.adopted:
+            self._state.adopted = [a for a in self._state.adopted if a.container_id != sandbox.container_id]
+            self._save_state()
+        await self.remove_container(sandbox)
+
+    async def remove_container(self, sandbox: Sandbox) -> None:
+        if sandbox.container_id is None or not sandbox.host.available:
+            return  # the reaper removes it once the host answers again
+        try:
+            await self._calls.run(sandbox.host.remove, sandbox.container_id)
+        except DOCKER_ERRORS as exc:
+            log.warning("removing container %s of sandbox %s: %s", sandbox.container_id, sandbox.id, exc)
+
+    async def reap(self) -> None:
+        """Remove this cluster's sandbox containers that no live sandbox owns; forget dead warm ones."""
+        for host in (h for h in self.hosts if h.available):
+            try:
+                containers = await self._calls.run(host.sandbox_containers)
+            except DOCKER_ERRORS as exc:
+                log.warning("listing containers on %s: %s", host.url, exc)
+                continue
+            by_lease = {c.labels.get(LABEL_LEASE): c for c in containers}
+            orphans = [c for lease, c in by_lease.items() if lease not in self._sandboxes]
+            await asyncio.gather(*(self._reap_container(host, c.id) for c in orphans))
+            dead_warm = [
+                self._sandboxes.pop(sb.id)
+                for sb in list(self._sandboxes.values())
+                if sb.host is host
+                and sb.is_warm
+                and sb.state is SandboxState.READY
+                and not getattr(by_lease.get(sb.id), "running", False)
+            ]
+            await asyncio.gather(*(self.discard(sb) for sb in dead_warm))
+
+    async def _reap_container(self, host: SandboxHost, container_id: str) -> None:
+        try:
+            await self._calls.run(host.remove, container_id)
+            self._counters.reaped += 1
+        except DOCKER_ERRORS as exc:
+            log.warning("reaping container %s on %s: %s", container_id, host.url, exc)
+
+    async def collect_previous_adoptions(self) -> None:
+        """Containers adopted by programs of a daemon that died: those programs are gone."""
+        hosts = {h.url: h for h in self.hosts if h.available}
+        kept = []
+        for adopted in self._state.adopted:
+            host = hosts.get(adopted.host)
+            if host is None:
+                kept.append(adopted)  # its host does not answer now; try at the next start
+                continue
+            await self._reap_container(host, adopted.container_id)
+        self._state.adopted = kept
+        self._save_state()
+
+    def expire_idle(self) -> list[Sandbox]:
+        """Take the sandboxes unused for longer than the idle expiry out of the registry; the
+        caller discards them."""
+        if self.config.idle_expiry_s is None:
+            return []
+        cutoff = self._clock() - self.config.idle_expiry_s
+        expired = [
+            sb
+            for sb in self._sandboxes.values()
+            if not sb.is_warm and sb.state is not SandboxState.PREPARING and sb.last_used < cutoff
+        ]
+        for sandbox in expired:
+            log.info(
+                "sandbox %s of program %s idle for %.0f s: released",
+                sandbox.id,
+                sandbox.program_id,
+                self.config.idle_expiry_s,
+            )
+            del self._sandboxes[sandbox.id]
+        return expired
+
+    async def check_disk(self) -> None:
+        """Measure each host's disk use by the pool; above the watermark, evict pulled images."""
+        for host in (h for h in self.hosts if h.available):
+            pulled = self._state.pulled.get(host.url, {})
+            usage = await self._calls.run(host.disk_usage, set(pulled))
+            used = usage.containers_bytes + usage.pulled_images_bytes
+            # Least recently used first, until back under the watermark.
+            for image in sorted(usage.unused_images, key=lambda name: pulled[name]):
+                if used <= self.config.disk_high_watermark_bytes:
+                    break
+                await self._calls.run(host.remove_image, image)
+                log.info("evicted image %s from %s: disk above the high watermark", image, host.url)
+                del pulled[image]
+                used -= usage.unused_images[image]
+                self._counters.evicted_images += 1
+            self._counters.disk_bytes[host.url] = used
+            self._counters.disk_measured_at[host.url] = self._clock()
+        self._save_state()

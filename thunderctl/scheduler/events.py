@@ -1,0 +1,39 @@
+"""What the scheduler tells the outside world: program events, their listeners, its counters."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+
+from thunderctl.scheduler.program import Program
+
+
+class EventKind(StrEnum):
+    CREATED = "created"
+    PAUSED = "paused"
+    RESUMED = "resumed"
+    RELEASED = "released"
+    EXPIRED = "expired"
+
+
+@dataclass(frozen=True)
+class ProgramEvent:
+    kind: EventKind
+    program: Program
+    forced: bool = False
+
+
+Listener = Callable[[ProgramEvent], None]
+
+
+@dataclass
+class Counters:
+    pauses: int = 0
+    resumes: int = 0
+    forced_resumes: int = 0
+    released: int = 0
+    expired: int = 0
+    tick_failures: int = 0
+    steps: int = 0  # responses with usage: the throughput the admission law seeks
+    priced_pauses: int = 0  # ACTING programs paused because their KV cost more to keep than to drop

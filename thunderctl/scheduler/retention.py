@@ -1,0 +1,200 @@
+"""Priced retention: whether an ACTING program's KV is worth its room while others wait (docs/admission.md)."""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from thunderctl.scheduler.program import Backend, Program
+
+
+@dataclass
+class GapSamples:
+    """The last `limit` tool times of one key (a program, a tool kind, the cluster), kept sorted
+    so that the remaining time given the time already spent is a tail mean."""
+
+    limit: int
+    _recent: deque[float] = field(default_factory=deque)
+    _sorted: list[float] = field(default_factory=list)
+
+    def add(self, gap_s: float) -> None:
+        self._recent.append(gap_s)
+        bisect.insort(self._sorted, gap_s)
+        if len(self._recent) > self.limit:
+            del self._sorted[bisect.bisect_left(self._sorted, self._recent.popleft())]
+
+    def remaining(self, elapsed_s: float, min_samples: int) -> float | None:
+        """E[T − a | T > a] over the samples longer than a, or None if fewer than `min_samples` are."""
+        tail = self._sorted[bisect.bisect_right(self._sorted, elapsed_s) :]
+        if len(tail) < min_samples:
+            return None
+        return sum(tail) / len(tail) - elapsed_s
+
+    def __len__(self) -> int:
+        return len(self._recent)
+
+
+@dataclass
+class ToolTimes:
+    """Tool times learnt online from observed gaps (response end → the program's next request).
+
+    The remaining time of a program in its tool is read from the most specific evidence that
+    has seen tools last longer than this one has so far: its tool kind, then the program, then
+    the cluster. Elapsed time enters only through that conditional tail: under a heavy tail a
+    long wait predicts a longer one, for near-deterministic tools a shorter one. Past every
+    sample (no evidence at all), the remaining time is taken equal to the time spent, the
+    median of a scale-free tail.
+    """
+
+    window: int
+    min_samples: int
+    cluster: GapSamples = field(init=False)
+    by_program: dict[str, GapSamples] = field(default_factory=dict)
+    by_tool: dict[str, GapSamples] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.cluster = GapSamples(self.window)
+
+    def observe(self, program_id: str, tool: str | None, gap_s: float) -> None:
+        keys: list[GapSamples] = [self.cluster, self.by_program.setdefault(program_id, GapSamples(self.window))]
+        if tool is not None:
+            keys.append(self.by_tool.setdefault(tool, GapSamples(self.window)))
+        for samples in keys:
+            samples.add(gap_s)
+
+    def forget(self, program_id: str) -> None:
+        self.by_program.pop(program_id, None)
+
+    def remaining(self, program_id: str, tool: str | None, elapsed_s: float) -> float:
+        for samples in self._evidence(program_id, tool):
+            estimate = samples.remaining(elapsed_s, self.min_samples)
+            if estimate is not None:
+                return estimate
+        return elapsed_s
+
+    def _evidence(self, program_id: str, tool: str | None) -> Iterable[GapSamples]:
+        if tool is not None and tool in self.by_tool:
+            yield self.by_tool[tool]
+        if program_id in self.by_program:
+            yield self.by_program[program_id]
+        yield self.cluster
+
+
+@dataclass
+class Returns:
+    """How often a tool call ends in the program's next request rather than its end."""
+
+    returned: int = 0
+    ended: int = 0
+
+    @property
+    def chance(self) -> float:
+        # Laplace's rule: a program is expected to return before anything is known.
+        return (self.returned + 1) / (self.returned + self.ended + 2)
+
+
+@dataclass
+class PrefillRate:
+    """Uncached prompt tokens per second of time to first token, a running mean of measurements."""
+
+    tokens_per_s: float
+    weight: float = 0.1  # of each new measurement: a rate that follows load within tens of requests
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            self.tokens_per_s += self.weight * (tokens / seconds - self.tokens_per_s)
+
+    def seconds(self, tokens: int) -> float:
+        return tokens / self.tokens_per_s
+
+
+@dataclass(frozen=True)
+class Holding:
+    """An ACTING program's KV on its backend, as the law prices it."""
+
+    program_id: str
+    tokens: int  # private tokens: what a re-prefill recomputes (a shared prefix stays cached)
+    remaining_s: float  # expected remaining tool time
+    capacity: int  # of its backend, tokens
+
+
+def keep_cost(holding: Holding, demand_tokens: float, price_scale: float) -> float:
+    """Engine-seconds of work the room would have done for the waiting demand meanwhile.
+
+    A KV-bound engine does work in proportion to the KV its running requests hold: `tokens` of
+    a cache of `capacity` are that share of the engine, for `remaining_s`. Only the part of the
+    room the queue would fill counts, so the price is 0 while nobody waits and grows with the
+    waiting demand up to the room held.
+    """
+    useful = min(holding.tokens, max(demand_tokens, 0.0))
+    return price_scale * useful * holding.remaining_s / holding.capacity
+
+
+def drop_cost(holding: Holding, return_chance: float, prefill: PrefillRate) -> float:
+    """Engine-seconds of re-prefill the program costs if it returns to a cache that lost it."""
+    return return_chance * prefill.seconds(holding.tokens)
+
+
+def priced_drops(
+    holdings: Iterable[Holding],
+    demand_tokens: float,
+    return_chance: float,
+    prefill: PrefillRate,
+    price_scale: float = 1.0,
+) -> list[str]:
+    """The programs whose KV costs more to keep than to drop, longest expected tool time first.
+
+    Each drop serves part of the demand, so the demand left prices the next: the law frees no
+    more room than the queue waits for.
+    """
+    dropped = []
+    for holding in sorted(holdings, key=lambda h: (-h.remaining_s, h.program_id)):
+        if demand_tokens <= 0:
+            break
+        if keep_cost(holding, demand_tokens, price_scale) > drop_cost(holding, return_chance, prefill):
+            dropped.append(holding.program_id)
+            demand_tokens -= holding.tokens
+    return dropped
+
+
+@dataclass
+class RetentionLaw:
+    """What the scheduler learns and decides for priced retention, fed by its events."""
+
+    price_scale: float
+    min_samples: int
+    tool_times: ToolTimes
+    prefill: PrefillRate
+    returns: Returns = field(default_factory=Returns)
+
+    def on_request(self, program: Program, now: float) -> None:
+        """The program's next request: the gap since its response was a tool call."""
+        if program.responded_at is not None:
+            self.tool_times.observe(program.id, program.tool, now - program.responded_at)
+            self.returns.returned += 1
+            program.responded_at = None
+
+    def on_end(self, program: Program) -> None:
+        if program.responded_at is not None:
+            self.returns.ended += 1
+        self.tool_times.forget(program.id)
+
+    def expected_tool_s(self, program: Program, now: float) -> float:
+        since = program.responded_at if program.responded_at is not None else program.acting_since
+        return self.tool_times.remaining(program.id, program.tool, max(now - since, 0.0))
+
+    def drops(self, held: Iterable[tuple[Program, int]], demand_tokens: float, now: float) -> list[str]:
+        """Of the ACTING programs held (each with its backend's capacity), those to pause."""
+        holdings = [Holding(p.id, p.private_tokens, self.expected_tool_s(p, now), capacity) for p, capacity in held]
+        return priced_drops(holdings, demand_tokens, self.returns.chance, self.prefill, self.price_scale)
+
+    def pays(self, backends: Iterable[Backend]) -> bool:
+        """Whether a typical tool call, at the full price of KV, costs less held than recomputed:
+        its mean (cluster-wide) under the time to prefill the smallest cache, times the chance of return."""
+        mean_tool_s = self.tool_times.cluster.remaining(0.0, self.min_samples)
+        capacities = [b.capacity for b in backends if b.capacity]
+        if mean_tool_s is None or not capacities:
+            return False
+        return self.price_scale * mean_tool_s / min(capacities) < self.returns.chance / self.prefill.tokens_per_s
