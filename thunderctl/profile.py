@@ -14,6 +14,7 @@ from thunderctl.gateway.auth import API_KEY_ENV, GatewayAuth, exposure_problem
 from thunderctl.jsonapi import DEFAULT_MAX_BODY_BYTES
 from thunderctl.sandbox.config import SandboxConfig
 from thunderctl.scheduler import SchedulerConfig
+from thunderctl.sim.presets import preset_names
 
 BUILTIN_TINY_MODEL = "builtin:tiny"
 PROFILES_DIR = Path(__file__).with_name("profiles")
@@ -49,7 +50,7 @@ class RestartPolicy(Strict):
 
 
 class EngineSpec(Strict):
-    kind: Literal["vllm", "vllm-cpu"] = "vllm"
+    kind: Literal["vllm", "vllm-cpu", "sim"] = "vllm"
     install: Literal["existing", "pip", "docker"] = "existing"
     python: str | None = Field(None, description="with install: existing, the python that has vllm")
     version: str | None = Field(None, description="with install: pip or docker, the vllm version")
@@ -57,6 +58,8 @@ class EngineSpec(Strict):
     kv_blocks: int | None = Field(None, gt=0, description="--num-gpu-blocks-override")
     block_size: int | None = Field(None, gt=0)
     max_model_len: int | None = Field(None, gt=0)
+    preset: str | None = Field(None, description="with kind: sim, the worker simulated (default h100-tp4-32b)")
+    time_scale: float | None = Field(None, ge=0, description="with kind: sim, wall seconds per simulated second")
     kv_offload_gib: float | None = Field(
         None, gt=0, description="a host KV tier per worker: --kv-offloading-backend native --kv-offloading-size"
     )
@@ -74,6 +77,19 @@ class EngineSpec(Strict):
                 f"block_size: {self.block_size} is not a multiple of 32, which vLLM-CPU's attention "
                 "needs; use 32, 64 or 128"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _sim_fields(self) -> EngineSpec:
+        if self.kind != "sim":
+            if self.preset is not None or self.time_scale is not None:
+                raise ValueError(f"preset and time_scale are for kind: sim, not kind: {self.kind}; remove them")
+            return self
+        if self.preset is not None and self.preset not in preset_names():
+            raise ValueError(f"preset: {self.preset!r} is not a simulator preset; use one of {', '.join(preset_names())}")
+        if self.install != "existing":
+            raise ValueError(f"install: {self.install} with kind: sim; a simulated worker runs thunderctl's own python: "
+                             "use install: existing")
         return self
 
 
@@ -157,6 +173,9 @@ class Profile(Strict):
                 taken[where] = f"{node.name}/{i}"
         if self.engine.kind == "vllm-cpu" and any(n.gpus for n in self.nodes):
             raise ValueError("engine.kind: vllm-cpu with nodes that have gpus; use kind: vllm for GPU nodes")
+        if self.engine.kind == "sim" and any(n.gpus or n.transport != "local" for n in self.nodes):
+            raise ValueError("engine.kind: sim runs simulated workers on this machine: give every node "
+                             "transport: local and gpus: 0 (the preset says what GPUs are simulated)")
         return self
 
 

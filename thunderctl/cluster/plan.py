@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from thunderctl.engines.local import (
     vllm_server_command,
     vllm_server_env,
 )
+from thunderctl.engines.sim_process import sim_command
 from thunderctl.engines.vllm import API_KEY_ENV
 from thunderctl.gateway.auth import is_loopback_host
 from thunderctl.profile import BUILTIN_TINY_MODEL, NodeSpec, Profile
@@ -105,6 +107,17 @@ def cpu_worker(profile: Profile, node: NodeSpec, port: int, home: EngineHome) ->
     return command, vllm_server_env(config, {})
 
 
+def sim_worker(profile: Profile, node: NodeSpec, port: int) -> list[str]:
+    """`thunderctl engine sim` with the profile's shape, in the python that runs thunderctl."""
+    engine = profile.engine
+    options = ["--served-model-name", profile.model.served_name]
+    for flag, value in (("--preset", engine.preset), ("--time-scale", engine.time_scale), ("--kv-blocks", engine.kv_blocks),
+                        ("--block-size", engine.block_size), ("--max-model-len", engine.max_model_len)):
+        if value is not None:
+            options += [flag, str(value)]
+    return sim_command(engine.python or sys.executable, port, bind_host(node), [*options, *engine.args])
+
+
 def gpu_args(profile: Profile, node: NodeSpec, host: str, port: int, home: EngineHome) -> list[str]:
     engine = profile.engine
     args = [
@@ -149,6 +162,8 @@ def plan_workers(profile: Profile, home: EngineHome | None = None) -> list[Worke
             worker_id = f"{node.name}/{replica}"
             if profile.engine.kind == "vllm-cpu":
                 command, env = cpu_worker(profile, node, port, home)
+            elif profile.engine.kind == "sim":
+                command, env = sim_worker(profile, node, port), {}
             else:
                 command, env = gpu_worker(profile, node, replica, port, home)
             container = container_name(profile.cluster, worker_id) if profile.engine.install == "docker" else None

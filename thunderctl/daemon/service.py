@@ -22,6 +22,7 @@ from thunderctl.cluster.worker_key import read_worker_key
 from thunderctl.daemon.control import build_control_app
 from thunderctl.daemon.supervisor import RestartPlanner
 from thunderctl.gateway import Gateway, Upstream, build_app
+from thunderctl.gateway.gateway import AGENT_KEEPALIVE_S
 from thunderctl.gateway.answers import resume_priority
 from thunderctl.jsonapi import BodyLimits
 from thunderctl.profile import ProfileError, load_profile
@@ -184,7 +185,8 @@ class Daemon:
         self._spawn(self._supervise_workers())
         gateway = self.profile.gateway
         sockets = [bind_tcp(gateway.host, gateway.port), bind_control_socket(self.state.socket_path)]
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off")
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_keep_alive=AGENT_KEEPALIVE_S)
         self.server = uvicorn.Server(config)
         try:
             await self.server.serve(sockets=sockets)

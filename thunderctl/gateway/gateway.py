@@ -26,6 +26,7 @@ from thunderctl.gateway.answers import (
 )
 from thunderctl.gateway.recorder import TraceRecorder
 from thunderctl.gateway.requests import PromptShape, TokenEstimator
+from thunderctl.gateway.timings import GatewayTimings
 from thunderctl.jsonapi import bearer_headers
 from thunderctl.scheduler import EventKind, ProgramEvent, Scheduler, SchedulerConfig
 from thunderctl.scheduler.front import (
@@ -50,6 +51,13 @@ class BackendError(RuntimeError):
 
 # Consecutive failed health/metrics polls before a worker is taken out of scheduling.
 UNHEALTHY_AFTER = 3
+# vLLM's API server (uvicorn) closes a connection idle for 5 s. A pooled connection is dropped
+# before that, or a request sent on it as the worker closes it fails (ReadError) and the worker
+# looks dead.
+WORKER_KEEPALIVE_S = 4.0
+# Agents' connections idle through their tool calls; the gateway keeps them open longer than
+# their clients' pools (httpx: 5 s), so that the client, not the gateway, closes an idle one.
+AGENT_KEEPALIVE_S = 65
 
 
 class WorkerState(StrEnum):
@@ -116,6 +124,7 @@ class Gateway:
         self.last_utilization = 0.0
         self.estimator = TokenEstimator()
         self.recorder = recorder
+        self.timings = GatewayTimings()
         self.resumed_priority = resumed_priority  # sent with a request that waited for its resume
         self.metrics_interval_s = metrics_interval_s
         self.started_at = clock()
@@ -126,7 +135,7 @@ class Gateway:
         self._client = httpx.AsyncClient(
             headers=bearer_headers(worker_key),
             timeout=httpx.Timeout(None, connect=10.0),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=WORKER_KEEPALIVE_S),
             transport=transport,
         )
 
@@ -167,7 +176,8 @@ class Gateway:
     async def _tick_loop(self) -> None:
         while True:
             await asyncio.sleep(self.scheduler.config.tick_interval_s)
-            beat(self.scheduler, self.utilization())
+            with self.timings.tick.time():
+                beat(self.scheduler, self.utilization())
 
     def utilization(self) -> float:
         """Mean utilisation of the workers in service since the last call."""
@@ -250,6 +260,10 @@ class Gateway:
         """Where this request goes, and whether it waited here for its program's resume."""
         if program_id is None:
             return self.least_loaded(), False
+        with self.timings.admission_wait.time():
+            return await self._admit_program(program_id, shape)
+
+    async def _admit_program(self, program_id: str, shape: PromptShape) -> tuple[Upstream, bool]:
         while True:
             backend = self.scheduler.on_request(
                 program_id,

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 
 def render_metrics(gateway: Gateway) -> str:
-    return exposition(gateway_families(gateway))
+    return exposition(gateway_families(gateway)) + gateway.timings.render()
 
 
 def gateway_families(gateway: Gateway) -> Iterator[Metric]:

@@ -8,7 +8,7 @@ import uvicorn
 
 from thunderctl.gateway.app import build_app
 from thunderctl.gateway.auth import GatewayAuth
-from thunderctl.gateway.gateway import Gateway, Upstream
+from thunderctl.gateway.gateway import AGENT_KEEPALIVE_S, Gateway, Upstream
 from thunderctl.jsonapi import BodyLimits
 
 
@@ -31,7 +31,7 @@ async def serve_gateway(
     warnings = await gateway.start()
     config = uvicorn.Config(
         build_app(gateway, auth=auth, limits=limits), host=host, port=port, log_level="warning", access_log=False,
-        lifespan="off",
+        lifespan="off", timeout_keep_alive=AGENT_KEEPALIVE_S,
     )
     server = uvicorn.Server(config)
     try:

@@ -22,6 +22,7 @@ import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import chain
+from typing import Protocol
 
 from thunderctl.sim.cost import CostModel, EngineShape, StepLoad
 from thunderctl.sim.kv import BlockPool, HostTier
@@ -49,9 +50,19 @@ class TokenStream:
         return list(chain.from_iterable(self.block_runs(start, stop)))
 
 
+class BlockHashes(Protocol):
+    """What the engine knows of a request's tokens: the hashes of its blocks start..stop-1, as
+    increasing runs of consecutive integers and one by one (a `TokenStream`, or the HTTP
+    server's `ContentStream`, content-addressed over real token ids)."""
+
+    def block_runs(self, start: int, stop: int) -> list[range]: ...
+
+    def block_hashes(self, start: int, stop: int) -> list[int]: ...
+
+
 @dataclass(eq=False)
 class Request:
-    stream: TokenStream
+    stream: BlockHashes
     prompt_tokens: int
     max_tokens: int  # the answer's length: ignore_eos, so exactly this many tokens
     arrival_s: float = 0.0
@@ -161,6 +172,12 @@ class Engine:
     def kv_usage(self) -> float:
         """Share of the shape's KV blocks in use (above 1 only for an unbounded cache)."""
         return self.pool.in_use / self.shape.num_gpu_blocks
+
+    def sampled_tokens(self, request: Request) -> int:
+        """Tokens `request` has sampled so far; a decoding request's count is implicit."""
+        if request.decoding:
+            return request.base + self.step_index - request.prompt_tokens + 1
+        return request.output_tokens
 
     def wake_s(self) -> float | None:
         """When a host-tier load that holds up the waiting queue completes, if any."""

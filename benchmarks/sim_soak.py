@@ -1,0 +1,91 @@
+"""Scale and soak: 2,048 closed-loop programs through the daemon onto 8 simulated workers, 10 minutes.
+
+    python benchmarks/sim_soak.py                          # the full soak (~13 minutes with up and down)
+    python benchmarks/sim_soak.py --programs 512 --duration 120 --workers 4
+    python benchmarks/sim_soak.py --out results/soak.json
+
+`thunderctl up` of a cluster of `thunderctl engine sim` workers (profiles/sim.yaml's preset,
+h100-tp4-32b, one node per worker), closed-loop agents (thunderctl/bench/closed_loop.py) through
+its gateway for --duration seconds, then `down`. Printed: failed requests, programs left in the
+gateway after every program was released, the daemon's RSS at the start, peak and end, the p99
+of the scheduler tick and of the admission wait (the gateway's own histograms), steps/min, hit
+rate, pauses and resumes. It exits 1 if a request failed, a program was left, or a process
+outlived `down`. --engine-time-scale slows the simulated engines (and with them the whole
+closed loop) so that the machine's CPU, not the model, is the margin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from thunderctl.bench.shapes import Uniform
+from thunderctl.bench.soak import SOAK_SHAPE, SoakResult, SoakSpec, run_soak
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    defaults = SoakSpec()
+    parser.add_argument("--programs", type=int, default=defaults.programs, help="programs at once (closed loop)")
+    parser.add_argument("--workers", type=int, default=defaults.workers)
+    parser.add_argument("--duration", type=float, default=defaults.duration_s, help="seconds of load")
+    parser.add_argument("--preset", default=defaults.preset)
+    parser.add_argument("--kv-blocks", type=int, default=None, help="per worker (default: the preset's)")
+    parser.add_argument("--engine-time-scale", type=float, default=defaults.engine_time_scale)
+    parser.add_argument("--tool-time-scale", type=float, default=defaults.tool_time_scale)
+    parser.add_argument("--tool-s", type=float, nargs=2, default=(SOAK_SHAPE.tool_seconds.low, SOAK_SHAPE.tool_seconds.high),
+                        metavar=("LOW", "HIGH"), help="tool seconds per step, uniform")
+    parser.add_argument("--tick-interval", type=float, default=defaults.tick_interval_s)
+    parser.add_argument("--stream", action="store_true", help="stream the answers (more work for the gateway)")
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--out", type=Path, help="write the figures as JSON here")
+    return parser.parse_args()
+
+
+def summary(result: SoakResult) -> str:
+    def seconds(value: float | None) -> str:
+        return "-" if value is None else f"{value * 1000:.1f} ms" if value < 1 else f"{value:.2f} s"
+
+    hit = "-" if result.hit_rate is None else f"{result.hit_rate:.2f}"
+    return "\n".join([
+        f"programs {result.spec['programs']} on {result.spec['workers']} workers for {result.spec['duration_s']:g} s "
+        f"(wall {result.wall_s:.0f} s)",
+        f"requests: {result.steps_ok:,} ok, {result.steps_failed} failed, {result.steps_cancelled} cut off at the end; "
+        f"{result.steps_per_min:,.0f} steps/min; hit rate {hit}; preemptions {result.preemptions}",
+        f"programs: {result.programs_started:,} started, {result.programs_completed:,} completed, "
+        f"{result.programs_left} left in the gateway after release ({result.release_failures} releases failed)",
+        f"scheduler: {result.pauses:,.0f} pauses, {result.resumes:,.0f} resumes; tick p99 {seconds(result.tick_p99_s)} "
+        f"over {result.ticks} ticks",
+        f"admission wait: p50 {seconds(result.admission_wait_p50_s)}, p99 {seconds(result.admission_wait_p99_s)} "
+        f"over {result.admissions:,} requests",
+        f"daemon RSS: {result.daemon_rss_start_mib:.0f} MiB at start, {result.daemon_rss_peak_mib:.0f} MiB peak, "
+        f"{result.daemon_rss_end_mib:.0f} MiB at end; {result.daemon_cpu_s:.0f} CPU s",
+    ])
+
+
+def main() -> int:
+    args = parse_args()
+    spec = SoakSpec(
+        programs=args.programs, workers=args.workers, duration_s=args.duration, preset=args.preset,
+        kv_blocks=args.kv_blocks, engine_time_scale=args.engine_time_scale, tool_time_scale=args.tool_time_scale,
+        tick_interval_s=args.tick_interval, stream=args.stream, seed=args.seed,
+        shape=replace(SOAK_SHAPE, tool_seconds=Uniform(*args.tool_s)),
+    )
+    with tempfile.TemporaryDirectory(prefix="thunderctl-soak-") as workdir:
+        result = run_soak(spec, Path(workdir))
+    print(summary(result))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(asdict(result), indent=2))
+    problems = result.problems()
+    for problem in problems:
+        print(f"FAIL: {problem}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""Pytest plugin: simulated vLLM workers (`thunderctl engine sim`) in real processes (registered from conftest.py).
+
+They start in about a second and need no vLLM, so tests that use them belong to the fast tier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from thunderctl.engines.sim_process import SimProcess
+
+
+@pytest.fixture
+def start_sim(tmp_path: Path) -> Iterator[Callable[..., SimProcess]]:
+    """Start `thunderctl engine sim` with the given options on a free port; stopped by pid."""
+    started: list[SimProcess] = []
+
+    def start(*options: str) -> SimProcess:
+        sim = SimProcess(options, tmp_path / f"sim-{len(started)}.log")
+        started.append(sim)
+        sim.wait_healthy()
+        return sim
+
+    yield start
+    for sim in started:
+        sim.stop()

@@ -1,0 +1,53 @@
+"""The gateway's own timings on its /metrics: scheduler ticks and admission waits, as histograms."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from prometheus_client.samples import Sample
+
+from thunderctl.prometheus import parse_samples
+from thunderctl.gateway.timings import ADMISSION_WAIT_SECONDS, TICK_SECONDS, histogram_quantile, log_buckets
+
+
+def buckets(name: str, counts: dict[float, float]) -> list[Sample]:
+    return [Sample(f"{name}_bucket", {"le": "+Inf" if le == float("inf") else str(le)}, n) for le, n in counts.items()]
+
+
+def test_a_quantile_is_read_off_the_buckets_as_prometheus_reads_it() -> None:
+    samples = buckets("t", {0.1: 50, 0.2: 90, 0.4: 100, float("inf"): 100})
+    assert histogram_quantile(samples, "t", 0.5) == pytest.approx(0.1)
+    assert histogram_quantile(samples, "t", 0.7) == pytest.approx(0.15)
+    assert histogram_quantile(samples, "t", 0.99) == pytest.approx(0.38)
+    assert histogram_quantile(buckets("t", {0.1: 0, float("inf"): 0}), "t", 0.99) is None
+
+
+def test_buckets_are_ten_a_decade_and_reach_the_top() -> None:
+    bounds = log_buckets(1e-3, 1)
+    assert bounds[0] == 1e-3 and bounds[-1] >= 1 and len(bounds) == 31
+    assert all(1.2 < b / a < 1.33 for a, b in zip(bounds, bounds[1:]))
+
+
+def test_each_scheduled_request_and_each_tick_is_timed(start_sim, start_gateway) -> None:
+    sim = start_sim("--preset", "cpu-tiny", "--time-scale", "0.01")
+    gateway = start_gateway([sim.url], "--tick-interval", "0.2")
+    for step in range(3):
+        body = {"model": "tiny", "program_id": "timed", "max_tokens": 2, "messages": [{"role": "user", "content": f"step {step}"}]}
+        assert gateway.http.post("/v1/chat/completions", json=body).status_code == 200
+    unscheduled = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "no program"}]}
+    assert gateway.http.post("/v1/chat/completions", json=unscheduled).status_code == 200
+    deadline = time.monotonic() + 30
+    while True:  # ticks come every 0.2 s once the gateway runs; a loaded machine may take longer
+        samples = parse_samples(gateway.http.get("/metrics").text)
+        counts = {s.name: s.value for s in samples if s.name.endswith("_count")}
+        if counts[f"{TICK_SECONDS}_count"] >= 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert counts[f"{ADMISSION_WAIT_SECONDS}_count"] == 3  # the program's requests, not the unscheduled one
+    assert counts[f"{TICK_SECONDS}_count"] >= 1
+    wait = histogram_quantile(samples, ADMISSION_WAIT_SECONDS, 0.99)
+    assert wait is not None and 0 < wait < 1  # an idle cluster admits at once
+    httpx.post(f"{gateway.url}/programs/release", json={"program_id": "timed"})

@@ -1,0 +1,224 @@
+"""Scale and soak: many closed-loop programs through a real daemon onto simulated workers, for a while.
+
+`up` of a profile of `engine.kind: sim` workers (real processes, real HTTP, the real daemon),
+closed-loop agent load through its gateway, then the figures that say whether it held: failed
+requests, programs left in the gateway once all are released, the daemon's RSS at the start and
+the end, and the p99 of the scheduler's tick and of the admission wait (the gateway's histograms).
+`down` at the end, and a check that none of the processes it started is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import yaml
+
+from thunderctl.bench.closed_loop import LoadSpec, Target, run_load
+from thunderctl.bench.results import LoadResult
+from thunderctl.bench.shapes import AgentShape, Uniform
+from thunderctl.processes import pick_free_port, pick_free_ports, pid_alive
+from thunderctl.prometheus import parse_samples
+from thunderctl.gateway.timings import ADMISSION_WAIT_SECONDS, TICK_SECONDS, histogram_quantile
+
+MIB = 2**20
+MODEL = "sim"
+# How long the gateway may take to finish requests cut off at the deadline before its programs are counted.
+SETTLE_TIMEOUT_S = 120.0
+RSS_SAMPLE_S = 5.0
+# Programs per HTTP client of the load: httpcore's pool scans every connection it has for each
+# request, so one client of 2,048 connections spends the load generator's CPU on its own pool
+# (connects then time out, and the load, not the cluster, is what fails).
+PROGRAMS_PER_CLIENT = 128
+
+# Agents of a few thousand tokens by the end, with tools of seconds: thousands of them overbook
+# eight simulated 4×H100 workers' KV caches (891,728 tokens each) and keep the scheduler busy.
+SOAK_SHAPE = AgentShape(
+    system_prompt_tokens=1000, task_tokens=Uniform(300, 800), observation_tokens=Uniform(150, 500),
+    completion_tokens=Uniform(20, 60), steps=Uniform(8, 16), tool_seconds=Uniform(5, 25),
+)
+
+
+@dataclass(frozen=True)
+class SoakSpec:
+    programs: int = 2048  # programs at once (closed loop: when one ends the next starts)
+    workers: int = 8
+    duration_s: float = 600.0
+    preset: str = "h100-tp4-32b"
+    kv_blocks: int | None = None  # per worker; default: the preset's
+    engine_time_scale: float = 2.0  # wall seconds per simulated engine second
+    tool_time_scale: float = 1.0  # multiplies the shape's tool times
+    tick_interval_s: float = 2.0
+    stream: bool = False
+    seed: int = 0
+    shape: AgentShape = SOAK_SHAPE
+
+
+@dataclass
+class SoakResult:
+    spec: dict[str, Any]
+    wall_s: float
+    steps_ok: int
+    steps_failed: int
+    steps_cancelled: int  # in flight at the deadline: cut off, not failed
+    errors: list[str]
+    programs_started: int
+    programs_completed: int
+    release_failures: int
+    programs_left: int  # in the gateway after every program was released
+    steps_per_min: float
+    hit_rate: float | None
+    preemptions: int
+    pauses: float
+    resumes: float
+    daemon_rss_start_mib: float
+    daemon_rss_end_mib: float
+    daemon_rss_peak_mib: float
+    daemon_cpu_s: float
+    tick_p99_s: float | None
+    ticks: int
+    admission_wait_p99_s: float | None
+    admission_wait_p50_s: float | None
+    admissions: int
+    left_running: list[int] = field(default_factory=list)  # pids started by `up` still alive (not zombies) after `down`
+
+    def problems(self) -> list[str]:
+        """What went wrong, against the wants: no failed request, no program left, nothing left running."""
+        found = []
+        if self.steps_failed:
+            found.append(f"{self.steps_failed} failed requests: {'; '.join(self.errors[:3])}")
+        if self.programs_left:
+            found.append(f"{self.programs_left} programs left in the gateway after all were released")
+        if self.release_failures:
+            found.append(f"{self.release_failures} releases failed")
+        if self.left_running:
+            found.append(f"processes left running after down: {self.left_running}")
+        return found
+
+
+def soak_profile(spec: SoakSpec, cluster: str) -> dict[str, Any]:
+    """A sim cluster of `spec.workers` workers, one node each (so no two ports need to be adjacent)."""
+    engine: dict[str, Any] = {"kind": "sim", "preset": spec.preset, "time_scale": spec.engine_time_scale}
+    if spec.kv_blocks is not None:
+        engine["kv_blocks"] = spec.kv_blocks
+    nodes = [{"name": f"sim-{i}", "transport": "local", "replicas": 1, "base_port": port}
+             for i, port in enumerate(pick_free_ports(spec.workers))]
+    return {"cluster": cluster, "model": {"path": spec.preset, "served_name": MODEL}, "engine": engine,
+            "nodes": nodes, "gateway": {"host": "127.0.0.1", "port": pick_free_port()},
+            "scheduler": {"tick_interval_s": spec.tick_interval_s}}
+
+
+class Cluster:
+    """The soak's cluster, driven through the real CLI in subprocesses."""
+
+    def __init__(self, workdir: Path, profile: dict[str, Any]) -> None:
+        self.name = profile["cluster"]
+        self.profile_path = workdir / f"{self.name}.yaml"
+        self.profile_path.write_text(yaml.safe_dump(profile))
+        self.env = {**os.environ, "THUNDERCTL_STATE_DIR": str(workdir / "state")}
+        self.state_path = workdir / "state" / self.name / "state.json"
+        self.gateway = f"http://127.0.0.1:{profile['gateway']['port']}"
+
+    def cli(self, *args: str, timeout: float = 300) -> str:
+        done = subprocess.run([sys.executable, "-m", "thunderctl", *args], env=self.env, capture_output=True,
+                              text=True, timeout=timeout)
+        if done.returncode != 0:
+            raise RuntimeError(f"thunderctl {' '.join(args)} exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
+        return done.stdout
+
+    def state(self) -> dict[str, Any]:
+        return json.loads(self.state_path.read_text())
+
+    def status(self) -> dict[str, Any]:
+        return json.loads(self.cli("status", "--json", "--cluster", self.name))
+
+
+async def sample_rss(process: psutil.Process, peak: list[float]) -> None:
+    while True:
+        peak[0] = max(peak[0], process.memory_info().rss / MIB)
+        await asyncio.sleep(RSS_SAMPLE_S)
+
+
+async def load_with_rss(spec: SoakSpec, cluster: Cluster, workers: list[str], daemon: psutil.Process,
+                        peak: list[float]) -> list[LoadResult]:
+    """The programs in shards of PROGRAMS_PER_CLIENT, each its own closed loop and client, all at once."""
+    sizes = [min(PROGRAMS_PER_CLIENT, spec.programs - start) for start in range(0, spec.programs, PROGRAMS_PER_CLIENT)]
+    loads = [LoadSpec(concurrency=size, shape=spec.shape, duration_s=spec.duration_s, seed=spec.seed * 1000 + shard,
+                      model=MODEL, stream=spec.stream, time_scale=spec.tool_time_scale, request_timeout_s=1800.0,
+                      sample_interval_s=spec.duration_s) for shard, size in enumerate(sizes)]
+    sampler = asyncio.create_task(sample_rss(daemon, peak))
+    try:
+        return list(await asyncio.gather(*(run_load(Target.gateway(cluster.gateway), load, workers) for load in loads)))
+    finally:
+        sampler.cancel()
+
+
+def settled_programs(cluster: Cluster) -> list[dict[str, Any]]:
+    """The gateway's programs once nothing is in flight (requests cut off at the deadline finish first)."""
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while any(w["requests_in_flight"] for w in cluster.status()["workers"]) and time.monotonic() < deadline:
+        time.sleep(1)
+    return httpx.get(f"{cluster.gateway}/programs", timeout=60).json()["programs"]
+
+
+def gateway_figures(cluster: Cluster) -> dict[str, float | None]:
+    samples = parse_samples(httpx.get(f"{cluster.gateway}/metrics", timeout=60).text)
+    totals = {s.name: s.value for s in samples if not s.labels}
+    return {
+        "tick_p99_s": histogram_quantile(samples, TICK_SECONDS, 0.99),
+        "ticks": totals.get(f"{TICK_SECONDS}_count", 0),
+        "admission_wait_p99_s": histogram_quantile(samples, ADMISSION_WAIT_SECONDS, 0.99),
+        "admission_wait_p50_s": histogram_quantile(samples, ADMISSION_WAIT_SECONDS, 0.5),
+        "admissions": totals.get(f"{ADMISSION_WAIT_SECONDS}_count", 0),
+        "pauses": totals.get("thunderctl_pauses_total", 0),
+        "resumes": totals.get("thunderctl_resumes_total", 0),
+    }
+
+
+def run_soak(spec: SoakSpec, workdir: Path) -> SoakResult:
+    """Up, load, figures, down; the cluster is brought down whatever happens."""
+    cluster = Cluster(workdir, soak_profile(spec, f"soak-{secrets.token_hex(3)}"))
+    cluster.cli("up", "-f", str(cluster.profile_path))
+    started = cluster.state()
+    pids = [started["daemon_pid"], *(w["pid"] for w in started["workers"])]
+    try:
+        daemon = psutil.Process(started["daemon_pid"])
+        rss_start = daemon.memory_info().rss / MIB
+        peak = [rss_start]
+        workers = [w["url"] for w in started["workers"]]
+        results = asyncio.run(load_with_rss(spec, cluster, workers, daemon, peak))
+        left = settled_programs(cluster)
+        figures = gateway_figures(cluster)
+        rss_end = daemon.memory_info().rss / MIB
+        cpu = daemon.cpu_times()
+    finally:
+        cluster.cli("down", "--cluster", cluster.name)
+    wall_s = max(r.wall_s for r in results)
+    steps_ok = sum(r.steps_ok for r in results)
+    # Every shard reads all the engines' counters over the same run: one shard's reading is the run's.
+    engines = max((r.engines for r in results), key=lambda e: e.prefix_cache_queries)
+    return SoakResult(
+        spec={**asdict(spec), "shape": asdict(spec.shape)}, wall_s=wall_s, steps_ok=steps_ok,
+        steps_failed=sum(r.steps_failed for r in results), steps_cancelled=sum(r.steps_cancelled for r in results),
+        errors=sorted({r.error or f"HTTP {r.status}" for result in results for r in result.records if not r.ok}),
+        programs_started=sum(r.programs_started for r in results),
+        programs_completed=sum(r.programs_completed for r in results),
+        release_failures=sum(r.release_failures for r in results), programs_left=len(left),
+        steps_per_min=steps_ok / wall_s * 60 if wall_s else 0.0,
+        hit_rate=engines.hit_rate, preemptions=engines.preemptions,
+        pauses=figures["pauses"] or 0, resumes=figures["resumes"] or 0,
+        daemon_rss_start_mib=rss_start, daemon_rss_end_mib=rss_end, daemon_rss_peak_mib=max(peak[0], rss_end),
+        daemon_cpu_s=cpu.user + cpu.system, tick_p99_s=figures["tick_p99_s"], ticks=int(figures["ticks"] or 0),
+        admission_wait_p99_s=figures["admission_wait_p99_s"], admission_wait_p50_s=figures["admission_wait_p50_s"],
+        admissions=int(figures["admissions"] or 0), left_running=[pid for pid in pids if pid_alive(pid)],
+    )

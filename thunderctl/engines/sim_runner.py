@@ -1,0 +1,114 @@
+"""The simulator's engine model in real time: it steps on the asyncio loop, each step lasting its
+cost-model time × `time_scale` of wall time, and a request's tokens come out as its steps sample them.
+
+A request that arrives mid-step is scheduled at the next step boundary, as on the simulator's
+virtual clock (sim/worker.py). The time Python spends around a step counts towards it: the
+next step starts when the step's time is up, not that long after its work was done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from thunderctl.engines.sim_tokens import BlockIds, ContentStream, answer_words, token_ids
+from thunderctl.sim.engine import Engine, Request
+
+IDS_PER_CACHED_BLOCK = 4
+
+
+@dataclass(eq=False)
+class Generation:
+    """One request being answered: its engine request and the words of its answer."""
+
+    request: Request
+    words: list[str]
+    _progress: asyncio.Event = field(default_factory=asyncio.Event)
+    _finished: bool = False
+    _sampled: int = 0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.request.prompt_tokens
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.words)
+
+    def advance(self, sampled: int) -> None:
+        if sampled > self._sampled:
+            self._sampled = sampled
+            self._progress.set()
+
+    def finish(self) -> None:
+        self._finished = True
+        self._sampled = len(self.words)
+        self._progress.set()
+
+    async def done(self) -> None:
+        while not self._finished:
+            self._progress.clear()
+            await self._progress.wait()
+
+    async def pieces(self) -> AsyncIterator[tuple[list[str], bool]]:
+        """The answer's words as steps sample them (several at once if the reader fell behind),
+        each with whether it ends the answer."""
+        sent = 0
+        while True:
+            if self._sampled == sent and not self._finished:
+                self._progress.clear()
+                await self._progress.wait()
+            upto = self._sampled
+            if upto > sent or self._finished:
+                yield self.words[sent:upto], self._finished and upto == len(self.words)
+                sent = upto
+            if self._finished and sent == len(self.words):
+                return
+
+
+class RealTimeEngine:
+    """Owns an `Engine` and its step loop; `submit` from request handlers, `run` as a task."""
+
+    def __init__(self, engine: Engine, time_scale: float) -> None:
+        self.engine = engine
+        self.time_scale = time_scale
+        self._streaming: set[Generation] = set()
+        self._work = asyncio.Event()
+        # Contents remembered: a few times what the cache holds, so a cached block is not forgotten.
+        self.block_ids = BlockIds(capacity=IDS_PER_CACHED_BLOCK * engine.shape.num_gpu_blocks)
+
+    def submit(self, prompt: Sequence[int], max_tokens: int, *, stream: bool) -> Generation:
+        """Queue a request; the caller checked that prompt + max_tokens fits max_model_len."""
+        words = answer_words(prompt, max_tokens)
+        tokens = [*prompt, *token_ids(" ".join(words))]
+        content = ContentStream.of(tokens, self.engine.block_size, self.block_ids)
+        request = Request(content, prompt_tokens=len(prompt), max_tokens=max_tokens,
+                          arrival_s=asyncio.get_running_loop().time())
+        generation = Generation(request, words)
+        request.on_finish = lambda _: self._finished(generation)
+        if stream:
+            self._streaming.add(generation)
+        self.engine.submit(request)
+        self._work.set()
+        return generation
+
+    def _finished(self, generation: Generation) -> None:
+        self._streaming.discard(generation)
+        generation.finish()
+
+    async def run(self) -> None:
+        """Step while there is work, sleep until a request arrives otherwise; until cancelled."""
+        loop = asyncio.get_running_loop()
+        engine = self.engine
+        while True:
+            start = loop.time()
+            seconds = engine.begin_step(start)
+            if seconds is None:
+                self._work.clear()
+                await self._work.wait()
+                continue
+            await asyncio.sleep(max(0.0, start + seconds * self.time_scale - loop.time()))
+            engine.end_step(loop.time())  # finished requests' callbacks run here
+            for generation in self._streaming:
+                generation.advance(engine.sampled_tokens(generation.request))

@@ -1,0 +1,253 @@
+"""`thunderctl engine sim`: the simulator's engine model behind the part of vLLM's OpenAI API that the
+gateway, `bench` and agent clients use, in real time.
+
+Routes: `/v1/chat/completions` and `/v1/completions` (streamed or not, `max_tokens`, `ignore_eos`,
+`stream_options.include_usage`), `/v1/models`, `/tokenize`, `/health`, `/metrics` (vLLM's names).
+An answer is always `max_tokens` long, clamped to what fits `max_model_len` as vLLM clamps it:
+the model has no end-of-sequence token, so `ignore_eos` changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import uvicorn
+from prometheus_client import CollectorRegistry, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from thunderctl.engines.sim_api import Answer, Kind, VllmError, no_room_to_answer, prompt_too_long, unknown_model
+from thunderctl.engines.sim_metrics import metrics_registry
+from thunderctl.engines.sim_runner import RealTimeEngine
+from thunderctl.engines.sim_tokens import render_chat, token_ids
+from thunderctl.sim.cost import EngineShape, Preset
+from thunderctl.sim.engine import Engine
+from thunderctl.sim.presets import UnknownPreset, get_preset
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PRESET = "h100-tp4-32b"
+# vLLM's default for /v1/completions; a chat without max_tokens would run to its end-of-sequence
+# token, which the model has not got, so it gets as many tokens as an agent's turn often has.
+DEFAULT_TEXT_ANSWER_TOKENS = 16
+DEFAULT_CHAT_ANSWER_TOKENS = 256
+# Like vLLM's periodic "Engine 000: ..." line, while there is traffic.
+LOG_INTERVAL_S = 10.0
+SIM_VERSION = "0.32.0-sim"  # the vLLM whose behaviour the engine model follows
+# On SIGTERM, requests in flight get this long before the server exits anyway (vLLM does not
+# wait for them either).
+SHUTDOWN_GRACE_S = 2.0
+
+
+class SimConfigError(ValueError):
+    """Options the simulated engine cannot start with; the message names the option and the fix."""
+
+
+@dataclass(frozen=True)
+class SimEngineConfig:
+    port: int
+    host: str = "127.0.0.1"
+    preset: str = DEFAULT_PRESET
+    kv_blocks: int | None = None  # default: the preset's KV tokens in blocks of block_size
+    block_size: int | None = None
+    max_model_len: int | None = None
+    served_model_name: str = "tiny"
+    time_scale: float = 1.0
+
+    def preset_and_shape(self) -> tuple[Preset, EngineShape]:
+        try:
+            preset = get_preset(self.preset)
+        except UnknownPreset as exc:
+            raise SimConfigError(f"--preset: {exc}") from None
+        base = preset.engine
+        block_size = self.block_size or base.block_size
+        blocks = self.kv_blocks or base.kv_capacity_tokens // block_size
+        max_model_len = self.max_model_len or base.max_model_len
+        if self.time_scale < 0:
+            raise SimConfigError(f"--time-scale {self.time_scale:g} is negative: give 0 (as fast as possible) or more")
+        if blocks < 1 or block_size < 1 or max_model_len < 2:
+            raise SimConfigError("--kv-blocks and --block-size must be at least 1, --max-model-len at least 2")
+        if max_model_len > blocks * block_size:
+            raise SimConfigError(
+                f"--max-model-len {max_model_len:,} does not fit a KV cache of {blocks:,} blocks of {block_size} "
+                f"({blocks * block_size:,} tokens), as vLLM also refuses: lower --max-model-len or raise --kv-blocks"
+            )
+        return preset, replace(base, num_gpu_blocks=blocks, block_size=block_size, max_model_len=max_model_len)
+
+
+async def json_body(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.body())
+    except ValueError as exc:
+        raise VllmError(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise VllmError("the request body must be a JSON object")
+    return body
+
+
+def answer_length(body: dict[str, Any], kind: Kind, prompt_tokens: int, max_model_len: int) -> int:
+    """max_tokens (or max_completion_tokens), its default, clamped to the room max_model_len leaves."""
+    asked = body.get("max_completion_tokens") if kind is Kind.CHAT else None
+    asked = asked if asked is not None else body.get("max_tokens")
+    if asked is None:
+        asked = DEFAULT_CHAT_ANSWER_TOKENS if kind is Kind.CHAT else DEFAULT_TEXT_ANSWER_TOKENS
+    if isinstance(asked, bool) or not isinstance(asked, int):
+        raise VllmError(f"max_tokens must be an integer, not {json.dumps(asked)[:40]}", param="max_tokens")
+    length = min(asked, max_model_len - prompt_tokens)
+    if length < 1:
+        raise no_room_to_answer(length)
+    return length
+
+
+def text_prompt(body: dict[str, Any]) -> list[int]:
+    """A completion's prompt: text, or token ids, alone or as a batch of one."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return token_ids(prompt)
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    raise VllmError("prompt must be a string or a list of token ids (the simulated engine answers one prompt "
+                    "per request)", param="prompt")
+
+
+def chat_prompt(body: dict[str, Any]) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise VllmError("messages must be a list of {role, content} objects", param="messages")
+    return token_ids(render_chat(messages))
+
+
+class SimServer:
+    """One simulated worker: the engine model, its step loop and its HTTP routes."""
+
+    def __init__(self, config: SimEngineConfig) -> None:
+        self.config = config
+        self.preset, self.shape = config.preset_and_shape()
+        self.engine = Engine(self.shape, self.preset.cost)
+        self.runner = RealTimeEngine(self.engine, config.time_scale)
+        self.registry: CollectorRegistry = metrics_registry(self.engine, config.served_model_name)
+        self.started = int(time.time())
+
+    def describe(self) -> str:
+        shape = self.shape
+        return (f"simulated {self.preset.name} ({self.preset.summary}) at time scale {self.config.time_scale:g}: "
+                f"{shape.num_gpu_blocks:,} KV blocks of {shape.block_size} ({shape.kv_capacity_tokens:,} tokens), "
+                f"max_model_len {shape.max_model_len:,}, serving {self.config.served_model_name!r}")
+
+    async def generate(self, request: Request, kind: Kind, prompt_of: Callable[[dict[str, Any]], list[int]]) -> Response:
+        try:
+            body = await json_body(request)
+            model = body.get("model")
+            if model and model != self.config.served_model_name:
+                raise unknown_model(model, self.config.served_model_name)
+            if body.get("n", 1) not in (1, None):
+                raise VllmError("the simulated engine answers with n=1 only", param="n")
+            prompt = prompt_of(body)
+            if not prompt:
+                raise VllmError("The decoder prompt cannot be empty")
+            if len(prompt) > self.shape.max_model_len:
+                raise prompt_too_long(len(prompt), self.shape.max_model_len)
+            max_tokens = answer_length(body, kind, len(prompt), self.shape.max_model_len)
+        except VllmError as exc:
+            return exc.response()
+        stream = bool(body.get("stream"))
+        generation = self.runner.submit(prompt, max_tokens, stream=stream)
+        answer = Answer(kind, self.config.served_model_name, len(prompt), max_tokens)
+        if stream:
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return StreamingResponse(answer.stream(generation.pieces(), include_usage), media_type="text/event-stream")
+        await generation.done()
+        return JSONResponse(answer.whole(" ".join(generation.words)))
+
+    async def chat(self, request: Request) -> Response:
+        return await self.generate(request, Kind.CHAT, chat_prompt)
+
+    async def completions(self, request: Request) -> Response:
+        return await self.generate(request, Kind.TEXT, text_prompt)
+
+    async def tokenize(self, request: Request) -> Response:
+        try:
+            body = await json_body(request)
+            tokens = chat_prompt(body) if "messages" in body else text_prompt(body)
+        except VllmError as exc:
+            return exc.response()
+        return JSONResponse({"count": len(tokens), "max_model_len": self.shape.max_model_len, "tokens": tokens,
+                             "token_strs": None})
+
+    async def models(self, _: Request) -> Response:
+        name = self.config.served_model_name
+        card = {"id": name, "object": "model", "created": self.started, "owned_by": "vllm", "root": self.preset.name,
+                "parent": None, "max_model_len": self.shape.max_model_len, "permission": []}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(self, _: Request) -> Response:
+        return Response(status_code=200)
+
+    async def version(self, _: Request) -> Response:
+        return JSONResponse({"version": SIM_VERSION})
+
+    async def metrics(self, _: Request) -> Response:
+        return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def app(self) -> Starlette:
+        return Starlette(routes=[
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/version", self.version, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+        ])
+
+    async def log_stats(self) -> None:
+        """Every LOG_INTERVAL_S while anything happened: what vLLM's stat logger says."""
+        counters, last = self.engine.counters, (0, 0, 0)
+        while True:
+            await asyncio.sleep(LOG_INTERVAL_S)
+            now = (counters.steps, counters.prefill_tokens, counters.decode_tokens)
+            if now == last:
+                continue
+            rate = [(b - a) / LOG_INTERVAL_S for a, b in zip(last, now)]
+            hit = counters.hit_rate
+            log.info("Engine 000: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                     "Steps: %.1f/s, Running: %d reqs, Waiting: %d reqs, GPU KV cache usage: %.1f%%, "
+                     "Prefix cache hit rate: %s, Preemptions: %d", rate[1], rate[2], rate[0], len(self.engine.running),
+                     len(self.engine.waiting), 100 * self.engine.kv_usage, "-" if hit is None else f"{100 * hit:.1f}%",
+                     counters.preemptions)
+            last = now
+
+    async def serve(self) -> None:
+        """Serve until the process is told to stop (SIGINT/SIGTERM, which uvicorn handles)."""
+        config = uvicorn.Config(self.app(), host=self.config.host, port=self.config.port, log_level="warning",
+                                access_log=False, lifespan="off", timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+        server = uvicorn.Server(config)
+        tasks = [asyncio.create_task(self.runner.run(), name="sim-steps"),
+                 asyncio.create_task(self.log_stats(), name="sim-stats")]
+
+        def stop_if_broken(task: asyncio.Task[None]) -> None:
+            # A worker whose engine is dead must not answer /health: it exits, and `up` or the
+            # gateway see a dead worker rather than one that accepts requests and never answers.
+            if not task.cancelled() and task.exception() is not None:
+                log.error("the engine model failed", exc_info=task.exception())
+                server.should_exit = True
+
+        for task in tasks:
+            task.add_done_callback(stop_if_broken)
+        log.info("%s; on http://%s:%d", self.describe(), self.config.host, self.config.port)
+        try:
+            await server.serve()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
