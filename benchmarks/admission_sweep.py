@@ -52,7 +52,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--adapt-window", type=float, default=10.0, help="The adaptive arm's seconds per move.")
     parser.add_argument("--out", type=Path, default=Path("results/admission_sweep.json"))
     parser.add_argument("--log-dir", type=Path, default=Path("results/logs-sweep"))
-    parser.add_argument("--overhead-requests", type=int, default=2000, help="Requests timed for the gateway's overhead (0: skip).")
+    parser.add_argument(
+        "--overhead-requests", type=int, default=2000, help="Requests timed for the gateway's overhead (0: skip)."
+    )
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
     if args.quick:
@@ -69,7 +71,9 @@ def workload(max_context_tokens: int) -> AgentShape:
     )  # fmt: skip
 
 
-async def sweep_point(args: argparse.Namespace, concurrency: int, index: int, urls: dict[str, str], console: Console) -> dict[str, LoadResult]:
+async def sweep_point(
+    args: argparse.Namespace, concurrency: int, index: int, urls: dict[str, str], console: Console
+) -> dict[str, LoadResult]:
     max_context = int(min(16384, (args.kv_blocks - 1) * args.block_size) * 0.85)
     spec = LoadSpec(
         concurrency=concurrency, shape=workload(max_context), duration_s=args.slice_s * args.slices,
@@ -116,8 +120,13 @@ def main(argv: list[str] | None = None) -> None:
         for blocks in (args.kv_blocks, args.limit_kv_blocks)
     ]
     gateways = {
-        name: ServeProcess([engines[0].url], ["--tick-interval", str(args.tick_interval), *extra], args.log_dir / f"{name}.log")
-        for name, extra in (("reference", ["--no-adaptive"]), ("adaptive", ["--adapt-window", str(args.adapt_window), "--verbose"]))
+        name: ServeProcess(
+            [engines[0].url], ["--tick-interval", str(args.tick_interval), *extra], args.log_dir / f"{name}.log"
+        )
+        for name, extra in (
+            ("reference", ["--no-adaptive"]),
+            ("adaptive", ["--adapt-window", str(args.adapt_window), "--verbose"]),
+        )
     }
     points: dict[int, dict[str, LoadResult]] = {}
     try:

@@ -64,8 +64,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--steady-duration", type=float, default=900.0,
         help="Simulated seconds of the second, long simulation (a sixth of it warm-up): the steady state.",
     )  # fmt: skip
-    parser.add_argument("--resimulate", action="store_true", help="Redo the simulated side of the rows in --out; no engine.")
-    parser.add_argument("--markdown", action="store_true", help="Print the table as Markdown too (for docs/simulator.md).")
+    parser.add_argument(
+        "--resimulate", action="store_true", help="Redo the simulated side of the rows in --out; no engine."
+    )
+    parser.add_argument(
+        "--markdown", action="store_true", help="Print the table as Markdown too (for docs/simulator.md)."
+    )
     parser.add_argument("--out", type=Path, default=Path("results/calibrate_sim.jsonl"))
     parser.add_argument("--log-dir", type=Path, default=Path("results/logs-calibrate"))
     args = parser.parse_args(argv)
@@ -92,7 +96,13 @@ def load_average() -> list[float]:
 
 
 def simulate(
-    args: argparse.Namespace, workload: TraceWorkload, kv_blocks: int, concurrency: int, arm: str, *, steady: bool = False
+    args: argparse.Namespace,
+    workload: TraceWorkload,
+    kv_blocks: int,
+    concurrency: int,
+    arm: str,
+    *,
+    steady: bool = False,
 ) -> dict[str, Any]:
     preset = get_preset("cpu-tiny")
     preset = replace(preset, engine=replace(preset.engine, num_gpu_blocks=kv_blocks, block_size=args.block_size))
@@ -104,7 +114,9 @@ def simulate(
     return summary | {"wall_s": time.monotonic() - started, "duration_s": duration, "warmup_s": warmup}
 
 
-def simulated(args: argparse.Namespace, workload: TraceWorkload, kv_blocks: int, concurrency: int, arm: str) -> dict[str, Any]:
+def simulated(
+    args: argparse.Namespace, workload: TraceWorkload, kv_blocks: int, concurrency: int, arm: str
+) -> dict[str, Any]:
     """The row's simulated side: the real run's duration, and a long run (its steady state).
 
     Both start their first programs part-way through their life, at the same steps as the real
@@ -132,7 +144,9 @@ def mean_phases(before: dict[str, float], after: dict[str, float]) -> dict[str, 
     return {f"{phase}_s": (after[phase] - before[phase]) / requests if requests else None for phase in REQUEST_PHASES}
 
 
-async def run_real(args: argparse.Namespace, workload: TraceWorkload, urls: dict[str, str], concurrency: int, arm: str) -> dict[str, Any]:
+async def run_real(
+    args: argparse.Namespace, workload: TraceWorkload, urls: dict[str, str], concurrency: int, arm: str
+) -> dict[str, Any]:
     spec = LoadSpec(
         concurrency=concurrency, shape=workload, duration_s=args.duration, seed=args.seed, warmup_s=args.warmup,
         stream=True, age_initial_programs=True,
@@ -150,7 +164,9 @@ async def run_real(args: argparse.Namespace, workload: TraceWorkload, urls: dict
     }  # fmt: skip
 
 
-def measure_cache(args: argparse.Namespace, kv_blocks: int, todo: list[tuple[int, str]], workload: TraceWorkload, console: Console) -> None:
+def measure_cache(
+    args: argparse.Namespace, kv_blocks: int, todo: list[tuple[int, str]], workload: TraceWorkload, console: Console
+) -> None:
     engine = start_engine(EngineSettings(kv_blocks, args.block_size, MAX_MODEL_LEN), args.log_dir, console)
     gateway = ServeProcess([engine.url], [], args.log_dir / f"gateway-{kv_blocks}.log")
     try:

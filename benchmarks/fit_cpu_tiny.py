@@ -330,7 +330,9 @@ class Prober:
 
 def mixed_decode_tokens(load: Load) -> int:
     """As many tokens as the decoders' blocks allow beside the shared prefix's."""
-    blocks_each = (MIXED_BLOCK_BUDGET - load.prefix // CPU_TINY_BLOCK_SIZE - load.new_tokens // CPU_TINY_BLOCK_SIZE - 1) // load.batch
+    blocks_each = (
+        MIXED_BLOCK_BUDGET - load.prefix // CPU_TINY_BLOCK_SIZE - load.new_tokens // CPU_TINY_BLOCK_SIZE - 1
+    ) // load.batch
     return min(MIXED_DECODE_TOKENS, blocks_each * CPU_TINY_BLOCK_SIZE - SUFFIX_TOKENS)
 
 
@@ -465,7 +467,9 @@ def fit_with_error(rows: Sequence[MeasuredSteps], seed: int) -> FitReport:
 
 
 def print_report(rows: Sequence[MeasuredSteps], report: FitReport, console: Console) -> None:
-    console.print(f"{'kind':<15}{'load':<22}{'steps':>6}{'measured ms':>13}{'spread ms':>16}{'out-of-fold ms':>16}{'error':>8}")
+    console.print(
+        f"{'kind':<15}{'load':<22}{'steps':>6}{'measured ms':>13}{'spread ms':>16}{'out-of-fold ms':>16}{'error':>8}"
+    )
     for row, predicted in zip(rows, report.out_of_fold):
         spread = f"{row.seconds_min * 1e3:.1f}–{row.seconds_max * 1e3:.1f}"
         error = (predicted - row.seconds) / row.seconds
@@ -532,8 +536,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="Repeats per load; the median is kept.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--csv", type=Path, default=CPU_TINY_STEPS_CSV, help="Where the measurement table goes.")
-    parser.add_argument("--raw", type=Path, default=CPU_TINY_STEPS_CSV.with_name("cpu_tiny_measurements.csv"),
-                        help="Every measurement, one a line; loads it already holds count as done.")
+    parser.add_argument(
+        "--raw",
+        type=Path,
+        default=CPU_TINY_STEPS_CSV.with_name("cpu_tiny_measurements.csv"),
+        help="Every measurement, one a line; loads it already holds count as done.",
+    )
     parser.add_argument("--fit-only", action="store_true", help="Refit the table in --csv without measuring.")
     parser.add_argument("--log-dir", type=Path, default=Path("fit-cpu-tiny-logs"))
     args = parser.parse_args(argv)

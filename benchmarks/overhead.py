@@ -90,7 +90,8 @@ def gateway_latency(requests: int) -> dict[str, float]:
     backend_url, gateway_url = f"http://127.0.0.1:{backend_port}", f"http://127.0.0.1:{gateway_port}"
     gateway = subprocess.Popen(
         [sys.executable, "-m", "thunderctl", "serve", "--backend", backend_url, "--port", str(gateway_port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         wait_up(gateway_url)

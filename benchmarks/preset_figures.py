@@ -69,7 +69,10 @@ def step_breakdown() -> None:
     for name in GPU_PRESETS:
         cost = get_preset(name).cost
         assert isinstance(cost, RooflineCost)
-        loads = {"prefill 8k": prefill(CHUNK), **{f"decode b={b} @16k": decode(b, DECODE_CONTEXT) for b in DECODE_BATCHES}}
+        loads = {
+            "prefill 8k": prefill(CHUNK),
+            **{f"decode b={b} @16k": decode(b, DECODE_CONTEXT) for b in DECODE_BATCHES},
+        }
         for label, load in loads.items():
             print(
                 f"| {name} | {label} | {cost.compute_seconds(load) * 1e3:.1f} ms | {cost.memory_seconds(load) * 1e3:.1f} ms "
@@ -130,7 +133,9 @@ def long_prompt_run(label: str, cost: RooflineCost, measured: str) -> None:
     tpot = per_request / steps if decoders else decode_s
     print(f"\n{label}: KV capacity {cost.deployment.kv_capacity_tokens():,} tokens, {slots} request(s) at a time")
     print(f"  prefill chunk {min(chunk_s) * 1e3:.0f}-{max(chunk_s) * 1e3:.0f} ms, decode step {decode_s * 1e3:.1f} ms")
-    print(f"  predicted: {100 * per_request:,.0f} s for the run, {prompt / per_request:,.0f} input tok/s, TPOT {tpot * 1e3:.1f} ms")
+    print(
+        f"  predicted: {100 * per_request:,.0f} s for the run, {prompt / per_request:,.0f} input tok/s, TPOT {tpot * 1e3:.1f} ms"
+    )
     print(f"  measured:  {measured}")
 
 
@@ -160,8 +165,10 @@ def qwen_sharegpt() -> None:
     running = cost.deployment.kv_capacity_tokens() // 420  # a ShareGPT request ends at ~420 tokens
     step = cost.step_seconds(decode(running, 320))
     print("\nQwen3-32B on 1 H100, ShareGPT x 1000 (gpustack, vLLM 0.11):")
-    print(f"  ~{running} sequences fit; a decode step of them at ~320 tokens: {step * 1e3:.1f} ms "
-          "(measured: median ITL 50.2 ms, mean TPOT 88 ms with prefill chunks mixed in)")
+    print(
+        f"  ~{running} sequences fit; a decode step of them at ~320 tokens: {step * 1e3:.1f} ms "
+        "(measured: median ITL 50.2 ms, mean TPOT 88 ms with prefill chunks mixed in)"
+    )
 
 
 def main() -> None:

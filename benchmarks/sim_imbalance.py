@@ -34,7 +34,9 @@ def main() -> None:
     args = parser.parse_args()
     report = json.loads(args.report.read_text())
     if report["parameters"]["workers"] != 2:
-        raise SystemExit(f"{args.report}: the figure compares two workers; this report has {report['parameters']['workers']}")
+        raise SystemExit(
+            f"{args.report}: the figure compares two workers; this report has {report['parameters']['workers']}"
+        )
     points = {p["concurrency"]: p for p in report["points"]}
     point = points[args.concurrency] if args.concurrency else report["points"][-1]
 

@@ -37,8 +37,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--kv-blocks", type=int, default=None, help="per worker (default: the preset's)")
     parser.add_argument("--engine-time-scale", type=float, default=defaults.engine_time_scale)
     parser.add_argument("--tool-time-scale", type=float, default=defaults.tool_time_scale)
-    parser.add_argument("--tool-s", type=float, nargs=2, default=(SOAK_SHAPE.tool_seconds.low, SOAK_SHAPE.tool_seconds.high),
-                        metavar=("LOW", "HIGH"), help="tool seconds per step, uniform")
+    parser.add_argument(
+        "--tool-s",
+        type=float,
+        nargs=2,
+        default=(SOAK_SHAPE.tool_seconds.low, SOAK_SHAPE.tool_seconds.high),
+        metavar=("LOW", "HIGH"),
+        help="tool seconds per step, uniform",
+    )
     parser.add_argument("--tick-interval", type=float, default=defaults.tick_interval_s)
     parser.add_argument("--stream", action="store_true", help="stream the answers (more work for the gateway)")
     parser.add_argument("--seed", type=int, default=defaults.seed)
@@ -51,28 +57,37 @@ def summary(result: SoakResult) -> str:
         return "-" if value is None else f"{value * 1000:.1f} ms" if value < 1 else f"{value:.2f} s"
 
     hit = "-" if result.hit_rate is None else f"{result.hit_rate:.2f}"
-    return "\n".join([
-        f"programs {result.spec['programs']} on {result.spec['workers']} workers for {result.spec['duration_s']:g} s "
-        f"(wall {result.wall_s:.0f} s)",
-        f"requests: {result.steps_ok:,} ok, {result.steps_failed} failed, {result.steps_cancelled} cut off at the end; "
-        f"{result.steps_per_min:,.0f} steps/min; hit rate {hit}; preemptions {result.preemptions}",
-        f"programs: {result.programs_started:,} started, {result.programs_completed:,} completed, "
-        f"{result.programs_left} left in the gateway after release ({result.release_failures} releases failed)",
-        f"scheduler: {result.pauses:,.0f} pauses, {result.resumes:,.0f} resumes; tick p99 {seconds(result.tick_p99_s)} "
-        f"over {result.ticks} ticks",
-        f"admission wait: p50 {seconds(result.admission_wait_p50_s)}, p99 {seconds(result.admission_wait_p99_s)} "
-        f"over {result.admissions:,} requests",
-        f"daemon RSS: {result.daemon_rss_start_mib:.0f} MiB at start, {result.daemon_rss_peak_mib:.0f} MiB peak, "
-        f"{result.daemon_rss_end_mib:.0f} MiB at end; {result.daemon_cpu_s:.0f} CPU s",
-    ])
+    return "\n".join(
+        [
+            f"programs {result.spec['programs']} on {result.spec['workers']} workers for {result.spec['duration_s']:g} s "
+            f"(wall {result.wall_s:.0f} s)",
+            f"requests: {result.steps_ok:,} ok, {result.steps_failed} failed, {result.steps_cancelled} cut off at the end; "
+            f"{result.steps_per_min:,.0f} steps/min; hit rate {hit}; preemptions {result.preemptions}",
+            f"programs: {result.programs_started:,} started, {result.programs_completed:,} completed, "
+            f"{result.programs_left} left in the gateway after release ({result.release_failures} releases failed)",
+            f"scheduler: {result.pauses:,.0f} pauses, {result.resumes:,.0f} resumes; tick p99 {seconds(result.tick_p99_s)} "
+            f"over {result.ticks} ticks",
+            f"admission wait: p50 {seconds(result.admission_wait_p50_s)}, p99 {seconds(result.admission_wait_p99_s)} "
+            f"over {result.admissions:,} requests",
+            f"daemon RSS: {result.daemon_rss_start_mib:.0f} MiB at start, {result.daemon_rss_peak_mib:.0f} MiB peak, "
+            f"{result.daemon_rss_end_mib:.0f} MiB at end; {result.daemon_cpu_s:.0f} CPU s",
+        ]
+    )
 
 
 def main() -> int:
     args = parse_args()
     spec = SoakSpec(
-        programs=args.programs, workers=args.workers, duration_s=args.duration, preset=args.preset,
-        kv_blocks=args.kv_blocks, engine_time_scale=args.engine_time_scale, tool_time_scale=args.tool_time_scale,
-        tick_interval_s=args.tick_interval, stream=args.stream, seed=args.seed,
+        programs=args.programs,
+        workers=args.workers,
+        duration_s=args.duration,
+        preset=args.preset,
+        kv_blocks=args.kv_blocks,
+        engine_time_scale=args.engine_time_scale,
+        tool_time_scale=args.tool_time_scale,
+        tick_interval_s=args.tick_interval,
+        stream=args.stream,
+        seed=args.seed,
         shape=replace(SOAK_SHAPE, tool_seconds=Uniform(*args.tool_s)),
     )
     with tempfile.TemporaryDirectory(prefix="thunderctl-soak-") as workdir:

@@ -73,7 +73,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     console = Console() if sys.stdout.isatty() else Console(width=140)
     log_dir = args.out_dir / "logs"
-    with local_stack(EngineSettings(), args.engine_url, args.gateway_arg, log_dir, console) as (engine_url, gateway_url):
+    with local_stack(EngineSettings(), args.engine_url, args.gateway_arg, log_dir, console) as (
+        engine_url,
+        gateway_url,
+    ):
         reports = {c: run_one(c, args, engine_url, gateway_url) for c in map(int, args.concurrency.split(","))}
     console.print(summary_table(reports))
 

@@ -58,8 +58,9 @@ class FakeBackend:
                     "data: [DONE]\n\n",
                 ]
                 return StreamingResponse(iter(chunks), media_type="text/event-stream")
-            return JSONResponse({"choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}],
-                                 "usage": USAGE})
+            return JSONResponse(
+                {"choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}], "usage": USAGE}
+            )
 
         async def models(request: Request) -> Response:
             self.authorizations.append(request.headers.get("authorization"))

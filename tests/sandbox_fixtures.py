@@ -102,8 +102,15 @@ def sandbox_config(sandbox_image: str) -> Callable[..., SandboxConfig]:
     `pool.maintain()` when they mean it)."""
 
     def make(**overrides: object) -> SandboxConfig:
-        defaults = dict(image=sandbox_image, memory="64m", pids=64, nofile=1024, cpus=0.5,
-                        prepare_concurrency=4, maintenance_interval_s=3600)
+        defaults = dict(
+            image=sandbox_image,
+            memory="64m",
+            pids=64,
+            nofile=1024,
+            cpus=0.5,
+            prepare_concurrency=4,
+            maintenance_interval_s=3600,
+        )
         return SandboxConfig(**(defaults | overrides))
 
     return make
@@ -140,8 +147,9 @@ async def serve_pool() -> AsyncIterator[Callable[[SandboxPool], Awaitable[httpx.
 
     async def serve(pool: SandboxPool) -> httpx.AsyncClient:
         port = pick_free_port()
-        config = uvicorn.Config(Starlette(routes=sandbox_routes(pool)), host="127.0.0.1", port=port,
-                                log_level="warning", lifespan="off")
+        config = uvicorn.Config(
+            Starlette(routes=sandbox_routes(pool)), host="127.0.0.1", port=port, log_level="warning", lifespan="off"
+        )
         server = uvicorn.Server(config)
         task = asyncio.create_task(server.serve())
         while not server.started:
@@ -185,8 +193,9 @@ class LoopbackRegistry:
             "schemaVersion": 2,
             "mediaType": MANIFEST_TYPE,
             "config": self._descriptor(config, "application/vnd.docker.container.image.v1+json"),
-            "layers": [self._descriptor(layer, "application/vnd.docker.image.rootfs.diff.tar.gzip")
-                       for layer in layers],
+            "layers": [
+                self._descriptor(layer, "application/vnd.docker.image.rootfs.diff.tar.gzip") for layer in layers
+            ],
         }
         content = json.dumps(manifest).encode()
         # Docker asks for the manifest by tag, then again by the digest it was told.
@@ -247,7 +256,9 @@ def loopback_registry() -> Iterator[LoopbackRegistry]:
 
 @pytest.fixture
 def publish_image(
-    docker_client: docker.DockerClient, sandbox_image: str, loopback_registry: LoopbackRegistry,
+    docker_client: docker.DockerClient,
+    sandbox_image: str,
+    loopback_registry: LoopbackRegistry,
     tmp_path: Path,
 ) -> Callable[[], str]:
     """Publish a new image (the test image plus a file of its own) on the loopback registry, absent

@@ -41,8 +41,15 @@ class SshNodes:
 
     def node(self, name: str, address: str, **fields: object) -> dict[str, object]:
         """A profile node on one of the addresses, logging in with the authorized key."""
-        return {"name": name, "transport": "ssh", "host": address, "port": self.port, "user": self.user,
-                "key": str(self.key), **fields}
+        return {
+            "name": name,
+            "transport": "ssh",
+            "host": address,
+            "port": self.port,
+            "user": self.user,
+            "key": str(self.key),
+            **fields,
+        }
 
     @staticmethod
     def free_port() -> int:

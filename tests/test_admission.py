@@ -123,7 +123,10 @@ def test_without_the_open_gate_the_last_rung_is_the_floor() -> None:
     [
         ({}, [1.0, 0.5, 0.0, OPEN]),
         ({"adapt_step": 0.25}, [1.0, 0.75, 0.5, 0.25, 0.0, OPEN]),
-        ({"acting_overbook": 0.8, "acting_weight_min": 0.3, "adapt_step": 0.25, "adapt_open_gate": False}, [0.8, 0.55, 0.3]),
+        (
+            {"acting_overbook": 0.8, "acting_weight_min": 0.3, "adapt_step": 0.25, "adapt_open_gate": False},
+            [0.8, 0.55, 0.3],
+        ),
         ({"adapt_step": 0.4}, [1.0, 0.6, 0.2, 0.0, OPEN]),
     ],
 )

@@ -21,6 +21,7 @@ import docker
 import httpx
 import pytest
 import yaml
+from minisweagent.exceptions import Submitted
 
 from test_cluster import Cli, consecutive_free_ports, write_profile
 from thunderctl.integrations.cluster import ClusterClient, ClusterError
@@ -34,7 +35,6 @@ from thunderctl.integrations.mini_swe_agent import (
 from thunderctl.integrations.tasks import AgentTask, TaskFileError, load_tasks
 from thunderctl.processes import pick_free_port
 from thunderctl.profile import DEFAULT_PROFILE
-from minisweagent.exceptions import Submitted
 
 STEPS = 5
 # On top of mini-swe-agent's SWE-bench config: short, deterministic answers, a command per answer,
@@ -52,7 +52,11 @@ TEST_CONFIG = [
 ]
 # mini-swe-agent's SWE-bench prompt is ~2,500 of the tiny model's tokens: more context than the
 # other cluster tests use, and KV room for four agents at once.
-ENGINE = yaml.safe_load(DEFAULT_PROFILE.read_text())["engine"] | {"kv_blocks": 1024, "block_size": 32, "max_model_len": 8192}
+ENGINE = yaml.safe_load(DEFAULT_PROFILE.read_text())["engine"] | {
+    "kv_blocks": 1024,
+    "block_size": 32,
+    "max_model_len": 8192,
+}
 
 
 class AgentsCluster:
@@ -88,8 +92,9 @@ class AgentsCluster:
 
 
 @pytest.fixture(scope="module")
-def agents_cluster(tmp_path_factory: pytest.TempPathFactory, engine_home, module_sandbox_image: str,
-                   docker_client: docker.DockerClient):
+def agents_cluster(
+    tmp_path_factory: pytest.TempPathFactory, engine_home, module_sandbox_image: str, docker_client: docker.DockerClient
+):
     """A one-worker local cluster whose sandboxes are the test image; down and its containers
     removed (by its cluster label) afterwards, whatever the tests did."""
     directory = tmp_path_factory.mktemp("agents")
@@ -97,8 +102,14 @@ def agents_cluster(tmp_path_factory: pytest.TempPathFactory, engine_home, module
     name = f"agents-{secrets.token_hex(3)}"
     nodes = [{"name": "local", "transport": "local", "replicas": 1, "base_port": consecutive_free_ports(1)}]
     sandboxes = {"image": module_sandbox_image, "memory": "64m", "pids": 64, "cpus": 0.5}
-    profile = write_profile(directory, cluster=name, engine=ENGINE, nodes=nodes, sandboxes=sandboxes,
-                            gateway={"host": "127.0.0.1", "port": pick_free_port()})
+    profile = write_profile(
+        directory,
+        cluster=name,
+        engine=ENGINE,
+        nodes=nodes,
+        sandboxes=sandboxes,
+        gateway={"host": "127.0.0.1", "port": pick_free_port()},
+    )
     try:
         cli("up", "-f", str(profile), "--timeout", "480")  # a loaded machine needs minutes
         cluster = AgentsCluster(cli, name, docker_client)
@@ -116,11 +127,13 @@ def observations(trajectory: Path) -> list[dict]:
     return [m["extra"] for m in messages if m["role"] == "user" and "returncode" in m.get("extra", {})]
 
 
-def test_a_batch_of_agents_is_tracked_step_by_step_and_leaves_nothing(agents_cluster: AgentsCluster,
-                                                                      tmp_path: Path) -> None:
+def test_a_batch_of_agents_is_tracked_step_by_step_and_leaves_nothing(
+    agents_cluster: AgentsCluster, tmp_path: Path
+) -> None:
     prefix = f"batch{secrets.token_hex(2)}"
-    tasks = [AgentTask(id=f"{prefix}-{i}", problem_statement=f"Fix issue number {i} in the repository.")
-             for i in range(4)]
+    tasks = [
+        AgentTask(id=f"{prefix}-{i}", problem_statement=f"Fix issue number {i} in the repository.") for i in range(4)
+    ]
     released_before = agents_cluster.released_total()
 
     results = run_batch(agents_cluster.endpoint, tasks, concurrency=4, config_specs=TEST_CONFIG, output_dir=tmp_path)
@@ -140,13 +153,23 @@ def test_a_batch_of_agents_is_tracked_step_by_step_and_leaves_nothing(agents_clu
 
 
 def test_the_environment_runs_each_action_in_the_sandbox_as_mini_swe_agent_expects(
-        agents_cluster: AgentsCluster) -> None:
+    agents_cluster: AgentsCluster,
+) -> None:
     program_id = f"env-{secrets.token_hex(3)}"
-    env = ClusterSandboxEnvironment(endpoint=agents_cluster.endpoint, program_id=program_id, cwd="/bin",
-                                    env={"GREETING": "hello"}, interpreter=["sh", "-c"], timeout=20)
+    env = ClusterSandboxEnvironment(
+        endpoint=agents_cluster.endpoint,
+        program_id=program_id,
+        cwd="/bin",
+        env={"GREETING": "hello"},
+        interpreter=["sh", "-c"],
+        timeout=20,
+    )
     try:
-        assert env.execute({"command": 'echo "$GREETING from $(pwd)"'}) == \
-            {"output": "hello from /bin\n", "returncode": 0, "exception_info": ""}
+        assert env.execute({"command": 'echo "$GREETING from $(pwd)"'}) == {
+            "output": "hello from /bin\n",
+            "returncode": 0,
+            "exception_info": "",
+        }
         failed = env.execute({"command": "cd / && pwd; echo err >&2; exit 3"}, cwd="/")
         assert (failed["output"], failed["returncode"]) == ("/\nerr\n", 3)
         timed_out = env.execute({"command": "sleep 30"}, timeout=1)
@@ -180,13 +203,28 @@ def test_an_agent_that_fails_still_releases_its_program_and_sandbox(agents_clust
 def test_ctrl_c_stops_the_batch_and_releases_every_program(agents_cluster: AgentsCluster, tmp_path: Path) -> None:
     prefix = f"interrupted{secrets.token_hex(2)}"
     tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text("".join(json.dumps({"instance_id": f"{prefix}-{i}", "problem_statement": "Loop."}) + "\n"
-                             for i in range(4)))
+    tasks.write_text(
+        "".join(json.dumps({"instance_id": f"{prefix}-{i}", "problem_statement": "Loop."}) + "\n" for i in range(4))
+    )
     configs = [arg for spec in [*TEST_CONFIG, "agent.step_limit=200"] for arg in ("--config", spec)]
     batch = subprocess.Popen(
-        [sys.executable, "-m", "thunderctl", "agents", "run", str(tasks), "--endpoint", agents_cluster.endpoint,
-         "--concurrency", "2", *configs],
-        env=agents_cluster.cli.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "thunderctl",
+            "agents",
+            "run",
+            str(tasks),
+            "--endpoint",
+            agents_cluster.endpoint,
+            "--concurrency",
+            "2",
+            *configs,
+        ],
+        env=agents_cluster.cli.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         deadline = time.monotonic() + 120
@@ -208,19 +246,32 @@ def test_ctrl_c_stops_the_batch_and_releases_every_program(agents_cluster: Agent
 def test_task_files_take_swe_bench_records_and_name_the_bad_one(tmp_path: Path) -> None:
     records = tmp_path / "tasks.jsonl"
     records.write_text(
-        json.dumps({"instance_id": "django__django-11099", "problem_statement": "Fix it.",
-                    "image_name": "swebench/sweb.eval.x86_64.django_1776_django-11099:latest", "repo": "django"})
-        + "\n\n" + json.dumps({"id": "second", "problem_statement": "And this."}) + "\n"
+        json.dumps(
+            {
+                "instance_id": "django__django-11099",
+                "problem_statement": "Fix it.",
+                "image_name": "swebench/sweb.eval.x86_64.django_1776_django-11099:latest",
+                "repo": "django",
+            }
+        )
+        + "\n\n"
+        + json.dumps({"id": "second", "problem_statement": "And this."})
+        + "\n"
     )
     first, second = load_tasks(records)
-    assert (first.id, first.image) == ("django__django-11099", "swebench/sweb.eval.x86_64.django_1776_django-11099:latest")
+    assert (first.id, first.image) == (
+        "django__django-11099",
+        "swebench/sweb.eval.x86_64.django_1776_django-11099:latest",
+    )
     assert (second.id, second.image) == ("second", None)
 
     records.write_text(json.dumps({"id": "a", "problem_statement": "x"}) + "\n" + json.dumps({"id": "b"}) + "\n")
     with pytest.raises(TaskFileError, match=r"tasks.jsonl:2: problem_statement: Field required"):
         load_tasks(records)
     listed = tmp_path / "tasks.yaml"
-    listed.write_text(yaml.safe_dump([{"id": "same", "problem_statement": "x"}, {"id": "same", "problem_statement": "y"}]))
+    listed.write_text(
+        yaml.safe_dump([{"id": "same", "problem_statement": "x"}, {"id": "same", "problem_statement": "y"}])
+    )
     with pytest.raises(TaskFileError, match=r"tasks.yaml\[1\]: id 'same' is already the id of .*tasks.yaml\[0\]"):
         load_tasks(listed)
 
@@ -232,7 +283,8 @@ def test_thunderctl_works_without_mini_swe_agent_and_says_how_to_get_it(tmp_path
     without = "import sys; sys.modules['minisweagent'] = None; from thunderctl.cli import app; app()"
     status = subprocess.run([sys.executable, "-c", without, "--help"], capture_output=True, text=True, timeout=120)
     assert status.returncode == 0 and "agents" in status.stdout
-    run = subprocess.run([sys.executable, "-c", without, "agents", "run", str(tasks)],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-c", without, "agents", "run", str(tasks)], capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 1
     assert "pip install 'thunderctl[agents]'" in run.stderr

@@ -14,8 +14,8 @@ import httpx
 import pytest
 import yaml
 
-from thunderctl.cluster.plan import MASKED_WORKER_KEY, WorkerPlan, plan_workers
 from thunderctl.cluster.lifecycle import start_workers
+from thunderctl.cluster.plan import MASKED_WORKER_KEY, WorkerPlan, plan_workers
 from thunderctl.cluster.state import ClusterState
 from thunderctl.cluster.transport import Transports
 from thunderctl.cluster.worker_key import create_worker_key, read_worker_key, worker_key_path
@@ -92,8 +92,9 @@ async def test_the_workers_get_the_worker_key_never_the_clients_key(gateway_app)
     client, backend = await gateway_app(GatewayAuth(KEY), worker_key="worker-secret")
     reply = await client.post("/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {KEY}"})
     assert reply.status_code == 200, reply.text
-    streamed = await client.post("/v1/chat/completions", json=CHAT | {"stream": True},
-                                 headers={"Authorization": f"Bearer {KEY}"})
+    streamed = await client.post(
+        "/v1/chat/completions", json=CHAT | {"stream": True}, headers={"Authorization": f"Bearer {KEY}"}
+    )
     assert streamed.status_code == 200 and "[DONE]" in streamed.text
     assert (await client.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"})).status_code == 200
     assert backend.authorizations == ["Bearer worker-secret"] * 3
@@ -133,11 +134,18 @@ def test_up_refuses_a_gateway_open_to_the_network_and_starts_nothing(tmp_path: P
     state_dir = tmp_path / "state"
     env = {k: v for k, v in os.environ.items() if k != "THUNDERCTL_API_KEY"}
     env |= {"PYTHONPATH": str(REPO), "THUNDERCTL_STATE_DIR": str(state_dir), "COLUMNS": "200"}
-    up = subprocess.run([sys.executable, "-m", "thunderctl", "up", "-f", str(profile)],
-                        env=env, capture_output=True, text=True, timeout=120)
+    up = subprocess.run(
+        [sys.executable, "-m", "thunderctl", "up", "-f", str(profile)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert up.returncode == 1
     error = " ".join(up.stderr.split())
-    assert "gateway.api_key" in error and "gateway.allow_unauthenticated: true" in error and "nothing was started" in error
+    assert (
+        "gateway.api_key" in error and "gateway.allow_unauthenticated: true" in error and "nothing was started" in error
+    )
     assert not state_dir.exists()
     opted_out = load_profile(write_profile(tmp_path, host="0.0.0.0", allow_unauthenticated=True))
     assert opted_out.gateway.exposure_problem({}) is None
@@ -179,7 +187,9 @@ async def test_the_daemon_guards_its_routes_and_sends_the_worker_key_from_the_st
     daemon = daemon_of(worker_key="cluster-worker-key", api_key=KEY)
     await daemon.gateway.start()
     try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=daemon.app), base_url="http://gw:8300") as client:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=daemon.app), base_url="http://gw:8300"
+        ) as client:
             assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 401
             reply = await client.post("/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {KEY}"})
         assert reply.status_code == 200, reply.text  # the fake worker asks for its key as vLLM does
@@ -237,8 +247,10 @@ def test_a_keyed_worker_starts_with_the_key_in_its_environment(tmp_path: Path) -
     """The key reaches the started process through its environment, not its arguments."""
     printer = [sys.executable, "-c", "import os, sys; print('key:', os.environ.get('VLLM_API_KEY'), sys.argv[1:])"]
     state = ClusterState("envtest", tmp_path / "state", "p.yaml", "http://127.0.0.1:1/v1")
-    plans = [WorkerPlan("local/0", "local", "127.0.0.1", 1, printer, keyed=True),
-             WorkerPlan("local/1", "local", "127.0.0.1", 2, printer, keyed=False)]
+    plans = [
+        WorkerPlan("local/0", "local", "127.0.0.1", 1, printer, keyed=True),
+        WorkerPlan("local/1", "local", "127.0.0.1", 2, printer, keyed=False),
+    ]
     with Transports() as transports:
         start_workers(state, plans, transports, "env-only-key")
     logs = [state.worker_log(plan.id) for plan in plans]
@@ -255,8 +267,9 @@ def test_a_keyed_worker_starts_with_the_key_in_its_environment(tmp_path: Path) -
 async def test_a_worker_started_with_a_key_refuses_requests_without_it_and_serves_the_gateway(
     engine_home: EngineHome, tmp_path: Path
 ) -> None:
-    config = LocalEngineConfig(port=pick_free_port(), block_size=32, num_gpu_blocks=128, max_model_len=4064,
-                               api_key="real-worker-key")
+    config = LocalEngineConfig(
+        port=pick_free_port(), block_size=32, num_gpu_blocks=128, max_model_len=4064, api_key="real-worker-key"
+    )
     assert "real-worker-key" not in repr(config)
     engine = LocalEngine.start(engine_home, config, tmp_path / "vllm.log")
     try:
@@ -264,8 +277,9 @@ async def test_a_worker_started_with_a_key_refuses_requests_without_it_and_serve
         body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
         async with httpx.AsyncClient(base_url=engine.url, timeout=60) as direct:
             assert (await direct.post("/v1/chat/completions", json=body)).status_code == 401
-            assert (await direct.post("/v1/chat/completions", json=body,
-                                      headers={"Authorization": "Bearer wrong"})).status_code == 401
+            assert (
+                await direct.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer wrong"})
+            ).status_code == 401
             assert (await direct.get("/health")).status_code == 200  # vLLM leaves these open
             assert (await direct.get("/metrics")).status_code == 200
         gateway = Gateway([Upstream("keyed", engine.url)], worker_key="real-worker-key")
@@ -277,8 +291,9 @@ async def test_a_worker_started_with_a_key_refuses_requests_without_it_and_serve
                 reply = await client.post("/v1/chat/completions", json=body | {"program_id": "keyed"}, headers=headers)
                 assert reply.status_code == 200, reply.text
                 assert reply.json()["usage"]["completion_tokens"] == 2
-                streamed = await client.post("/v1/chat/completions", headers=headers,
-                                             json=body | {"program_id": "keyed", "stream": True})
+                streamed = await client.post(
+                    "/v1/chat/completions", headers=headers, json=body | {"program_id": "keyed", "stream": True}
+                )
                 assert streamed.status_code == 200 and "[DONE]" in streamed.text
                 assert (await client.get("/v1/models", headers=headers)).json()["data"][0]["id"] == "tiny"
                 assert gateway.upstreams["keyed"].capacity == 4096  # its metrics were read
@@ -293,14 +308,43 @@ def test_bench_sends_the_gateway_key_and_the_engines_key(fake_backend, start_gat
     backend = fake_backend("engine-key")
     gateway = start_gateway([backend.url], "--backend-api-key", "engine-key", api_key=KEY)
     report = tmp_path / "report.json"
-    command = [sys.executable, "-m", "thunderctl", "bench", "swe-lite", "--endpoint", gateway.url,
-               "--engine", backend.url, "--compare", "--programs", "2", "--concurrency", "2", "--slices", "1",
-               "--scale", "0.01", "--warmup", "0", "--time-scale", "0", "--no-stream", "--out", str(report)]
+    command = [
+        sys.executable,
+        "-m",
+        "thunderctl",
+        "bench",
+        "swe-lite",
+        "--endpoint",
+        gateway.url,
+        "--engine",
+        backend.url,
+        "--compare",
+        "--programs",
+        "2",
+        "--concurrency",
+        "2",
+        "--slices",
+        "1",
+        "--scale",
+        "0.01",
+        "--warmup",
+        "0",
+        "--time-scale",
+        "0",
+        "--no-stream",
+        "--out",
+        str(report),
+    ]
     env = os.environ | {"PYTHONPATH": str(REPO), "COLUMNS": "200"}
     keyless = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert keyless.returncode == 1 and "401" in keyless.stdout and "--api-key" in keyless.stdout
-    keyed = subprocess.run(command, env=env | {"THUNDERCTL_API_KEY": KEY, "VLLM_API_KEY": "engine-key"},
-                           capture_output=True, text=True, timeout=300)
+    keyed = subprocess.run(
+        command,
+        env=env | {"THUNDERCTL_API_KEY": KEY, "VLLM_API_KEY": "engine-key"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert keyed.returncode == 0, keyed.stdout + keyed.stderr
     arms = json.loads(report.read_text())["arms"]
     assert set(arms) == {"cluster", "direct"} and all(arm["steps_ok"] > 0 for arm in arms.values()), arms
@@ -324,8 +368,9 @@ def test_up_with_a_key_enforces_it_and_keeps_both_keys_out_of_sight(engine_home:
     env |= {"PYTHONPATH": str(REPO), "THUNDERCTL_STATE_DIR": str(tmp_path / "state"), "COLUMNS": "200"}
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        result = subprocess.run([sys.executable, "-m", "thunderctl", *args], env=env, capture_output=True, text=True,
-                                timeout=900)
+        result = subprocess.run(
+            [sys.executable, "-m", "thunderctl", *args], env=env, capture_output=True, text=True, timeout=900
+        )
         assert result.returncode == 0, f"thunderctl {' '.join(args)}:\n{result.stdout}\n{result.stderr}"
         return result
 
@@ -341,22 +386,41 @@ def test_up_with_a_key_enforces_it_and_keeps_both_keys_out_of_sight(engine_home:
         assert httpx.get(f"{endpoint}/metrics", timeout=10).status_code == 401
         assert httpx.get(f"{endpoint}/health", timeout=10).status_code == 200
         keyed = {"Authorization": "Bearer cluster-gateway-key"}
-        served = httpx.post(f"{endpoint}/v1/chat/completions", json=body | {"program_id": "keyed"}, timeout=60,
-                            headers=keyed)
+        served = httpx.post(
+            f"{endpoint}/v1/chat/completions", json=body | {"program_id": "keyed"}, timeout=60, headers=keyed
+        )
         assert served.status_code == 200, served.text
         # Released, so the bench below finds the gateway quiet between its slices at once.
-        assert httpx.post(f"{endpoint}/programs/release", json={"program_id": "keyed"}, headers=keyed,
-                          timeout=10).json()["released"]
+        assert httpx.post(
+            f"{endpoint}/programs/release", json={"program_id": "keyed"}, headers=keyed, timeout=10
+        ).json()["released"]
         shown = cli("status").stdout + cli("status", "--json").stdout + cli("logs", "daemon", "-n", "500").stdout
         shown += cli("logs", "local/0", "-n", "2000").stdout + (state_dir / "state.json").read_text()
         assert "gateway key: set" in shown
-        bench = cli("bench", "swe-lite", "--compare", "--duration", "30", "--concurrency", "2", "--slices", "1",
-                    "--scale", "0.02", "--warmup", "0", "--time-scale", "0", "--no-stream")
+        bench = cli(
+            "bench",
+            "swe-lite",
+            "--compare",
+            "--duration",
+            "30",
+            "--concurrency",
+            "2",
+            "--slices",
+            "1",
+            "--scale",
+            "0.02",
+            "--warmup",
+            "0",
+            "--time-scale",
+            "0",
+            "--no-stream",
+        )
         shown += bench.stdout
         for secret in ("cluster-gateway-key", worker_key):
             assert secret not in shown
-            assert not [pid for pid in Path("/proc").iterdir() if pid.name.isdigit()
-                        and secret.encode() in read_cmdline(pid)]
+            assert not [
+                pid for pid in Path("/proc").iterdir() if pid.name.isdigit() and secret.encode() in read_cmdline(pid)
+            ]
     finally:
         cli("down")
 

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from trajectories import write_trajectory
 from typer.testing import CliRunner
 
 from thunderctl.bench.cli import WorkloadChoice, bench_app
@@ -19,6 +18,7 @@ from thunderctl.bench.swe_lite import TOOL_SECONDS, SweLite
 from thunderctl.engines.local import LocalEngine
 from thunderctl.prometheus import parse_samples
 from thunderctl.traceformat import read_trace
+from trajectories import write_trajectory
 
 
 def requests_served(engine: LocalEngine) -> int:
@@ -142,7 +142,11 @@ def step(start: float, end: float, ok: bool = True) -> StepRecord:
 
 
 def test_the_timeline_gives_steps_per_minute_and_hit_rate_per_interval() -> None:
-    samples = [CounterSample(10.0, CacheDelta(100, 80)), CounterSample(20.0, CacheDelta(0, 0)), CounterSample(25.0, CacheDelta(50, 10))]
+    samples = [
+        CounterSample(10.0, CacheDelta(100, 80)),
+        CounterSample(20.0, CacheDelta(0, 0)),
+        CounterSample(25.0, CacheDelta(50, 10)),
+    ]
     records = [step(0, 4), step(3, 9), step(5, 12), step(6, 12.5, ok=False), step(20, 24)]
     points = timeline(samples, records)
     # The partial last interval (20-25 s) is counted with the one before: 2 steps in 10-25 s.

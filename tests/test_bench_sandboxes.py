@@ -13,8 +13,8 @@ from pathlib import Path
 
 import docker
 import pytest
-from test_cluster import Cli, consecutive_free_ports, write_profile
 
+from test_cluster import Cli, consecutive_free_ports, write_profile
 from thunderctl.bench.planning import StepPlan
 from thunderctl.bench.sandboxes import (
     BYTES_PER_TOKEN,
@@ -62,16 +62,41 @@ class BenchCluster:
         return left
 
     def bench(self, out: Path, *options: str) -> dict:
-        self.cli("bench", "swe-lite", "--sandboxes", "--trace", str(self.trace), "--programs", str(PROGRAMS),
-                 "--concurrency", "2", "--warmup", "0", "--shared-prefix", "64", "--out", str(out), *options)
+        self.cli(
+            "bench",
+            "swe-lite",
+            "--sandboxes",
+            "--trace",
+            str(self.trace),
+            "--programs",
+            str(PROGRAMS),
+            "--concurrency",
+            "2",
+            "--warmup",
+            "0",
+            "--shared-prefix",
+            "64",
+            "--out",
+            str(out),
+            *options,
+        )
         return json.loads(out.read_text())["arms"]["cluster"]
 
 
 def write_trace(path: Path) -> Path:
     """Short programs whose prompts grow by GROWTH tokens a step."""
     lines = [
-        {"id": f"p{i}", "steps": [{"prompt_tokens": 200 + GROWTH * k, "completion_tokens": COMPLETION,
-                                   "tool_s": TOOL_S if k < STEPS - 1 else 0.0} for k in range(STEPS)]}
+        {
+            "id": f"p{i}",
+            "steps": [
+                {
+                    "prompt_tokens": 200 + GROWTH * k,
+                    "completion_tokens": COMPLETION,
+                    "tool_s": TOOL_S if k < STEPS - 1 else 0.0,
+                }
+                for k in range(STEPS)
+            ],
+        }
         for i in range(PROGRAMS)
     ]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
@@ -79,8 +104,9 @@ def write_trace(path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def bench_cluster(tmp_path_factory: pytest.TempPathFactory, engine_home, module_sandbox_image: str,
-                  docker_client: docker.DockerClient):
+def bench_cluster(
+    tmp_path_factory: pytest.TempPathFactory, engine_home, module_sandbox_image: str, docker_client: docker.DockerClient
+):
     """A one-worker local cluster whose sandboxes are the test image, measuring disk every 4 s
     (longer than the bench's settle of 3 one-second samples, so its end figure must wait for a
     measurement taken after the last release or write);
@@ -90,8 +116,13 @@ def bench_cluster(tmp_path_factory: pytest.TempPathFactory, engine_home, module_
     name = f"sbxbench-{secrets.token_hex(3)}"
     nodes = [{"name": "local", "transport": "local", "replicas": 1, "base_port": consecutive_free_ports(1)}]
     sandboxes = {"image": module_sandbox_image, "memory": "64m", "pids": 64, "cpus": 0.5, "maintenance_interval_s": 4}
-    profile = write_profile(directory, cluster=name, nodes=nodes, sandboxes=sandboxes,
-                            gateway={"host": "127.0.0.1", "port": pick_free_port()})
+    profile = write_profile(
+        directory,
+        cluster=name,
+        nodes=nodes,
+        sandboxes=sandboxes,
+        gateway={"host": "127.0.0.1", "port": pick_free_port()},
+    )
     try:
         cli("up", "-f", str(profile), "--timeout", "480")  # a loaded machine needs minutes
         yield BenchCluster(cli, name, docker_client, write_trace(directory / "trace.jsonl"))
@@ -103,7 +134,10 @@ def bench_cluster(tmp_path_factory: pytest.TempPathFactory, engine_home, module_
 
 def test_the_tool_command_sleeps_the_tool_time_and_writes_the_observation_bytes() -> None:
     step = StepPlan(completion_tokens=8, tool_seconds=2.0, observation="...", observation_tokens=100)
-    assert tool_command(step, time_scale=0.5) == f"sleep 1.000; head -c {100 * BYTES_PER_TOKEN} /dev/zero >> {OBSERVATION_FILE}"
+    assert (
+        tool_command(step, time_scale=0.5)
+        == f"sleep 1.000; head -c {100 * BYTES_PER_TOKEN} /dev/zero >> {OBSERVATION_FILE}"
+    )
 
 
 def test_a_sample_counts_the_pools_containers_and_disk_per_host_from_metrics() -> None:
@@ -126,22 +160,28 @@ thunderctl_sandbox_disk_age_seconds{host="ssh://b"} 0.5
 
 
 def test_the_sandbox_line_names_why_an_exec_failed() -> None:
-    records = [ToolRecord("p1", 0, 0.0, 1.2, 1.0, True),
-               ToolRecord("p1", 1, 2.0, 0.5, 0.4, False, "exit 1: head: write error: No space left on device"),
-               ToolRecord("p2", 0, 3.0, 60.0, None, False, "POST /v1/sandboxes/sb-2/exec: ReadTimeout")]
+    records = [
+        ToolRecord("p1", 0, 0.0, 1.2, 1.0, True),
+        ToolRecord("p1", 1, 2.0, 0.5, 0.4, False, "exit 1: head: write error: No space left on device"),
+        ToolRecord("p2", 0, 3.0, 60.0, None, False, "POST /v1/sandboxes/sb-2/exec: ReadTimeout"),
+    ]
     summary = sandbox_summary(records, [])
     assert summary["exec_failures"] == 2
-    assert summary["exec_errors"] == ["POST /v1/sandboxes/sb-2/exec: ReadTimeout",
-                                      "exit 1: head: write error: No space left on device"]
+    assert summary["exec_errors"] == [
+        "POST /v1/sandboxes/sb-2/exec: ReadTimeout",
+        "exit 1: head: write error: No space left on device",
+    ]
     assert sandbox_line("cluster", summary).endswith("; first exec error: POST /v1/sandboxes/sb-2/exec: ReadTimeout")
 
 
 @pytest.mark.anyio
-async def test_the_sample_counts_an_adopted_container_once(start_pool, sandbox_image: str,
-                                                          docker_client: docker.DockerClient) -> None:
+async def test_the_sample_counts_an_adopted_container_once(
+    start_pool, sandbox_image: str, docker_client: docker.DockerClient
+) -> None:
     pool = await start_pool()
-    agents_own = docker_client.containers.run(sandbox_image, ["sleep", "600"], detach=True,
-                                              network_mode="none", labels={"thunderctl.test": "1"})
+    agents_own = docker_client.containers.run(
+        sandbox_image, ["sleep", "600"], detach=True, network_mode="none", labels={"thunderctl.test": "1"}
+    )
     try:
         await pool.adopt("p1", [agents_own.id])
         own = await pool.wait_ready((await pool.acquire("p2")).id, timeout_s=60)
@@ -177,8 +217,10 @@ def test_without_collection_the_sandboxes_pile_up_until_down(bench_cluster: Benc
     left = bench_cluster.sandbox_containers()
     assert len(left) == PROGRAMS
     # A program that started part-way at its last step ran no tool and wrote nothing.
-    sizes = [bench_cluster.docker.containers.get(c.id).exec_run(["sh", "-c", f"cat {OBSERVATION_FILE} 2>/dev/null | wc -c"])
-             for c in left]
+    sizes = [
+        bench_cluster.docker.containers.get(c.id).exec_run(["sh", "-c", f"cat {OBSERVATION_FILE} 2>/dev/null | wc -c"])
+        for c in left
+    ]
     written = sum(int(size.output) for size in sizes)
     assert written == sandboxes["execs"] * OBSERVATION_TOKENS * BYTES_PER_TOKEN
     assert sandboxes["disk_bytes_end"] == written  # measured after the last write

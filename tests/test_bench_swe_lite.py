@@ -169,7 +169,10 @@ def test_a_trace_replays_in_a_seeded_order_and_starts_over_when_used_up() -> Non
 
 
 def test_a_trace_program_replayed_again_gets_its_own_id_and_text() -> None:
-    steps = (TraceStep(prompt_tokens=400, completion_tokens=20, tool_s=1.0), TraceStep(prompt_tokens=600, completion_tokens=5))
+    steps = (
+        TraceStep(prompt_tokens=400, completion_tokens=20, tool_s=1.0),
+        TraceStep(prompt_tokens=600, completion_tokens=5),
+    )
     trace = TraceWorkload(programs=(TraceProgram(id="only", steps=steps),))
     first, again = (
         plan_program(trace, seed=0, salt="s", index=index, tokens_per_word=1.0, system_text="x") for index in (0, 1)

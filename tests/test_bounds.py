@@ -19,7 +19,6 @@ from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
 from thunderctl.daemon.control import build_control_app
-from thunderctl.gateway.auth import GatewayAuth
 from thunderctl.jsonapi import MAX_PROGRAM_ID_CHARS, BodyLimits, nesting_depth
 from thunderctl.sandbox import sandbox_routes
 
@@ -54,11 +53,13 @@ async def test_a_body_over_the_limit_is_a_413_by_its_length_or_as_it_streams(gat
 
     async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: chunked
         for start in range(0, len(padded), 1000):
-            yield padded[start:start + 1000]
+            yield padded[start : start + 1000]
 
     streamed = await client.post("/v1/chat/completions", content=chunks())
     assert streamed.status_code == 413 and "4096" in message(streamed)
-    assert (await client.post("/programs/release", content=b'{"program_id": "' + b"p" * 5000 + b'"}')).status_code == 413
+    assert (
+        await client.post("/programs/release", content=b'{"program_id": "' + b"p" * 5000 + b'"}')
+    ).status_code == 413
     assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
 
 
@@ -112,7 +113,10 @@ async def test_release_checks_its_program_id(gateway_app) -> None:
     for body in ({}, {"program_id": ""}, {"program_id": True}, {"program_id": ["p"]}, {"program_id": "p" * 257}):
         response = await client.post("/programs/release", json=body)
         assert response.status_code == 400 and "program_id" in message(response), body
-    assert (await client.post("/programs/release", json={"program_id": 7})).json() == {"program_id": "7", "released": False}
+    assert (await client.post("/programs/release", json={"program_id": 7})).json() == {
+        "program_id": "7",
+        "released": False,
+    }
 
 
 @pytest.mark.anyio
@@ -185,8 +189,17 @@ async def test_control_numbers_are_checked_before_anything_is_drained(daemon_of)
     try:
         app = build_control_app(daemon)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://control") as control:
-            for raw in ('{"timeout": "abc"}', '{"timeout": true}', '{"timeout": -1}', '{"timeout": NaN}',
-                        '{"timeout": Infinity}', '{"timeout": 1e12}', '{"timeout": null}', "[1]", "{bad"):
+            for raw in (
+                '{"timeout": "abc"}',
+                '{"timeout": true}',
+                '{"timeout": -1}',
+                '{"timeout": NaN}',
+                '{"timeout": Infinity}',
+                '{"timeout": 1e12}',
+                '{"timeout": null}',
+                "[1]",
+                "{bad",
+            ):
                 response = await control.post("/shutdown", content=raw)
                 assert response.status_code == 400, raw
                 assert "timeout" in message(response) or "JSON" in message(response)
@@ -209,8 +222,11 @@ class Malformed:
 
 
 scalars = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12)
-values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
-                                                                                         max_size=3), max_leaves=6)
+values = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6,
+)
 not_bool = values.filter(lambda v: not isinstance(v, bool | None))
 not_object = values.filter(lambda v: not isinstance(v, dict | None))
 bad_program_id = st.one_of(
@@ -223,10 +239,14 @@ bad_count = st.one_of(
     st.integers(max_value=0), st.floats(), st.booleans(), st.text(max_size=5), st.lists(scalars, max_size=2)
 )
 bad_docker_ids = not_object.filter(lambda v: not isinstance(v, list)) | st.lists(
-    st.one_of(st.integers(), st.none(), st.just(""), st.text(min_size=257, max_size=260)), min_size=1, max_size=3)
+    st.one_of(st.integers(), st.none(), st.just(""), st.text(min_size=257, max_size=260)), min_size=1, max_size=3
+)
 bad_prompt = values.filter(
-    lambda v: not isinstance(v, str) and not (isinstance(v, list) and (all(isinstance(t, int) for t in v)
-                                                                       or all(isinstance(t, str) for t in v))))
+    lambda v: (
+        not isinstance(v, str)
+        and not (isinstance(v, list) and (all(isinstance(t, int) for t in v) or all(isinstance(t, str) for t in v)))
+    )
+)
 
 
 def encode(body: object) -> bytes:
@@ -258,8 +278,10 @@ def gateway_requests(draw: st.DrawFn) -> Malformed:
         base[head] = {tail: value} if tail else value
         return Malformed("POST", path, encode(base), field)
     if kind == "raw":
-        raw = draw(st.binary(max_size=64).filter(lambda b: not is_json_object(b))
-                   | st.builds(encode, values.filter(lambda v: not isinstance(v, dict))))
+        raw = draw(
+            st.binary(max_size=64).filter(lambda b: not is_json_object(b))
+            | st.builds(encode, values.filter(lambda v: not isinstance(v, dict)))
+        )
         return Malformed("POST", path, raw, "")
     if kind == "deep":
         depth = draw(st.integers(min_value=65, max_value=6000))
@@ -294,8 +316,9 @@ def sandbox_requests(draw: st.DrawFn) -> Malformed:
         body = {"program_id": "p"} | {field: value}
         return Malformed("POST", "/v1/sandboxes", encode(body), field)
     if route == "adopt":
-        return Malformed("POST", "/v1/sandboxes/adopt", encode({"program_id": "p", "docker_ids": draw(bad_docker_ids)}),
-                         "docker_ids")
+        return Malformed(
+            "POST", "/v1/sandboxes/adopt", encode({"program_id": "p", "docker_ids": draw(bad_docker_ids)}), "docker_ids"
+        )
     field, value = draw(st.one_of(
         st.tuples(st.just("cmd"), st.one_of(st.just([]), st.just(""), st.integers(), st.booleans(), st.none(),
                                            st.lists(st.integers(), min_size=1, max_size=3))),
@@ -329,8 +352,13 @@ def check(case: Malformed, response: httpx.Response, outcomes: Counter) -> None:
 
 def generated(examples: int) -> settings:
     """Reproducible runs (derandomized, no example database left in the tree), no time limit."""
-    return settings(max_examples=examples, deadline=None, database=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+    )
 
 
 def test_a_thousand_malformed_requests_get_4xx_and_the_gateway_still_serves(

@@ -262,8 +262,12 @@ def requests_served(metrics_text: str) -> int:
 def test_a_small_direct_run_is_served_and_measured(engine: LocalEngine, stream: bool) -> None:
     # Three programs of ~1k tokens fit the pair's 4,096-token cache together.
     shape = AgentShape(
-        steps=Uniform(3, 3), tool_seconds=Uniform(0.05, 0.2), system_prompt_tokens=300,
-        task_tokens=Uniform(100, 200), observation_tokens=Uniform(100, 200), max_context_tokens=4000,
+        steps=Uniform(3, 3),
+        tool_seconds=Uniform(0.05, 0.2),
+        system_prompt_tokens=300,
+        task_tokens=Uniform(100, 200),
+        observation_tokens=Uniform(100, 200),
+        max_context_tokens=4000,
     )
     spec = LoadSpec(concurrency=3, programs=3, shape=shape, seed=11, stream=stream)
     served_before = requests_served(httpx.get(f"{engine.url}/metrics").text)

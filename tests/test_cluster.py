@@ -30,8 +30,12 @@ from thunderctl.processes import pick_free_port, pid_alive, port_free
 from thunderctl.profile import DEFAULT_PROFILE
 
 SHAPE = AgentShape(
-    system_prompt_tokens=200, task_tokens=Uniform(100, 200), observation_tokens=Uniform(80, 160),
-    completion_tokens=Uniform(8, 16), steps=Uniform(5, 7), tool_seconds=Uniform(0.2, 0.6),
+    system_prompt_tokens=200,
+    task_tokens=Uniform(100, 200),
+    observation_tokens=Uniform(80, 160),
+    completion_tokens=Uniform(8, 16),
+    steps=Uniform(5, 7),
+    tool_seconds=Uniform(0.2, 0.6),
     max_context_tokens=3500,
 )
 
@@ -52,7 +56,9 @@ class Cli:
             [sys.executable, "-m", "thunderctl", *args], env=self.env, capture_output=True, text=True, timeout=timeout
         )
         if check and result.returncode != 0:
-            raise AssertionError(f"thunderctl {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
+            raise AssertionError(
+                f"thunderctl {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
+            )
         return result
 
     def status(self) -> ClusterStatus:
@@ -106,8 +112,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, engine_home):
     cli = Cli(directory / "state")
     base_port = consecutive_free_ports(2)
     nodes = [{"name": "local", "transport": "local", "replicas": 2, "base_port": base_port}]
-    profile = write_profile(directory, cluster=f"local-{secrets.token_hex(4)}", nodes=nodes,
-                            gateway={"host": "127.0.0.1", "port": pick_free_port()}, restart={"enabled": False})
+    profile = write_profile(
+        directory,
+        cluster=f"local-{secrets.token_hex(4)}",
+        nodes=nodes,
+        gateway={"host": "127.0.0.1", "port": pick_free_port()},
+        restart={"enabled": False},
+    )
     up = cli("up", "-f", str(profile))
     yield cli, profile, up
     cli("down", check=False)  # whatever the tests left, leave nothing
@@ -146,7 +157,12 @@ def test_a_programs_sandbox_is_collected_when_it_is_released(cluster, sandbox_im
     cli, _, _ = cluster
     gateway = cli.status().endpoint.removesuffix("/v1")
     if llm_turn_first:
-        body = {"model": "tiny", "program_id": "boxed", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+        body = {
+            "model": "tiny",
+            "program_id": "boxed",
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": "hi"}],
+        }
         assert httpx.post(f"{gateway}/v1/chat/completions", json=body, timeout=60).status_code == 200
     box = httpx.post(f"{gateway}/v1/sandboxes", json={"program_id": "boxed", "image": sandbox_image}, timeout=60).json()
     httpx.get(f"{gateway}/v1/sandboxes/{box['id']}", params={"wait": "ready"}, timeout=60).raise_for_status()
@@ -263,8 +279,14 @@ def test_busy_worker_port_fails_preflight_and_starts_nothing(tmp_path: Path) -> 
 
 def test_worker_that_exits_at_start_rolls_back_everything(tmp_path: Path) -> None:
     cli = Cli(tmp_path / "state")
-    engine = {"kind": "vllm-cpu", "install": "existing", "python": sys.executable,  # has no vllm
-              "kv_blocks": 128, "block_size": 32, "max_model_len": 4064}
+    engine = {
+        "kind": "vllm-cpu",
+        "install": "existing",
+        "python": sys.executable,  # has no vllm
+        "kv_blocks": 128,
+        "block_size": 32,
+        "max_model_len": 4064,
+    }
     nodes = [{"name": "local", "transport": "local", "base_port": consecutive_free_ports(1)}]
     model_dir = tmp_path / "model"  # passes preflight without the engine installed; never loaded
     model_dir.mkdir()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from thunderctl.gateway.requests import BadRequest, PromptShape, TokenEstimator, pop_program_id, prompt_shape
 from thunderctl.gateway.gateway import BusyMeter
+from thunderctl.gateway.requests import BadRequest, PromptShape, TokenEstimator, pop_program_id, prompt_shape
 from thunderctl.gateway.server import parse_backend
 
 
@@ -54,9 +54,7 @@ def test_prompt_shape(body, shape) -> None:
     assert prompt_shape(body) == shape
 
 
-@pytest.mark.parametrize(
-    "body", [{"messages": []}, {"messages": "hi"}, {"prompt": [1, "a"]}, {"prompt": {"a": 1}}]
-)
+@pytest.mark.parametrize("body", [{"messages": []}, {"messages": "hi"}, {"prompt": [1, "a"]}, {"prompt": {"a": 1}}])
 def test_malformed_prompts_are_bad_requests(body) -> None:
     with pytest.raises(BadRequest):
         prompt_shape(body)

@@ -6,11 +6,10 @@ import time
 
 import httpx
 import pytest
-
 from prometheus_client.samples import Sample
 
-from thunderctl.prometheus import parse_samples
 from thunderctl.gateway.timings import ADMISSION_WAIT_SECONDS, TICK_SECONDS, histogram_quantile, log_buckets
+from thunderctl.prometheus import parse_samples
 
 
 def buckets(name: str, counts: dict[float, float]) -> list[Sample]:
@@ -35,7 +34,12 @@ def test_each_scheduled_request_and_each_tick_is_timed(start_sim, start_gateway)
     sim = start_sim("--preset", "cpu-tiny", "--time-scale", "0.01")
     gateway = start_gateway([sim.url], "--tick-interval", "0.2")
     for step in range(3):
-        body = {"model": "tiny", "program_id": "timed", "max_tokens": 2, "messages": [{"role": "user", "content": f"step {step}"}]}
+        body = {
+            "model": "tiny",
+            "program_id": "timed",
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": f"step {step}"}],
+        }
         assert gateway.http.post("/v1/chat/completions", json=body).status_code == 200
     unscheduled = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "no program"}]}
     assert gateway.http.post("/v1/chat/completions", json=unscheduled).status_code == 200

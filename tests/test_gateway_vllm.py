@@ -82,8 +82,12 @@ def test_program_that_never_releases_expires_after_its_ttl(vllm_pair, start_gate
 @pytest.mark.parametrize("include_usage", [False, True])
 def test_streaming_relays_chunks_and_keeps_usage(pair_gateway, include_usage: bool) -> None:
     body = {
-        "model": "tiny", "program_id": f"stream-{include_usage}", "stream": True, "max_tokens": 6,
-        "ignore_eos": True, "messages": [{"role": "user", "content": "stream a short answer"}],
+        "model": "tiny",
+        "program_id": f"stream-{include_usage}",
+        "stream": True,
+        "max_tokens": 6,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": "stream a short answer"}],
     }
     if include_usage:
         body["stream_options"] = {"include_usage": True}
@@ -124,7 +128,11 @@ def test_malformed_json_is_a_400_with_a_message(pair_gateway) -> None:
 
 def test_client_that_disconnects_mid_stream_frees_its_slot(pair_gateway) -> None:
     body = {
-        "model": "tiny", "program_id": "gone", "stream": True, "max_tokens": 2000, "ignore_eos": True,
+        "model": "tiny",
+        "program_id": "gone",
+        "stream": True,
+        "max_tokens": 2000,
+        "ignore_eos": True,
         "messages": [{"role": "user", "content": "a long answer please"}],
     }
     with httpx.Client(base_url=pair_gateway.url, timeout=60) as client:
@@ -172,8 +180,12 @@ def test_more_programs_than_fit_are_paused_not_failed_and_keep_their_cache(vllm_
     # trade it for throughput on this cheap-recompute engine; docs/admission.md).
     gateway = start_gateway([engine.url], "--tick-interval", "0.2", "--buffer-tokens", "64", "--no-adaptive")
     shape = AgentShape(
-        system_prompt_tokens=150, task_tokens=Uniform(150, 250), observation_tokens=Uniform(120, 220),
-        completion_tokens=Uniform(16, 32), steps=Uniform(6, 8), tool_seconds=Uniform(0.3, 1.0),
+        system_prompt_tokens=150,
+        task_tokens=Uniform(150, 250),
+        observation_tokens=Uniform(120, 220),
+        completion_tokens=Uniform(16, 32),
+        steps=Uniform(6, 8),
+        tool_seconds=Uniform(0.3, 1.0),
         max_context_tokens=3000,
     )
     results = {}
@@ -188,8 +200,7 @@ def test_more_programs_than_fit_are_paused_not_failed_and_keep_their_cache(vllm_
     assert gateway.metric("thunderctl_resumes_total") > 8  # every new program, plus resumes
     assert gateway.programs() == {}  # every program released
     assert through.prefix_cache_hit_rate > direct.prefix_cache_hit_rate + 0.15, (
-        f"hit rate through the gateway {through.prefix_cache_hit_rate:.2f} vs direct "
-        f"{direct.prefix_cache_hit_rate:.2f}"
+        f"hit rate through the gateway {through.prefix_cache_hit_rate:.2f} vs direct {direct.prefix_cache_hit_rate:.2f}"
     )
 
 

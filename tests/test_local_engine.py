@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from thunderctl.engines.local import (
+    TINY_MODEL_SCRIPT,
     EngineHome,
     EngineInstallError,
     EngineStartError,
     LocalEngine,
-    TINY_MODEL_SCRIPT,
     LocalEngineConfig,
     install_engine,
     run_install_step,
@@ -87,7 +87,9 @@ def test_wait_healthy_times_out_and_stop_works_during_startup(
 
 
 @pytest.mark.engine
-def test_server_that_exits_at_start_raises_with_log_tail(engine_home: EngineHome, free_port: int, tmp_path: Path) -> None:
+def test_server_that_exits_at_start_raises_with_log_tail(
+    engine_home: EngineHome, free_port: int, tmp_path: Path
+) -> None:
     # A home sharing the real engine venv but whose model dir holds no model.
     home = EngineHome(tmp_path / "home")
     home.root.mkdir()

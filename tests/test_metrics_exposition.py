@@ -43,7 +43,9 @@ def by_key(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 def test_a_backend_id_with_quotes_backslashes_and_newlines_reads_back_unchanged() -> None:
-    gateway = gateway_with(Upstream(AWKWARD, "http://127.0.0.1:1", in_flight=2, metrics=EngineMetrics(kv_capacity_tokens=4096)))
+    gateway = gateway_with(
+        Upstream(AWKWARD, "http://127.0.0.1:1", in_flight=2, metrics=EngineMetrics(kv_capacity_tokens=4096))
+    )
     samples = by_key(render_metrics(gateway))
     assert samples[("thunderctl_backend_requests_in_flight", (("backend", AWKWARD),))] == 2
     assert samples[("thunderctl_backend_capacity_tokens", (("backend", AWKWARD),))] == 4096

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+
 from test_cluster import Cli
 from test_local_engine import live_group_members, wait_for
-
 from thunderctl.cluster.lifecycle import any_worker_alive, stop_worker
 from thunderctl.cluster.state import ClusterState, WorkerRecord
 from thunderctl.cluster.transport import SshTarget, Transports
@@ -75,9 +75,15 @@ def test_down_leaves_a_stranger_on_every_recorded_pid_alive(tmp_path: Path, stra
     root = tmp_path / "state"
     worker = worker_at(worker_pid.pid, start_ticks_of(worker_pid.pid) + 1, tmp_path / "w.log")
     worker.tunnel_pid, worker.tunnel_start_ticks = tunnel_pid.pid, start_ticks_of(tunnel_pid.pid) + 1
-    state = ClusterState("local", root / "local", str(tmp_path / "no-profile.yaml"), "http://127.0.0.1:1/v1",
-                         workers=[worker], daemon_pid=daemon_pid.pid,
-                         daemon_start_ticks=start_ticks_of(daemon_pid.pid) + 1)
+    state = ClusterState(
+        "local",
+        root / "local",
+        str(tmp_path / "no-profile.yaml"),
+        "http://127.0.0.1:1/v1",
+        workers=[worker],
+        daemon_pid=daemon_pid.pid,
+        daemon_start_ticks=start_ticks_of(daemon_pid.pid) + 1,
+    )
     state.save()
     with Transports() as transports:
         assert not any_worker_alive(state, transports)  # so `up` would not "recover" a stranger
@@ -133,7 +139,10 @@ def test_over_ssh_a_recorded_worker_is_stopped_and_a_stranger_is_spared(
         assert not node.group_alive(reused.process)
         assert not any_worker_alive(state_with(tmp_path, reused), transports)
         report = stop_worker(reused, transports)
-        assert (report.ok, report.outcome) == (True, f"already stopped (pid {other.pid} now belongs to another process)")
+        assert (report.ok, report.outcome) == (
+            True,
+            f"already stopped (pid {other.pid} now belongs to another process)",
+        )
         assert other.poll() is None and live_group_members(other.pid) == {other.pid: "sleep"}
         # The same pid recorded with its true start time is the worker's: that one is stopped.
         owned = worker_at(other.pid, start_ticks_of(other.pid), log_path, ssh=target)

@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from test_local_engine import live_group_members, wait_for
 
+from test_local_engine import live_group_members, wait_for
 from thunderctl.processes import (
     GroupStop,
     LocalProcessGroups,

@@ -80,7 +80,9 @@ def test_missing_profile_file() -> None:
 
 
 @pytest.mark.parametrize("command", [["doctor"], ["up", "--dry-run"]])
-def test_doctor_and_up_refuse_a_host_kv_tier_on_vllm_cpu_before_starting_anything(tmp_path: Path, command: list[str]) -> None:
+def test_doctor_and_up_refuse_a_host_kv_tier_on_vllm_cpu_before_starting_anything(
+    tmp_path: Path, command: list[str]
+) -> None:
     from typer.testing import CliRunner
 
     from thunderctl.cli import app

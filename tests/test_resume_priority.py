@@ -33,7 +33,9 @@ def test_the_profiles_engine_args_say_whether_a_priority_is_sent(args: list[str]
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("priority", [RESUMED_PRIORITY, None])
-async def test_a_request_that_waited_for_its_resume_carries_the_priority_only_when_asked(fake_backend, priority) -> None:
+async def test_a_request_that_waited_for_its_resume_carries_the_priority_only_when_asked(
+    fake_backend, priority
+) -> None:
     backend = fake_backend()
     gateway = Gateway([Upstream("fake", backend.url)], resumed_priority=priority)
     await gateway.start()

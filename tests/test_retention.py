@@ -36,7 +36,9 @@ def make(clock: FakeClock) -> Scheduler:
     return sched
 
 
-def train(sched: Scheduler, clock: FakeClock, gaps: list[float], tool: str | None = None, program: str = "trainer") -> None:
+def train(
+    sched: Scheduler, clock: FakeClock, gaps: list[float], tool: str | None = None, program: str = "trainer"
+) -> None:
     """A program whose tool calls take the given times, observed as the gateway observes them."""
     for gap in gaps:
         assert sched.on_request(program, 10) == "a"
@@ -51,9 +53,7 @@ def expected_remaining(samples: list[float], elapsed: float) -> float:
     return sum(tail) / len(tail) - elapsed if len(tail) >= MIN_SAMPLES else elapsed
 
 
-def priced_keep_set(
-    holders: dict[str, float], samples: list[float], demand: float, return_chance: float
-) -> set[str]:
+def priced_keep_set(holders: dict[str, float], samples: list[float], demand: float, return_chance: float) -> set[str]:
     """Which holders (id → time in tool) the priced comparison keeps, computed here from scratch."""
     kept = set(holders)
     remaining = {pid: expected_remaining(samples, elapsed) for pid, elapsed in holders.items()}
@@ -92,16 +92,14 @@ def drive(draw: Callable[[random.Random], float], starts: list[float]) -> dict[s
     history: dict[str, list[tuple[float, bool]]] = {pid: [] for pid in responded}
     for _ in range(30):
         clock.now += 1
-        active = {
-            pid: clock.now - responded[pid]
-            for pid in responded
-            if sched.programs[pid].status is Status.ACTIVE
-        }
+        active = {pid: clock.now - responded[pid] for pid in responded if sched.programs[pid].status is Status.ACTIVE}
         demand = WAITER_TOKENS if sched.programs["waiter"].status is Status.PAUSED else 0
         want = priced_keep_set(active, samples, demand, return_chance)
         sched.tick()
         kept = {pid for pid in active if sched.programs[pid].status is Status.ACTIVE}
-        assert kept == want, f"at {clock.now - base:.0f} s: kept {sorted(kept)}, the priced comparison keeps {sorted(want)}"
+        assert kept == want, (
+            f"at {clock.now - base:.0f} s: kept {sorted(kept)}, the priced comparison keeps {sorted(want)}"
+        )
         for pid, elapsed in active.items():
             history[pid].append((elapsed, pid in kept))
     return history

@@ -35,6 +35,7 @@ pytestmark = pytest.mark.anyio
 def anyio_backend() -> str:
     return "asyncio"  # the pool is asyncio code; anyio would also try trio where it is installed
 
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -70,8 +71,9 @@ async def test_acquire_exec_release_round_trip_over_http(start_pool, serve_pool,
     assert ready["state"] == "ready" and ready["program_id"] == "p1"
     assert docker_client.containers.get(ready["container_id"]).status == "running"
 
-    ran = await http.post(f"/v1/sandboxes/{sandbox['id']}/exec",
-                          json={"cmd": "echo $GREETING; echo oops >&2; exit 3", "timeout": 10})
+    ran = await http.post(
+        f"/v1/sandboxes/{sandbox['id']}/exec", json={"cmd": "echo $GREETING; echo oops >&2; exit 3", "timeout": 10}
+    )
     assert ran.status_code == 200
     result = ran.json()
     assert result["exit_code"] == 3 and result["output"] == "hello\noops\n" and not result["timed_out"]
@@ -168,7 +170,9 @@ async def test_restart_after_kill_9_reaps_every_orphan_and_nothing_else(
 ) -> None:
     daemon = subprocess.Popen(
         [sys.executable, "-c", CRASHING_DAEMON, sandbox_image, sandbox_cluster],
-        stdout=subprocess.PIPE, cwd=REPO, env=os.environ | {"PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        cwd=REPO,
+        env=os.environ | {"PYTHONPATH": str(REPO)},
     )
     try:
         ready_line = await asyncio.wait_for(asyncio.to_thread(daemon.stdout.readline), 120)
@@ -180,8 +184,9 @@ async def test_restart_after_kill_9_reaps_every_orphan_and_nothing_else(
 
     # Containers the reaper must not touch: unlabelled, and another cluster's.
     bystanders = [
-        docker_client.containers.run(sandbox_image, ["sleep", "600"], detach=True, network_mode="none",
-                                     labels=labels | {"thunderctl.test": "1"})
+        docker_client.containers.run(
+            sandbox_image, ["sleep", "600"], detach=True, network_mode="none", labels=labels | {"thunderctl.test": "1"}
+        )
         for labels in ({}, {"thunderctl.cluster": f"{sandbox_cluster}-other"})
     ]
 
@@ -198,8 +203,9 @@ async def test_adopted_container_is_collected_with_its_program(
 ) -> None:
     pool = await start_pool()
     http = await serve_pool(pool)
-    agents_own = docker_client.containers.run(sandbox_image, ["sleep", "600"], detach=True,
-                                              network_mode="none", labels={"thunderctl.test": "1"})
+    agents_own = docker_client.containers.run(
+        sandbox_image, ["sleep", "600"], detach=True, network_mode="none", labels={"thunderctl.test": "1"}
+    )
 
     adopted = await http.post("/v1/sandboxes/adopt", json={"program_id": "p1", "docker_ids": [agents_own.short_id]})
     assert adopted.status_code == 200
@@ -219,8 +225,9 @@ async def test_restart_collects_containers_adopted_before_a_crash(
     start_pool, sandbox_config, sandbox_cluster, sandbox_image, docker_client, tmp_path
 ) -> None:
     state_path = tmp_path / "sandboxes.json"
-    agents_own = docker_client.containers.run(sandbox_image, ["sleep", "600"], detach=True,
-                                              network_mode="none", labels={"thunderctl.test": "1"})
+    agents_own = docker_client.containers.run(
+        sandbox_image, ["sleep", "600"], detach=True, network_mode="none", labels={"thunderctl.test": "1"}
+    )
     first = SandboxPool(sandbox_config(), cluster=sandbox_cluster, state_path=state_path)
     await first.start()
     await first.adopt("p1", [agents_own.id])
@@ -376,19 +383,29 @@ async def test_disk_above_watermark_evicts_pulled_images_no_container_uses(
 
 def worker_labels(cluster: str) -> dict[str, str]:
     """The labels `up` gives a Docker-installed vLLM worker, read off its real `docker run` line."""
-    command = docker_command(EngineSpec(install="docker", version="0.11.0"), cluster, "node-1/0", [0],
-                             ("127.0.0.1", 8100), "Qwen/Qwen3-32B", [])
+    command = docker_command(
+        EngineSpec(install="docker", version="0.11.0"),
+        cluster,
+        "node-1/0",
+        [0],
+        ("127.0.0.1", 8100),
+        "Qwen/Qwen3-32B",
+        [],
+    )
     return dict(value.split("=", 1) for flag, value in zip(command, command[1:]) if flag == "--label")
 
 
 @pytest.fixture
-def run_labelled(docker_client, sandbox_image) -> Iterator[Callable[[dict[str, str]], docker.models.containers.Container]]:
+def run_labelled(
+    docker_client, sandbox_image
+) -> Iterator[Callable[[dict[str, str]], docker.models.containers.Container]]:
     """Run a `sleep` of the test image with exactly the given labels; removed by id afterwards."""
     made = []
 
     def run(labels: dict[str, str]):
-        container = docker_client.containers.run(sandbox_image, ["sleep", "600"], detach=True,
-                                                 network_mode="none", labels=labels)
+        container = docker_client.containers.run(
+            sandbox_image, ["sleep", "600"], detach=True, network_mode="none", labels=labels
+        )
         made.append(container)
         return container
 
@@ -427,8 +444,9 @@ async def test_workers_on_the_pools_engine_survive_reaping_and_downs_sweep(
     older_worker = run_labelled({k: v for k, v in labels.items() if k != "thunderctl.role"})
     orphan = orphaned_sandbox(sandbox_config(), sandbox_cluster, sandbox_image, "sbx-orphaned")
     # A sandbox an older thunderctl left: no role label, but a lease, which no worker ever had.
-    older_orphan = run_labelled({"thunderctl.cluster": sandbox_cluster, "thunderctl.program": "",
-                                 "thunderctl.lease": "sbx-older"})
+    older_orphan = run_labelled(
+        {"thunderctl.cluster": sandbox_cluster, "thunderctl.program": "", "thunderctl.lease": "sbx-older"}
+    )
 
     pool = await start_pool()
     await pool.maintain()

@@ -29,12 +29,18 @@ class FakeClock:
 
 # Round numbers: capacity 1000, no per-program buffer unless a test asks for one.
 BASE = dict(
-    pause_threshold=0.95, pause_target=0.8, resume_threshold=0.9, buffer_tokens=0,
-    resume_timeout_s=60, idle_ttl_s=300,
+    pause_threshold=0.95,
+    pause_target=0.8,
+    resume_threshold=0.9,
+    buffer_tokens=0,
+    resume_timeout_s=60,
+    idle_ttl_s=300,
 )
 
 
-def make(capacities: dict[str, int | None] | None = None, **overrides) -> tuple[Scheduler, FakeClock, list[ProgramEvent]]:
+def make(
+    capacities: dict[str, int | None] | None = None, **overrides
+) -> tuple[Scheduler, FakeClock, list[ProgramEvent]]:
     clock = FakeClock()
     events: list[ProgramEvent] = []
     sched = Scheduler(SchedulerConfig(**(BASE | overrides)), clock, [events.append])
@@ -498,7 +504,11 @@ def test_ledger_and_queue_match_a_full_recount_after_any_history() -> None:
             fast = sched._load(backend, physical=False).tokens
             recount = sum(
                 (sched._weight(p, False) * p.private_tokens + 16) for p in map(sched.programs.get, backend.programs)
-            ) + sum({p.prefix_key: p.prefix_tokens for p in map(sched.programs.get, backend.programs) if p.prefix_key}.values())
+            ) + sum(
+                {
+                    p.prefix_key: p.prefix_tokens for p in map(sched.programs.get, backend.programs) if p.prefix_key
+                }.values()
+            )
             assert fast == pytest.approx(recount, abs=1e-6)
         waiting = [p for p in sched.resume_queue() if p.waiting_since is not None]
         assert [pid for _, pid in sched._waiting] == [p.id for p in waiting]

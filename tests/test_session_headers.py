@@ -41,7 +41,9 @@ def test_a_bad_session_header_is_refused_even_when_the_body_names_the_program() 
         pop_program_id({"program_id": "p"}, {SESSION: "s" * 257})
 
 
-@pytest.mark.parametrize(("value", "final"), [(None, False), ("true", True), ("True", True), (" TRUE ", True), ("false", False)])
+@pytest.mark.parametrize(
+    ("value", "final"), [(None, False), ("true", True), ("True", True), (" TRUE ", True), ("false", False)]
+)
 def test_the_final_header_is_true_or_false(value, final) -> None:
     assert ends_session({} if value is None else {FINAL: value}, "p") is final
 
@@ -79,8 +81,11 @@ async def test_the_final_request_releases_the_program_named_in_the_body_and_even
     released: list[str] = []
     client, _ = await gateway_app(on_release=released.append)
     assert (await client.post("/v1/chat/completions", json=CHAT | {"program_id": "body-id"})).status_code == 200
-    refused = await client.post("/v1/chat/completions", json=CHAT | {"program_id": "body-id", "max_tokens": 0},
-                                headers={SESSION: "ignored", FINAL: "true"})
+    refused = await client.post(
+        "/v1/chat/completions",
+        json=CHAT | {"program_id": "body-id", "max_tokens": 0},
+        headers={SESSION: "ignored", FINAL: "true"},
+    )
     assert refused.status_code == 400 and "max_tokens" in refused.json()["error"]["message"]
     assert await program_ids(client) == [] and released == ["body-id"]
 

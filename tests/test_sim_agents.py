@@ -49,7 +49,9 @@ WORKLOAD = PreparedShape(
     )
 )
 COST = LinearStepCost(base_s=0.01, per_token_s=1e-5, per_attention_pair_s=0.0, per_seq_s=0.0, per_context_token_s=0.0)
-SHAPE = EngineShape(num_gpu_blocks=4096, block_size=16, max_num_batched_tokens=2048, max_num_seqs=64, max_model_len=8192)
+SHAPE = EngineShape(
+    num_gpu_blocks=4096, block_size=16, max_num_batched_tokens=2048, max_num_seqs=64, max_model_len=8192
+)
 CONCURRENCY = 6
 
 

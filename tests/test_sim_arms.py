@@ -28,8 +28,12 @@ WORKLOAD = AgentShape(
 SMALL = Preset(
     name="small",
     summary="a test worker: 16k KV tokens, a linear step cost",
-    cost=LinearStepCost(base_s=5e-3, per_token_s=20e-6, per_attention_pair_s=1e-9, per_seq_s=1e-4, per_context_token_s=0.0),
-    engine=EngineShape(num_gpu_blocks=1024, block_size=16, max_num_batched_tokens=512, max_num_seqs=64, max_model_len=4096),
+    cost=LinearStepCost(
+        base_s=5e-3, per_token_s=20e-6, per_attention_pair_s=1e-9, per_seq_s=1e-4, per_context_token_s=0.0
+    ),
+    engine=EngineShape(
+        num_gpu_blocks=1024, block_size=16, max_num_batched_tokens=512, max_num_seqs=64, max_model_len=4096
+    ),
     kv_bytes_per_token=1024,
     host_link_bytes_per_s=1e9,
 )
@@ -75,7 +79,9 @@ def test_runs_in_parallel_processes_give_the_serial_report() -> None:
     arms = [ArmName.STICKY, ArmName.REFERENCE, ArmName.LIMIT]
     finished: list[tuple[int, str]] = []
     serial = run_sweep(spec, [8, 24], arms, {"name": "shape"})
-    parallel = run_sweep(spec, [8, 24], arms, {"name": "shape"}, finished=lambda c, a, _: finished.append((c, a.value)), jobs=2)
+    parallel = run_sweep(
+        spec, [8, 24], arms, {"name": "shape"}, finished=lambda c, a, _: finished.append((c, a.value)), jobs=2
+    )
     assert parallel["points"] == serial["points"]
     assert sorted(finished) == sorted((c, a.value) for c in (8, 24) for a in arms)
 

@@ -52,7 +52,11 @@ def test_up_starts_the_simulated_workers_and_status_shows_them(sim_cluster) -> N
     status = cli.status()
     assert f"up: 4 worker(s); endpoint {status['endpoint']}" in up.stdout
     assert [(w["id"], w["state"]) for w in status["workers"]] == [
-        ("sim-1/0", "ready"), ("sim-1/1", "ready"), ("sim-2/0", "ready"), ("sim-2/1", "ready")]
+        ("sim-1/0", "ready"),
+        ("sim-1/1", "ready"),
+        ("sim-2/0", "ready"),
+        ("sim-2/1", "ready"),
+    ]
     capacity = h100_tp4_32b().engine.kv_capacity_tokens
     assert all(w["kv_capacity_tokens"] == capacity for w in status["workers"])  # read off each worker's /metrics
     table = cli("status").stdout
@@ -62,8 +66,25 @@ def test_up_starts_the_simulated_workers_and_status_shows_them(sim_cluster) -> N
 def test_bench_compare_runs_on_the_simulated_cluster(sim_cluster, tmp_path: Path) -> None:
     cli, _ = sim_cluster
     report_path = tmp_path / "compare.json"
-    bench = cli("bench", "swe-lite", "--compare", "--concurrency", "4", "--duration", "8", "--warmup", "1",
-                "--slices", "1", "--scale", "0.1", "--time-scale", "0.05", "--out", str(report_path))
+    bench = cli(
+        "bench",
+        "swe-lite",
+        "--compare",
+        "--concurrency",
+        "4",
+        "--duration",
+        "8",
+        "--warmup",
+        "1",
+        "--slices",
+        "1",
+        "--scale",
+        "0.1",
+        "--time-scale",
+        "0.05",
+        "--out",
+        str(report_path),
+    )
     assert "cluster/direct" in bench.stdout
     report = json.loads(report_path.read_text())
     for arm in ("cluster", "direct"):

@@ -78,7 +78,9 @@ def prefill(tokens: int, offset: int = 0) -> StepLoad:
 
 
 def decode(batch: int, context: int) -> StepLoad:
-    return StepLoad(scheduled_tokens=batch, num_seqs=batch, attention_pairs=batch * context, context_tokens=batch * context)
+    return StepLoad(
+        scheduled_tokens=batch, num_seqs=batch, attention_pairs=batch * context, context_tokens=batch * context
+    )
 
 
 # --- roofline by hand ------------------------------------------------------------------
@@ -149,7 +151,13 @@ def test_tensor_parallelism_splits_the_work_and_adds_two_allreduces_per_layer() 
 
 def test_an_moe_step_reads_only_the_experts_its_tokens_are_routed_to() -> None:
     moe = ModelConfig(
-        **{**MODEL.__dict__, "name": "round-moe", "num_experts": 16, "experts_per_token": 2, "routed_expert_params": 8e8}
+        **{
+            **MODEL.__dict__,
+            "name": "round-moe",
+            "num_experts": 16,
+            "experts_per_token": 2,
+            "routed_expert_params": 8e8,
+        }
     )
     dense_bytes = (1e9 - 8e8) * 2
     assert moe.weight_bytes_read(1) == pytest.approx(dense_bytes + 8e8 * 2 * 2 / 16)
@@ -199,7 +207,9 @@ def test_a_preset_holds_its_longest_request_and_costs_more_for_more_work(name: s
     assert cost.step_seconds(decode(batch=8, context=8192)) > cost.step_seconds(base)
     # Batching pays: a token of a 64-sequence decode step costs less than a lone one.
     assert cost.step_seconds(decode(64, 2048)) / 64 < cost.step_seconds(decode(1, 2048))
-    assert preset.transfer_seconds(1000) == pytest.approx(1000 * preset.kv_bytes_per_token / preset.host_link_bytes_per_s)
+    assert preset.transfer_seconds(1000) == pytest.approx(
+        1000 * preset.kv_bytes_per_token / preset.host_link_bytes_per_s
+    )
 
 
 @pytest.mark.parametrize("name", preset_names())
@@ -254,7 +264,9 @@ def test_the_cpu_tiny_fit_predicts_the_measurements_it_ships_with() -> None:
 
 
 def test_a_linear_cost_over_several_steps_is_the_sum_of_its_steps() -> None:
-    cost = LinearStepCost(base_s=1e-3, per_token_s=1e-5, per_attention_pair_s=1e-9, per_seq_s=1e-4, per_context_token_s=1e-7)
+    cost = LinearStepCost(
+        base_s=1e-3, per_token_s=1e-5, per_attention_pair_s=1e-9, per_seq_s=1e-4, per_context_token_s=1e-7
+    )
     loads = [decode(4, 100), prefill(512, offset=256)]
     summed = StepLoad(*(sum(getattr(load, name) for load in loads) for name in StepLoad.__dataclass_fields__))
     assert cost.seconds_over(2, summed) == pytest.approx(sum(cost.step_seconds(load) for load in loads))

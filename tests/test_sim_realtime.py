@@ -20,7 +20,10 @@ def test_a_shared_text_prefix_gives_the_same_block_hashes_up_to_the_first_differ
     common = " ".join(f"w{i}" for i in range(40))
     first, second = stream(f"{common} apple pear plum", ids), stream(f"{common} fig kiwi lime", ids)
     assert len(first) == len(second) == 2 and first == second  # 43 tokens: the difference is in the partial block
-    longer_a, longer_b = stream(f"{common} " + " ".join(["a"] * 20), ids), stream(f"{common} " + " ".join(["b"] * 20), ids)
+    longer_a, longer_b = (
+        stream(f"{common} " + " ".join(["a"] * 20), ids),
+        stream(f"{common} " + " ".join(["b"] * 20), ids),
+    )
     assert longer_a[:2] == longer_b[:2] == first and longer_a[2] != longer_b[2]
     assert all(b > a for a, b in zip(longer_b, longer_b[1:]))  # increasing runs, as the block pool wants them
 
@@ -47,14 +50,22 @@ def test_an_answer_sent_back_as_history_tokenizes_to_what_was_sampled() -> None:
 def test_words_are_tokens_and_text_parts_count() -> None:
     assert len(token_ids("one two\nthree\tfour  five")) == 5
     parts = [{"type": "text", "text": "look at"}, {"type": "image_url"}, {"type": "text", "text": "this"}]
-    assert render_chat([{"role": "user", "content": parts}]) == render_chat([{"role": "user", "content": "look at this"}])
+    assert render_chat([{"role": "user", "content": parts}]) == render_chat(
+        [{"role": "user", "content": "look at this"}]
+    )
 
 
 def engine(blocks: int) -> Engine:
-    shape = EngineShape(num_gpu_blocks=blocks, block_size=BLOCK, max_num_batched_tokens=256, max_num_seqs=8,
-                        max_model_len=blocks * BLOCK)
-    return Engine(shape, LinearStepCost(base_s=1e-3, per_token_s=0, per_attention_pair_s=0, per_seq_s=0,
-                                        per_context_token_s=0))
+    shape = EngineShape(
+        num_gpu_blocks=blocks,
+        block_size=BLOCK,
+        max_num_batched_tokens=256,
+        max_num_seqs=8,
+        max_model_len=blocks * BLOCK,
+    )
+    return Engine(
+        shape, LinearStepCost(base_s=1e-3, per_token_s=0, per_attention_pair_s=0, per_seq_s=0, per_context_token_s=0)
+    )
 
 
 def run_steps(sim: Engine, requests: list[Request], now: float = 0.0) -> dict[int, list[int]]:

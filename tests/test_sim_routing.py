@@ -14,7 +14,9 @@ COST = LinearStepCost(base_s=0.01, per_token_s=0.0, per_attention_pair_s=0.0, pe
 
 
 def workers(clock: VirtualClock, count: int = 2, blocks: int = 64) -> list[Worker]:
-    shape = EngineShape(num_gpu_blocks=blocks, block_size=16, max_num_batched_tokens=256, max_num_seqs=8, max_model_len=1024)
+    shape = EngineShape(
+        num_gpu_blocks=blocks, block_size=16, max_num_batched_tokens=256, max_num_seqs=8, max_model_len=1024
+    )
     return [Worker(f"w{i}", Engine(shape, COST), clock) for i in range(count)]
 
 

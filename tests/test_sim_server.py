@@ -18,8 +18,18 @@ from thunderctl.engines.vllm import EngineMetrics, parse_metrics
 from thunderctl.sim.presets import CPU_TINY_COST
 
 # cpu-tiny with a small cache of 16-token blocks, stepping 100× faster than the model says.
-SMALL = ("--preset", "cpu-tiny", "--kv-blocks", "64", "--block-size", "16", "--max-model-len", "1024",
-         "--time-scale", "0.01")
+SMALL = (
+    "--preset",
+    "cpu-tiny",
+    "--kv-blocks",
+    "64",
+    "--block-size",
+    "16",
+    "--max-model-len",
+    "1024",
+    "--time-scale",
+    "0.01",
+)
 WORDS = [f"w{i}" for i in range(400)]
 
 
@@ -28,8 +38,9 @@ def metrics(url: str) -> EngineMetrics:
 
 
 def complete(url: str, prompt: str | list[int], max_tokens: int = 1, **extra) -> httpx.Response:
-    return httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, **extra},
-                      timeout=60)
+    return httpx.post(
+        f"{url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, **extra}, timeout=60
+    )
 
 
 def chat(url: str, messages: list[dict], max_tokens: int, **extra) -> httpx.Response:
@@ -38,7 +49,11 @@ def chat(url: str, messages: list[dict], max_tokens: int, **extra) -> httpx.Resp
 
 
 def sse_events(response_lines: list[str]) -> list[dict | str]:
-    return [line[6:] if line == "data: [DONE]" else json.loads(line[6:]) for line in response_lines if line.startswith("data: ")]
+    return [
+        line[6:] if line == "data: [DONE]" else json.loads(line[6:])
+        for line in response_lines
+        if line.startswith("data: ")
+    ]
 
 
 def stream_chat(url: str, messages: list[dict], max_tokens: int, include_usage: bool) -> tuple[list, list[float]]:
@@ -84,8 +99,12 @@ def test_an_agents_next_turn_hits_its_previous_prompt_and_answer(start_sim) -> N
     history = [{"role": "system", "content": " ".join(WORDS[:100])}, {"role": "user", "content": "fix the bug"}]
     turn = chat(sim.url, history, max_tokens=30).json()
     answer, prompt_tokens = turn["choices"][0]["message"]["content"], turn["usage"]["prompt_tokens"]
-    assert turn["usage"] == {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + 30, "completion_tokens": 30,
-                             "prompt_tokens_details": None}
+    assert turn["usage"] == {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + 30,
+        "completion_tokens": 30,
+        "prompt_tokens_details": None,
+    }
     assert len(answer.split()) == 30 and turn["choices"][0]["finish_reason"] == "length"
     tokenized = httpx.post(f"{sim.url}/tokenize", json={"model": "tiny", "messages": history}).json()
     assert tokenized["count"] == prompt_tokens
@@ -105,8 +124,11 @@ def test_a_stream_gives_the_answer_then_the_usage_chunk_then_done(start_sim) -> 
     assert events[-1] == "[DONE]"
     usage_chunk = events[-2]
     assert usage_chunk["choices"] == [] and usage_chunk["object"] == "chat.completion.chunk"
-    assert usage_chunk["usage"] == {"prompt_tokens": whole["usage"]["prompt_tokens"], "completion_tokens": 12,
-                                    "total_tokens": whole["usage"]["total_tokens"]}
+    assert usage_chunk["usage"] == {
+        "prompt_tokens": whole["usage"]["prompt_tokens"],
+        "completion_tokens": 12,
+        "total_tokens": whole["usage"]["total_tokens"],
+    }
     content = [e["choices"][0] for e in events[1:-2]]
     assert "".join(c["delta"]["content"] for c in content) == whole["choices"][0]["message"]["content"]
     assert [c["finish_reason"] for c in content] == [None] * (len(content) - 1) + ["length"]
@@ -118,30 +140,42 @@ def test_tokens_stream_as_the_engine_steps_produce_them(start_sim) -> None:
     sim = start_sim("--preset", "cpu-tiny", "--time-scale", "40")
     events, arrivals = stream_chat(sim.url, [{"role": "user", "content": "hi"}], max_tokens=6, include_usage=False)
     content = [(e, t) for e, t in zip(events, arrivals) if e != "[DONE]" and e["choices"][0]["delta"].get("content")]
-    assert "".join(e["choices"][0]["delta"]["content"] for e, _ in content).split() == \
-        httpx.post(f"{sim.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                            "max_tokens": 6}, timeout=60).json()["choices"][0]["message"]["content"].split()
+    assert (
+        "".join(e["choices"][0]["delta"]["content"] for e, _ in content).split()
+        == httpx.post(
+            f"{sim.url}/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6},
+            timeout=60,
+        )
+        .json()["choices"][0]["message"]["content"]
+        .split()
+    )
     # The 5 decode steps after the first token each last at least the model's fixed cost, times 40.
     assert content[-1][1] - content[0][1] >= 5 * CPU_TINY_COST.base_s * 40 * 0.95
     assert len(content) >= 2  # the answer came in pieces, not at the end
 
 
 def test_a_full_cache_queues_and_preempts_and_every_request_still_finishes(start_sim) -> None:
-    sim = start_sim("--preset", "cpu-tiny", "--kv-blocks", "8", "--block-size", "16", "--max-model-len", "128",
-                    "--time-scale", "3")
+    sim = start_sim(
+        "--preset", "cpu-tiny", "--kv-blocks", "8", "--block-size", "16", "--max-model-len", "128", "--time-scale", "3"
+    )
     seen: list[EngineMetrics] = []
 
     async def run() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=120) as client:
+
             async def watch() -> None:
                 while True:
                     seen.append(parse_metrics((await client.get(f"{sim.url}/metrics")).text))
                     await asyncio.sleep(0.05)
 
             watcher = asyncio.create_task(watch())
-            answers = await asyncio.gather(*(
-                client.post(f"{sim.url}/v1/completions", json={"prompt": [k] * 60, "max_tokens": 60})
-                for k in range(1, 5)))
+            answers = await asyncio.gather(
+                *(
+                    client.post(f"{sim.url}/v1/completions", json={"prompt": [k] * 60, "max_tokens": 60})
+                    for k in range(1, 5)
+                )
+            )
             watcher.cancel()
             return answers
 
@@ -158,11 +192,16 @@ def test_a_prompt_longer_than_max_model_len_gets_vllms_400(start_sim) -> None:
     sim = start_sim(*SMALL)
     response = complete(sim.url, [7] * 1025)
     assert response.status_code == 400
-    assert response.json() == {"error": {
-        "message": "This model's maximum context length is 1024 tokens. However, your prompt contains 1025 input "
-                   "tokens, which exceeds this limit even without any output tokens. Please reduce the length of the "
-                   "input prompt.",
-        "type": "BadRequestError", "param": "input_tokens", "code": 400}}
+    assert response.json() == {
+        "error": {
+            "message": "This model's maximum context length is 1024 tokens. However, your prompt contains 1025 input "
+            "tokens, which exceeds this limit even without any output tokens. Please reduce the length of the "
+            "input prompt.",
+            "type": "BadRequestError",
+            "param": "input_tokens",
+            "code": 400,
+        }
+    }
     streamed = complete(sim.url, [7] * 1025, stream=True)
     assert streamed.status_code == 400 and "maximum context length is 1024" in streamed.json()["error"]["message"]
 
@@ -179,25 +218,40 @@ def test_an_unknown_model_and_bad_bodies_get_vllms_errors(start_sim) -> None:
     sim = start_sim(*SMALL)
     unknown = httpx.post(f"{sim.url}/v1/chat/completions", json={"model": "gpt-4", "messages": []})
     assert unknown.status_code == 404
-    assert unknown.json()["error"] == {"message": "The model `gpt-4` does not exist. Valid aliases: tiny.",
-                                       "type": "NotFoundError", "param": "model", "code": 404}
+    assert unknown.json()["error"] == {
+        "message": "The model `gpt-4` does not exist. Valid aliases: tiny.",
+        "type": "NotFoundError",
+        "param": "model",
+        "code": 404,
+    }
     for body in ({"messages": "hi"}, {"prompt": {"text": "x"}}, {"prompt": "", "max_tokens": 2}):
         path = "chat/completions" if "messages" in body else "completions"
         response = httpx.post(f"{sim.url}/v1/{path}", json=body)
         assert response.status_code == 400 and response.json()["error"]["type"] == "BadRequestError"
-    garbled = httpx.post(f"{sim.url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    garbled = httpx.post(
+        f"{sim.url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert garbled.status_code == 400 and "not valid JSON" in garbled.json()["error"]["message"]
 
 
-@pytest.mark.parametrize(("options", "complaint"), [
-    (("--kv-blocks", "4", "--block-size", "16", "--max-model-len", "1000"),
-     "--max-model-len 1,000 does not fit a KV cache of 4 blocks of 16 (64 tokens), as vLLM also refuses: lower "
-     "--max-model-len or raise --kv-blocks"),
-    (("--preset", "h200"), "--preset: unknown preset 'h200': choose one of cpu-tiny, h100-tp4-32b, h100x8-tp8-glm46"),
-])
+@pytest.mark.parametrize(
+    ("options", "complaint"),
+    [
+        (
+            ("--kv-blocks", "4", "--block-size", "16", "--max-model-len", "1000"),
+            "--max-model-len 1,000 does not fit a KV cache of 4 blocks of 16 (64 tokens), as vLLM also refuses: lower "
+            "--max-model-len or raise --kv-blocks",
+        ),
+        (
+            ("--preset", "h200"),
+            "--preset: unknown preset 'h200': choose one of cpu-tiny, h100-tp4-32b, h100x8-tp8-glm46",
+        ),
+    ],
+)
 def test_options_it_cannot_start_with_are_named_with_the_fix(options: tuple[str, ...], complaint: str) -> None:
-    done = subprocess.run([sys.executable, "-m", SIM_MODULE, "--port", "1", *options], capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", SIM_MODULE, "--port", "1", *options], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 2 and complaint in done.stderr
 
 

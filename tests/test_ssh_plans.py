@@ -44,7 +44,8 @@ def test_an_idle_8xh100_node_is_read_from_nvidia_smi() -> None:
     gpus = parse_gpus(recorded("nvidia-smi-8xh100.csv"))
     assert [gpu.index for gpu in gpus] == list(range(8))
     assert {(gpu.name, gpu.driver, gpu.total_mib, gpu.free_mib) for gpu in gpus} == {
-        ("NVIDIA H100 80GB HBM3", "550.54.15", 81559, 81004)}
+        ("NVIDIA H100 80GB HBM3", "550.54.15", 81559, 81004)
+    }
     assert describe(gpus) == "8 × NVIDIA H100 80GB HBM3, driver 550.54.15, 79.1-79.1 GiB free"
     assert short_of_memory(gpus, list(range(8)), START_FREE_SHARE) == []
     assert short_of_memory(gpus, list(range(8)), RELEASED_FREE_SHARE) == []  # what a clean stop leaves
@@ -81,8 +82,10 @@ def test_pip_install_pins_vllm_in_a_venv_and_workers_run_its_python() -> None:
     profile = parse_profile(h100_profile(install="pip", version="0.11.0"), "p.yaml")
     step = install_step(profile.engine)
     assert step is not None
-    assert step.command == ("python3 -m venv .cache/thunderctl/vllm-0.11.0 && .cache/thunderctl/vllm-0.11.0/bin/pip "
-                            "install --disable-pip-version-check vllm==0.11.0")
+    assert step.command == (
+        "python3 -m venv .cache/thunderctl/vllm-0.11.0 && .cache/thunderctl/vllm-0.11.0/bin/pip "
+        "install --disable-pip-version-check vllm==0.11.0"
+    )
     assert "grep -qx 'vllm 0.11.0'" in step.done_check
     plan = plan_workers(profile, HOME)[1]
     assert plan.command[:3] == [".cache/thunderctl/vllm-0.11.0/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
@@ -99,10 +102,17 @@ def test_docker_runs_the_official_image_on_its_gpus_labelled_for_cleanup() -> No
     assert plan.container == "thunderctl-h100-node-1-1" and plan.env == {}
     assert plan.command[:2] == ["docker", "run"]
     line = plan.shell_line()
-    for part in ["--rm --name thunderctl-h100-node-1-1", "--label thunderctl.cluster=h100",
-                 "--label thunderctl.role=worker", "--label thunderctl.worker=node-1/1", """--gpus '"device=4,5,6,7"'""", "--ipc=host",
-                 "-p 0.0.0.0:8101:8101", "-v thunderctl-hf-cache:/root/.cache/huggingface",
-                 "vllm/vllm-openai:v0.11.0 --model Qwen/Qwen3-32B --served-model-name qwen3-32b --host 0.0.0.0 --port 8101"]:
+    for part in [
+        "--rm --name thunderctl-h100-node-1-1",
+        "--label thunderctl.cluster=h100",
+        "--label thunderctl.role=worker",
+        "--label thunderctl.worker=node-1/1",
+        """--gpus '"device=4,5,6,7"'""",
+        "--ipc=host",
+        "-p 0.0.0.0:8101:8101",
+        "-v thunderctl-hf-cache:/root/.cache/huggingface",
+        "vllm/vllm-openai:v0.11.0 --model Qwen/Qwen3-32B --served-model-name qwen3-32b --host 0.0.0.0 --port 8101",
+    ]:
         assert part in line, part
 
 
@@ -128,8 +138,19 @@ def test_a_tunnelled_worker_listens_on_its_nodes_loopback_and_a_loopback_node_on
 def test_the_state_keeps_where_a_worker_runs(tmp_path: Path) -> None:
     target = SshTarget("127.0.0.2", 2222, "root", "/keys/node", jump_host="root@127.0.0.3:2222")
     state = ClusterState("c", tmp_path / "c", "p.yaml", "http://127.0.0.1:8300/v1")
-    state.workers.append(WorkerRecord("n/0", "n", "http://127.0.0.1:40000", 4242, ".local/x.log", ssh=target,
-                                      gpus=[0, 1], container="box", tunnel_pid=77))
+    state.workers.append(
+        WorkerRecord(
+            "n/0",
+            "n",
+            "http://127.0.0.1:40000",
+            4242,
+            ".local/x.log",
+            ssh=target,
+            gpus=[0, 1],
+            container="box",
+            tunnel_pid=77,
+        )
+    )
     state.save()
     assert ClusterState.load(state.dir).workers == state.workers
 
@@ -147,9 +168,16 @@ LISTEN 0      4096           [::1]:9003          [::]:*
 @pytest.mark.parametrize(
     ("host", "port", "taken"),
     [
-        ("127.0.0.2", 2222, True), ("127.0.0.3", 2222, False), ("0.0.0.0", 2222, True),
-        ("127.0.0.3", 9000, True), ("127.0.0.3", 9001, True), ("127.0.0.3", 9002, True),
-        ("127.0.0.3", 9003, False), ("0.0.0.0", 9003, False), ("127.0.0.53", 53, True), ("127.0.0.2", 8100, False),
+        ("127.0.0.2", 2222, True),
+        ("127.0.0.3", 2222, False),
+        ("0.0.0.0", 2222, True),
+        ("127.0.0.3", 9000, True),
+        ("127.0.0.3", 9001, True),
+        ("127.0.0.3", 9002, True),
+        ("127.0.0.3", 9003, False),
+        ("0.0.0.0", 9003, False),
+        ("127.0.0.53", 53, True),
+        ("127.0.0.2", 8100, False),
     ],
 )
 def test_a_port_is_taken_on_a_node_as_a_bind_would_find_it(host: str, port: int, taken: bool) -> None:

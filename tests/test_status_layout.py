@@ -13,11 +13,28 @@ from thunderctl.status_screen import status_renderable
 
 # What `/status` and `thunderctl status --json` have always answered: scripts read these keys.
 WIRE_KEYS = {
-    "cluster", "endpoint", "uptime_s", "daemon_pid", "gateway", "workers", "scheduler", "sandboxes",
+    "cluster",
+    "endpoint",
+    "uptime_s",
+    "daemon_pid",
+    "gateway",
+    "workers",
+    "scheduler",
+    "sandboxes",
 }
 WORKER_KEYS = {
-    "id", "node", "url", "state", "kv_capacity_tokens", "kv_reserved_tokens", "programs_active", "requests_in_flight",
-    "prefix_cache_hit_rate", "preemptions", "requests_running", "requests_waiting",
+    "id",
+    "node",
+    "url",
+    "state",
+    "kv_capacity_tokens",
+    "kv_reserved_tokens",
+    "programs_active",
+    "requests_in_flight",
+    "prefix_cache_hit_rate",
+    "preemptions",
+    "requests_running",
+    "requests_waiting",
 }
 SCHEDULER_KEYS = {
     "programs", "pauses_total", "resumes_total", "forced_resumes_total", "acting_weight", "admission_gate_open",
@@ -36,8 +53,9 @@ async def daemon_wire(daemon_of) -> dict:
     daemon = daemon_of()
     await daemon.gateway.start()
     try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_control_app(daemon)),
-                                     base_url="http://control") as control:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=build_control_app(daemon)), base_url="http://control"
+        ) as control:
             return (await control.get("/status")).json()
     finally:
         await daemon.gateway.stop()
@@ -62,8 +80,9 @@ def busy_cluster(view: ClusterStatus) -> ClusterStatus:
                                     "preemptions": 123_456}),
     ]  # fmt: skip
     programs = view.scheduler.programs.model_copy(update={"reasoning": 12, "acting": 30, "paused": 256})
-    scheduler = view.scheduler.model_copy(update={"programs": programs, "pauses_total": 12_345,
-                                                  "resumes_total": 12_000, "forced_resumes_total": 3})
+    scheduler = view.scheduler.model_copy(
+        update={"programs": programs, "pauses_total": 12_345, "resumes_total": 12_000, "forced_resumes_total": 3}
+    )
     return view.model_copy(update={"uptime_s": 3725.3, "workers": workers, "scheduler": scheduler})
 
 

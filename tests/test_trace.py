@@ -9,7 +9,6 @@ from importlib import resources
 from pathlib import Path
 
 import pytest
-from trajectories import step_table_line, write_trajectory
 
 from thunderctl.bench.importers import (
     AgentRun,
@@ -28,6 +27,7 @@ from thunderctl.traceformat import (
     read_trace,
     write_trace,
 )
+from trajectories import step_table_line, write_trajectory
 
 # (prompt tokens, completion tokens, created): four calls, 7, 3 and 10 s apart.
 CALLS = [(1460, 246, 1000), (1900, 61, 1007), (2100, 500, 1010), (2700, 30, 1020)]
@@ -43,7 +43,10 @@ def test_a_trace_reads_back_what_was_written(tmp_path: Path) -> None:
             id="b",
             env_prep_s=12.0,
             source="test",
-            steps=(TraceStep(prompt_tokens=50, completion_tokens=5, tool_s=0.5), TraceStep(prompt_tokens=80, completion_tokens=7)),
+            steps=(
+                TraceStep(prompt_tokens=50, completion_tokens=5, tool_s=0.5),
+                TraceStep(prompt_tokens=80, completion_tokens=7),
+            ),
         ),
     ]
     path = tmp_path / "t.jsonl"
@@ -70,7 +73,10 @@ def test_prompt_growth_is_read_as_whole_prompts(tmp_path: Path) -> None:
     [
         ('{"id": "x", "steps": []}', "steps"),
         ('{"id": "x", "steps": [{"prompt_tokens": 0, "completion_tokens": 1}]}', "steps.0.prompt_tokens"),
-        ('{"id": "x", "steps": [{"prompt_tokens": 5, "completion_tokens": 1, "tool_seconds": 2}]}', "steps.0.tool_seconds"),
+        (
+            '{"id": "x", "steps": [{"prompt_tokens": 5, "completion_tokens": 1, "tool_seconds": 2}]}',
+            "steps.0.tool_seconds",
+        ),
         ('{"steps": [{"prompt_tokens": 5, "completion_tokens": 1}]}', "id"),
         ("not json", "line"),
     ],
@@ -92,7 +98,11 @@ def test_an_empty_trace_is_an_error(tmp_path: Path) -> None:
 
 def test_scaling_shrinks_tokens_and_keeps_steps_and_times() -> None:
     program = TraceProgram(
-        id="p", steps=(TraceStep(prompt_tokens=1650, completion_tokens=89, tool_s=3.0), TraceStep(prompt_tokens=2000, completion_tokens=4))
+        id="p",
+        steps=(
+            TraceStep(prompt_tokens=1650, completion_tokens=89, tool_s=3.0),
+            TraceStep(prompt_tokens=2000, completion_tokens=4),
+        ),
     )
     scaled = program.scaled(0.1)
     assert [(s.prompt_tokens, s.completion_tokens, s.tool_s) for s in scaled.steps] == [(165, 9, 3.0), (200, 1, 0.0)]

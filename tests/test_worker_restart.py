@@ -14,9 +14,8 @@ import pytest
 
 from test_cluster import Cli, consecutive_free_ports, run_load_in_background, write_profile
 from test_local_engine import wait_for
-from thunderctl.processes import pid_alive
 from thunderctl.daemon.service import SUPERVISE_INTERVAL_S
-from thunderctl.processes import pick_free_port
+from thunderctl.processes import pick_free_port, pid_alive
 
 # Two engine start-ups (the cluster's and the restart) in one test at worst.
 pytestmark = pytest.mark.timeout(1200)

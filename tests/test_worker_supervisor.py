@@ -47,7 +47,9 @@ def test_a_worker_that_runs_but_is_not_yet_healthy_is_left_to_start() -> None:
     assert not planner.should_restart("w", alive=True, healthy=False, now_s=60.0)
     assert planner.should_restart("w", alive=False, healthy=False, now_s=61.0)
     planner.restarted("w", 61.0)
-    assert not planner.should_restart("w", alive=False, healthy=False, now_s=70.0), "still backing off: it was never healthy"
+    assert not planner.should_restart("w", alive=False, healthy=False, now_s=70.0), (
+        "still backing off: it was never healthy"
+    )
 
 
 def test_with_restarts_off_a_dead_worker_stays_dead() -> None:

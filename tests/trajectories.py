@@ -25,7 +25,9 @@ def write_trajectory(directory: Path, instance_id: str, calls: list[Call]) -> Pa
             "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "ls"}}],
             "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
         }
-        messages.append({"role": "assistant", "content": "THOUGHT: look.\n```bash\nls\n```", "extra": {"response": response}})
+        messages.append(
+            {"role": "assistant", "content": "THOUGHT: look.\n```bash\nls\n```", "extra": {"response": response}}
+        )
         messages.append({"role": "user", "content": "<returncode>0</returncode>\n<output>setup.py</output>"})
     trajectory = {
         "info": {"exit_status": "Submitted", "mini_version": "1.15.0", "model_stats": {"api_calls": len(calls)}},
@@ -41,6 +43,7 @@ def write_trajectory(directory: Path, instance_id: str, calls: list[Call]) -> Pa
 def step_table_line(instance_id: str, calls: list[Call], *, lite: bool) -> str:
     """One run of a step table, with the fields the importer does not use beside the ones it does."""
     steps = [
-        {"prompt_tokens": p, "completion_tokens": c, "cached_tokens": 0, "created": t, "obs_chars": 40} for p, c, t in calls
+        {"prompt_tokens": p, "completion_tokens": c, "cached_tokens": 0, "created": t, "obs_chars": 40}
+        for p, c, t in calls
     ]
     return json.dumps({"instance_id": instance_id, "lite": lite, "exit_status": "Submitted", "steps": steps})

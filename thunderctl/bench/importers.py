@@ -44,7 +44,9 @@ class AgentRun:
 
     def gaps(self) -> list[tuple[CallUsage, float]]:
         """Each call but the last, with the seconds from its stamp to the next call's."""
-        return [(earlier, max(0.0, later.created - earlier.created)) for earlier, later in itertools.pairwise(self.calls)]
+        return [
+            (earlier, max(0.0, later.created - earlier.created)) for earlier, later in itertools.pairwise(self.calls)
+        ]
 
     def program(self, decode_tokens_per_s: float | None = None) -> TraceProgram:
         """The run as a trace program; with a decode rate, each gap less its answer's generation."""
@@ -55,7 +57,9 @@ class AgentRun:
             for call, gap in self.gaps()
         ]
         steps = tuple(
-            TraceStep(prompt_tokens=call.prompt_tokens, completion_tokens=call.completion_tokens, tool_s=round(tool_s, 2))
+            TraceStep(
+                prompt_tokens=call.prompt_tokens, completion_tokens=call.completion_tokens, tool_s=round(tool_s, 2)
+            )
             for call, tool_s in zip(self.calls, [*tools, 0.0])
         )
         return TraceProgram(id=self.program_id, steps=steps, source=self.source)
@@ -81,7 +85,9 @@ def read_mini_swe_agent_trajectory(path: Path) -> AgentRun:
     if not isinstance(data, dict) or data.get("trajectory_format") != MINI_SWE_AGENT_FORMAT:
         found = data.get("trajectory_format") if isinstance(data, dict) else type(data).__name__
         raise TraceFormatError(f"{path}: not a {MINI_SWE_AGENT_FORMAT} trajectory (trajectory_format {found!r})")
-    calls = [call_of_message(message, path) for message in data.get("messages", []) if message.get("role") == "assistant"]
+    calls = [
+        call_of_message(message, path) for message in data.get("messages", []) if message.get("role") == "assistant"
+    ]
     program_id = data.get("instance_id") or path.name.removesuffix(".traj.json")
     return AgentRun(program_id, tuple(calls), "mini-swe-agent")
 

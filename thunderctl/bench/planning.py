@@ -133,7 +133,12 @@ def plan_program(
         answer = word_text(text_rng, words_for_tokens(sized[k].completion_tokens, tokens_per_word))
         messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": observations[k]}]
     steps = tuple(
-        StepPlan(step.completion_tokens, step.tool_seconds, observations[k], step.observation_tokens if observations[k] else 0)
+        StepPlan(
+            step.completion_tokens,
+            step.tool_seconds,
+            observations[k],
+            step.observation_tokens if observations[k] else 0,
+        )
         for k, step in enumerate(sized)
         if k >= first_step
     )

@@ -136,7 +136,8 @@ async def wait_until_quiet(
         busy = sum(m.requests_running + m.requests_waiting for m in metrics)
         programs = (
             (await client.get(f"{gateway.gateway_url}/programs", headers=gateway.target.headers)).json()["programs"]
-            if gateway else []
+            if gateway
+            else []
         )
         if busy == 0 and not programs:
             return ""

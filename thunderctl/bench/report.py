@@ -120,7 +120,19 @@ def fmt(value: float | None, unit: str = "", digits: int = 2) -> str:
 def report_table(report: dict[str, Any]) -> Table:
     parameters = report["parameters"]
     table = Table(title=f"{report['benchmark']} at concurrency {parameters['concurrency']}")
-    columns = ("arm", "steps/min", "hit rate", "p50", "p90", "p99", "TTFT p50", "preempt", "pauses/resumes", "programs", "failed")
+    columns = (
+        "arm",
+        "steps/min",
+        "hit rate",
+        "p50",
+        "p90",
+        "p99",
+        "TTFT p50",
+        "preempt",
+        "pauses/resumes",
+        "programs",
+        "failed",
+    )
     for column in columns:
         table.add_column(column, justify="left" if column == "arm" else "right")
     for name, arm in report["arms"].items():
@@ -149,8 +161,11 @@ def verdict(report: dict[str, Any]) -> str | None:
     def shown(value: float | None) -> str:
         return "unknown" if value is None else f"{value:.2f}"
 
-    steps = ("steps/min not comparable (a figure is missing or 0)" if r["steps_per_min"] is None
-             else f"{r['steps_per_min']:.2f}× the steps/min of vLLM alone")
+    steps = (
+        "steps/min not comparable (a figure is missing or 0)"
+        if r["steps_per_min"] is None
+        else f"{r['steps_per_min']:.2f}× the steps/min of vLLM alone"
+    )
     hit = f"hit rate {shown(arms['cluster']['hit_rate'])} vs {shown(arms['direct']['hit_rate'])}"
     p90 = "p90 not comparable" if r["p90_s"] is None else f"p90 {r['p90_s']:.2f}×"
     return f"thunderctl: {steps}, {hit}, {p90}"
@@ -200,8 +215,9 @@ def plot_sandboxes(sandboxed: dict[str, dict[str, Any]], axis: Any) -> None:
         points = summary["timeline"]
         times = [p["t_s"] for p in points]
         axis.plot(times, [p["containers"] for p in points], label=f"{name} containers")
-        disk_axis.plot(times, [sum(p["disk_bytes"].values()) / 1e6 for p in points], linestyle="--",
-                       label=f"{name} disk")
+        disk_axis.plot(
+            times, [sum(p["disk_bytes"].values()) / 1e6 for p in points], linestyle="--", label=f"{name} disk"
+        )
     axis.set_ylabel("sandbox containers alive")
     disk_axis.set_ylabel("sandbox disk (MB)")
     axis.set_ylim(bottom=0)

@@ -138,8 +138,9 @@ class SandboxTools:
             self.create_failures += 1
             return None
 
-    async def run_step(self, sandbox_id: str | None, plan: ProgramPlan, step_index: int, step: StepPlan,
-                       now: Callable[[], float]) -> None:
+    async def run_step(
+        self, sandbox_id: str | None, plan: ProgramPlan, step_index: int, step: StepPlan, now: Callable[[], float]
+    ) -> None:
         """The step's tool in the sandbox; the exec waits for the sandbox to be ready."""
         start = now()
         command_s: float | None = None
@@ -153,7 +154,9 @@ class SandboxTools:
                     error = f"exit {result['exit_code']}: {result['output'][-200:]}"
             except ClusterError as exc:
                 error = str(exc)[:300]
-        self.records.append(ToolRecord(plan.program_id, step_index, start, now() - start, command_s, error is None, error))
+        self.records.append(
+            ToolRecord(plan.program_id, step_index, start, now() - start, command_s, error is None, error)
+        )
 
     async def finish(self, sandbox_id: str | None, released: bool) -> None:
         """At the program's end. `released`: the program is released through the gateway, which
@@ -204,8 +207,9 @@ class SandboxTools:
             await asyncio.sleep(self.sample_interval_s)
 
 
-def sandbox_summary(records: Sequence[ToolRecord], samples: Sequence[SandboxSample],
-                    create_failures: int = 0) -> dict[str, Any] | None:
+def sandbox_summary(
+    records: Sequence[ToolRecord], samples: Sequence[SandboxSample], create_failures: int = 0
+) -> dict[str, Any] | None:
     """The report's sandbox figures of one arm, or None when it ran no tool in a sandbox."""
     if not records and not samples:
         return None
@@ -228,6 +232,7 @@ def sandbox_summary(records: Sequence[ToolRecord], samples: Sequence[SandboxSamp
 
 def sandbox_line(arm: str, summary: dict[str, Any]) -> str:
     """One arm's sandbox figures as a line under the report's table."""
+
     def seconds(value: float | None) -> str:
         return "-" if value is None else f"{value:.2f} s"
 

@@ -73,6 +73,8 @@ class AgentShape:
         for _ in range(n_steps):
             completion = max(1, self.completion_tokens.draw_int(rng))
             observation = self.observation_tokens.draw_int(rng)
-            steps.append(TraceStep(prompt_tokens=prompt, completion_tokens=completion, tool_s=self.tool_seconds.draw(rng)))
+            steps.append(
+                TraceStep(prompt_tokens=prompt, completion_tokens=completion, tool_s=self.tool_seconds.draw(rng))
+            )
             prompt += completion + observation + 2 * MESSAGE_OVERHEAD_TOKENS
         return TraceProgram(id=f"shape-{seed}-{index}", steps=tuple(steps))

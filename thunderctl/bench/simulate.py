@@ -116,7 +116,9 @@ def plot_sweep(report: dict[str, Any], path: Path) -> None:
     hit_axis.set_ylabel("prefix-cache hit rate")
     hit_axis.set_ylim(0, 1)
     steps_axis.legend()
-    steps_axis.set_title(f"{report['preset']} × {report['parameters']['workers']} workers, {report['workload']['name']}")
+    steps_axis.set_title(
+        f"{report['preset']} × {report['parameters']['workers']} workers, {report['workload']['name']}"
+    )
     last = points[-1]
     for arm in [a for a in (BASELINE.value, ArmName.THUNDERCTL.value) if a in last["arms"]] or arms[:1]:
         samples = last["arms"][arm]["occupancy"]
@@ -135,19 +137,30 @@ def plot_sweep(report: dict[str, Any], path: Path) -> None:
 def simulate(
     preset: Annotated[str, typer.Option(help=f"The simulated worker: {', '.join(preset_names())}.")] = "h100-tp4-32b",
     workers: Annotated[int, typer.Option(min=1, help="Workers (DP replicas) of the preset.")] = 2,
-    concurrency: Annotated[str, typer.Option(help="Programs running at once, comma-separated: one point each.")] = "16,32,64,128",
+    concurrency: Annotated[
+        str, typer.Option(help="Programs running at once, comma-separated: one point each.")
+    ] = "16,32,64,128",
     workload: Annotated[WorkloadName, typer.Option(help="The programs, unless --trace.")] = WorkloadName.SWE_LITE,
     trace: Annotated[Path | None, typer.Option(help="Replay this trace (JSONL, docs/trace-format.md) instead.")] = None,
     scale: Annotated[float, typer.Option(min=0.001, help="Multiply every token count of swe-lite or the trace.")] = 1.0,
-    shared_prefix: Annotated[int, typer.Option(min=1, help="Prompt tokens all programs share (before --scale).")] = SHARED_PREFIX_TOKENS,
+    shared_prefix: Annotated[
+        int, typer.Option(min=1, help="Prompt tokens all programs share (before --scale).")
+    ] = SHARED_PREFIX_TOKENS,
     duration: Annotated[float, typer.Option(min=1, help="Simulated seconds per arm and point.")] = 1800.0,
-    warmup: Annotated[float | None, typer.Option(min=0, help="Simulated seconds not measured (default: a sixth).")] = None,
-    host_kv_gib: Annotated[float, typer.Option(min=0, help="Host KV tier per worker (vLLM CPU offloading), GiB.")] = 0.0,
+    warmup: Annotated[
+        float | None, typer.Option(min=0, help="Simulated seconds not measured (default: a sixth).")
+    ] = None,
+    host_kv_gib: Annotated[
+        float, typer.Option(min=0, help="Host KV tier per worker (vLLM CPU offloading), GiB.")
+    ] = 0.0,
     arms: Annotated[str, typer.Option(help="Arms, comma-separated.")] = ",".join(arm.value for arm in ArmName),
     seed: Annotated[int, typer.Option(help="Which programs (the same seed gives the same report).")] = 0,
     out: Annotated[Path | None, typer.Option(help="Write the JSON report here (and the plot beside it).")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write the PNG plot here (default: --out with .png).")] = None,
-    jobs: Annotated[int | None, typer.Option(min=1, help="Runs (arm × concurrency) at once, each in its own process (default: the CPU count).")] = None,
+    jobs: Annotated[
+        int | None,
+        typer.Option(min=1, help="Runs (arm × concurrency) at once, each in its own process (default: the CPU count)."),
+    ] = None,
 ) -> None:
     """Simulate every arm on the same programs at each concurrency: steps/min, hit rate, latency, KV balance."""
     console = Console() if sys.stdout.isatty() else Console(width=140)
@@ -165,7 +178,9 @@ def simulate(
         raise typer.Exit(1) from exc
     if any(c < 1 for c in concurrencies):
         raise typer.BadParameter("--concurrency: every value must be at least 1")
-    console.print(f"{chosen.name}: {chosen.summary}; {workers} workers of {chosen.engine.kv_capacity_tokens:,} KV tokens")
+    console.print(
+        f"{chosen.name}: {chosen.summary}; {workers} workers of {chosen.engine.kv_capacity_tokens:,} KV tokens"
+    )
     bar = Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=console)
     total = duration * len(concurrencies) * len(arm_names)
     task = bar.add_task("simulating", total=total)

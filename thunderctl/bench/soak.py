@@ -27,9 +27,9 @@ import yaml
 from thunderctl.bench.closed_loop import LoadSpec, Target, run_load
 from thunderctl.bench.results import LoadResult
 from thunderctl.bench.shapes import AgentShape, Uniform
+from thunderctl.gateway.timings import ADMISSION_WAIT_SECONDS, TICK_SECONDS, histogram_quantile
 from thunderctl.processes import pick_free_port, pick_free_ports, pid_alive
 from thunderctl.prometheus import parse_samples
-from thunderctl.gateway.timings import ADMISSION_WAIT_SECONDS, TICK_SECONDS, histogram_quantile
 
 MIB = 2**20
 MODEL = "sim"
@@ -44,8 +44,12 @@ PROGRAMS_PER_CLIENT = 128
 # Agents of a few thousand tokens by the end, with tools of seconds: thousands of them overbook
 # eight simulated 4×H100 workers' KV caches (891,728 tokens each) and keep the scheduler busy.
 SOAK_SHAPE = AgentShape(
-    system_prompt_tokens=1000, task_tokens=Uniform(300, 800), observation_tokens=Uniform(150, 500),
-    completion_tokens=Uniform(20, 60), steps=Uniform(8, 16), tool_seconds=Uniform(5, 25),
+    system_prompt_tokens=1000,
+    task_tokens=Uniform(300, 800),
+    observation_tokens=Uniform(150, 500),
+    completion_tokens=Uniform(20, 60),
+    steps=Uniform(8, 16),
+    tool_seconds=Uniform(5, 25),
 )
 
 
@@ -111,11 +115,18 @@ def soak_profile(spec: SoakSpec, cluster: str) -> dict[str, Any]:
     engine: dict[str, Any] = {"kind": "sim", "preset": spec.preset, "time_scale": spec.engine_time_scale}
     if spec.kv_blocks is not None:
         engine["kv_blocks"] = spec.kv_blocks
-    nodes = [{"name": f"sim-{i}", "transport": "local", "replicas": 1, "base_port": port}
-             for i, port in enumerate(pick_free_ports(spec.workers))]
-    return {"cluster": cluster, "model": {"path": spec.preset, "served_name": MODEL}, "engine": engine,
-            "nodes": nodes, "gateway": {"host": "127.0.0.1", "port": pick_free_port()},
-            "scheduler": {"tick_interval_s": spec.tick_interval_s}}
+    nodes = [
+        {"name": f"sim-{i}", "transport": "local", "replicas": 1, "base_port": port}
+        for i, port in enumerate(pick_free_ports(spec.workers))
+    ]
+    return {
+        "cluster": cluster,
+        "model": {"path": spec.preset, "served_name": MODEL},
+        "engine": engine,
+        "nodes": nodes,
+        "gateway": {"host": "127.0.0.1", "port": pick_free_port()},
+        "scheduler": {"tick_interval_s": spec.tick_interval_s},
+    }
 
 
 class Cluster:
@@ -130,8 +141,9 @@ class Cluster:
         self.gateway = f"http://127.0.0.1:{profile['gateway']['port']}"
 
     def cli(self, *args: str, timeout: float = 300) -> str:
-        done = subprocess.run([sys.executable, "-m", "thunderctl", *args], env=self.env, capture_output=True,
-                              text=True, timeout=timeout)
+        done = subprocess.run(
+            [sys.executable, "-m", "thunderctl", *args], env=self.env, capture_output=True, text=True, timeout=timeout
+        )
         if done.returncode != 0:
             raise RuntimeError(f"thunderctl {' '.join(args)} exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
         return done.stdout
@@ -149,13 +161,25 @@ async def sample_rss(process: psutil.Process, peak: list[float]) -> None:
         await asyncio.sleep(RSS_SAMPLE_S)
 
 
-async def load_with_rss(spec: SoakSpec, cluster: Cluster, workers: list[str], daemon: psutil.Process,
-                        peak: list[float]) -> list[LoadResult]:
+async def load_with_rss(
+    spec: SoakSpec, cluster: Cluster, workers: list[str], daemon: psutil.Process, peak: list[float]
+) -> list[LoadResult]:
     """The programs in shards of PROGRAMS_PER_CLIENT, each its own closed loop and client, all at once."""
     sizes = [min(PROGRAMS_PER_CLIENT, spec.programs - start) for start in range(0, spec.programs, PROGRAMS_PER_CLIENT)]
-    loads = [LoadSpec(concurrency=size, shape=spec.shape, duration_s=spec.duration_s, seed=spec.seed * 1000 + shard,
-                      model=MODEL, stream=spec.stream, time_scale=spec.tool_time_scale, request_timeout_s=1800.0,
-                      sample_interval_s=spec.duration_s) for shard, size in enumerate(sizes)]
+    loads = [
+        LoadSpec(
+            concurrency=size,
+            shape=spec.shape,
+            duration_s=spec.duration_s,
+            seed=spec.seed * 1000 + shard,
+            model=MODEL,
+            stream=spec.stream,
+            time_scale=spec.tool_time_scale,
+            request_timeout_s=1800.0,
+            sample_interval_s=spec.duration_s,
+        )
+        for shard, size in enumerate(sizes)
+    ]
     sampler = asyncio.create_task(sample_rss(daemon, peak))
     try:
         return list(await asyncio.gather(*(run_load(Target.gateway(cluster.gateway), load, workers) for load in loads)))
@@ -208,17 +232,29 @@ def run_soak(spec: SoakSpec, workdir: Path) -> SoakResult:
     # Every shard reads all the engines' counters over the same run: one shard's reading is the run's.
     engines = max((r.engines for r in results), key=lambda e: e.prefix_cache_queries)
     return SoakResult(
-        spec={**asdict(spec), "shape": asdict(spec.shape)}, wall_s=wall_s, steps_ok=steps_ok,
-        steps_failed=sum(r.steps_failed for r in results), steps_cancelled=sum(r.steps_cancelled for r in results),
+        spec={**asdict(spec), "shape": asdict(spec.shape)},
+        wall_s=wall_s,
+        steps_ok=steps_ok,
+        steps_failed=sum(r.steps_failed for r in results),
+        steps_cancelled=sum(r.steps_cancelled for r in results),
         errors=sorted({r.error or f"HTTP {r.status}" for result in results for r in result.records if not r.ok}),
         programs_started=sum(r.programs_started for r in results),
         programs_completed=sum(r.programs_completed for r in results),
-        release_failures=sum(r.release_failures for r in results), programs_left=len(left),
+        release_failures=sum(r.release_failures for r in results),
+        programs_left=len(left),
         steps_per_min=steps_ok / wall_s * 60 if wall_s else 0.0,
-        hit_rate=engines.hit_rate, preemptions=engines.preemptions,
-        pauses=figures["pauses"] or 0, resumes=figures["resumes"] or 0,
-        daemon_rss_start_mib=rss_start, daemon_rss_end_mib=rss_end, daemon_rss_peak_mib=max(peak[0], rss_end),
-        daemon_cpu_s=cpu.user + cpu.system, tick_p99_s=figures["tick_p99_s"], ticks=int(figures["ticks"] or 0),
-        admission_wait_p99_s=figures["admission_wait_p99_s"], admission_wait_p50_s=figures["admission_wait_p50_s"],
-        admissions=int(figures["admissions"] or 0), left_running=[pid for pid in pids if pid_alive(pid)],
+        hit_rate=engines.hit_rate,
+        preemptions=engines.preemptions,
+        pauses=figures["pauses"] or 0,
+        resumes=figures["resumes"] or 0,
+        daemon_rss_start_mib=rss_start,
+        daemon_rss_end_mib=rss_end,
+        daemon_rss_peak_mib=max(peak[0], rss_end),
+        daemon_cpu_s=cpu.user + cpu.system,
+        tick_p99_s=figures["tick_p99_s"],
+        ticks=int(figures["ticks"] or 0),
+        admission_wait_p99_s=figures["admission_wait_p99_s"],
+        admission_wait_p50_s=figures["admission_wait_p50_s"],
+        admissions=int(figures["admissions"] or 0),
+        left_running=[pid for pid in pids if pid_alive(pid)],
     )

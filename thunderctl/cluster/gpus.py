@@ -8,9 +8,7 @@ from dataclasses import dataclass
 from thunderctl.cluster.transport import Transport
 from thunderctl.processes import poll_until
 
-NVIDIA_SMI_QUERY = (
-    "nvidia-smi --query-gpu=index,name,driver_version,memory.total,memory.free --format=csv,noheader"
-)
+NVIDIA_SMI_QUERY = "nvidia-smi --query-gpu=index,name,driver_version,memory.total,memory.free --format=csv,noheader"
 COMMAND_NOT_FOUND = 127
 # Before a start: a GPU with less free than this share of its memory is used by someone else
 # (vLLM's default --gpu-memory-utilization 0.9 would not fit beside it).
@@ -62,19 +60,25 @@ def parse_gpus(csv: str) -> list[Gpu]:
             index, name, driver, total, free = fields
             gpus.append(Gpu(int(index), name, driver, mib(total), mib(free)))
         except ValueError:
-            raise GpuQueryError(f"unexpected nvidia-smi line {line!r}",
-                                "check nvidia-smi on the node; a GPU that reports [N/A] may need a reset") from None
+            raise GpuQueryError(
+                f"unexpected nvidia-smi line {line!r}",
+                "check nvidia-smi on the node; a GPU that reports [N/A] may need a reset",
+            ) from None
     return gpus
 
 
 def query_gpus(transport: Transport) -> list[Gpu]:
     result = transport.run(NVIDIA_SMI_QUERY)
     if result.exit_code == COMMAND_NOT_FOUND:
-        raise GpuQueryError("nvidia-smi not found", "install the NVIDIA driver on the node, or set gpus: 0 for a CPU node")
+        raise GpuQueryError(
+            "nvidia-smi not found", "install the NVIDIA driver on the node, or set gpus: 0 for a CPU node"
+        )
     if not result.ok:
         said = (result.stdout + result.stderr).strip().splitlines()
-        raise GpuQueryError(f"nvidia-smi failed: {said[0] if said else f'exit {result.exit_code}'}",
-                            "check the driver with nvidia-smi on the node (after a driver upgrade it needs a reboot)")
+        raise GpuQueryError(
+            f"nvidia-smi failed: {said[0] if said else f'exit {result.exit_code}'}",
+            "check the driver with nvidia-smi on the node (after a driver upgrade it needs a reboot)",
+        )
     return parse_gpus(result.stdout)
 
 

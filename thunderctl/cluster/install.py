@@ -82,8 +82,16 @@ def container_name(cluster: str, worker_id: str) -> str:
     return f"thunderctl-{cluster}-{worker_id.replace('/', '-')}"
 
 
-def docker_command(engine: EngineSpec, cluster: str, worker_id: str, gpus: list[int], bind: tuple[str, int],
-                   model: str, vllm_args: list[str], env_from_host: tuple[str, ...] = ()) -> list[str]:
+def docker_command(
+    engine: EngineSpec,
+    cluster: str,
+    worker_id: str,
+    gpus: list[int],
+    bind: tuple[str, int],
+    model: str,
+    vllm_args: list[str],
+    env_from_host: tuple[str, ...] = (),
+) -> list[str]:
     """`docker run` in the foreground, so the container lives as long as the started process;
     `--rm` and the labels let `down` (and anyone) find and remove what is left; the worker role
     keeps the sandbox reaper of a pool on the same engine away from it."""

@@ -85,8 +85,9 @@ def new_state(profile: Profile, profile_path: Path) -> ClusterState:
 # ---- install and start ------------------------------------------------------------------
 
 
-def install_engines(state: ClusterState, plans: list[WorkerPlan], step: InstallStep, transports: Transports,
-                    report: Report) -> None:
+def install_engines(
+    state: ClusterState, plans: list[WorkerPlan], step: InstallStep, transports: Transports, report: Report
+) -> None:
     """Run the install step on every node that still needs it, all nodes at once."""
     log = f"{node_cluster_dir(state.cluster)}/install.log"
 
@@ -97,8 +98,10 @@ def install_engines(state: ClusterState, plans: list[WorkerPlan], step: InstallS
         report(f"{node_plans[0].node}: installing {step.what} (log {transport.description}:~/{log})")
         command = f"mkdir -p {node_cluster_dir(state.cluster)} && {{ {step.command} ; }} >> {log} 2>&1"
         if not transport.run(command, timeout=INSTALL_TIMEOUT_S).ok:
-            raise LaunchError(f"installing {step.what} on node {node_plans[0].node} failed; log tail:\n"
-                              f"{transport.tail(log, LOG_TAIL_LINES)}")
+            raise LaunchError(
+                f"installing {step.what} on node {node_plans[0].node} failed; log tail:\n"
+                f"{transport.tail(log, LOG_TAIL_LINES)}"
+            )
 
     in_parallel(install, by_node(plans, lambda p: p.node))
 
@@ -133,8 +136,17 @@ def start_workers(state: ClusterState, plans: list[WorkerPlan], transports: Tran
         for plan in node_plans:
             log_path = worker_log(state, plan)
             process = transport.start_detached(plan.command, plan.launch_env(worker_key), log_path)
-            worker = WorkerRecord(plan.id, plan.node, plan.url, process.pid, log_path, ssh=plan.ssh,
-                                  gpus=list(plan.gpus), container=plan.container, start_ticks=process.start_ticks)
+            worker = WorkerRecord(
+                plan.id,
+                plan.node,
+                plan.url,
+                process.pid,
+                log_path,
+                ssh=plan.ssh,
+                gpus=list(plan.gpus),
+                container=plan.container,
+                start_ticks=process.start_ticks,
+            )
             save(worker)
             if plan.tunnel:
                 open_tunnel(state, worker, plan.port, pick_free_port())
@@ -149,11 +161,15 @@ def start_workers(state: ClusterState, plans: list[WorkerPlan], transports: Tran
 def start_failure(worker: WorkerRecord, state: ClusterState, transport: Transport) -> str | None:
     """Why a starting worker can no longer come up, with the log that says so; None while it may."""
     if not transport.group_alive(worker.process):
-        return (f"worker {worker.id} exited during start-up on {transport.description}; log tail:\n"
-                f"{transport.tail(worker.log_path, LOG_TAIL_LINES)}")
+        return (
+            f"worker {worker.id} exited during start-up on {transport.description}; log tail:\n"
+            f"{transport.tail(worker.log_path, LOG_TAIL_LINES)}"
+        )
     if worker.tunnel is not None and not process_alive(worker.tunnel):
-        return (f"the SSH tunnel to worker {worker.id} ended; its log:\n"
-                f"{tail_of_file(state.tunnel_log(worker.id), LOG_TAIL_LINES)}")
+        return (
+            f"the SSH tunnel to worker {worker.id} ended; its log:\n"
+            f"{tail_of_file(state.tunnel_log(worker.id), LOG_TAIL_LINES)}"
+        )
     return None
 
 
@@ -173,14 +189,18 @@ def wait_workers_healthy(state: ClusterState, timeout: float, report: Report, tr
             report(f"workers healthy: {len(state.workers) - len(pending)}/{len(state.workers)} ({elapsed:.0f} s)")
             if pending and elapsed > timeout:
                 first = next(iter(pending.values()))
-                raise LaunchError(f"worker {first.id} not healthy after {timeout:.0f} s; log tail:\n"
-                                  f"{transports.to(first.ssh).tail(first.log_path, LOG_TAIL_LINES)}")
+                raise LaunchError(
+                    f"worker {first.id} not healthy after {timeout:.0f} s; log tail:\n"
+                    f"{transports.to(first.ssh).tail(first.log_path, LOG_TAIL_LINES)}"
+                )
             if pending:
                 time.sleep(HEALTH_POLL_S)
 
 
 def start_daemon(state: ClusterState) -> None:
-    process = spawn_detached([sys.executable, "-m", "thunderctl.daemon", str(state.dir)], dict(os.environ), state.daemon_log)
+    process = spawn_detached(
+        [sys.executable, "-m", "thunderctl.daemon", str(state.dir)], dict(os.environ), state.daemon_log
+    )
     daemon = ProcessIdentity.local(process.pid)
     state.daemon_pid, state.daemon_start_ticks = daemon.pid, daemon.start_ticks
     state.save()
@@ -220,8 +240,12 @@ def stop_worker(worker: WorkerRecord, transports: Transports) -> StopReport:
         return StopReport(worker.id, worker.node, False, str(error))
     if held:
         memory = "; ".join(gpu.memory_text() for gpu in held)
-        return StopReport(worker.id, worker.node, False,
-                          f"stopped, but its GPUs are still in use ({memory}): see nvidia-smi on the node")
+        return StopReport(
+            worker.id,
+            worker.node,
+            False,
+            f"stopped, but its GPUs are still in use ({memory}): see nvidia-smi on the node",
+        )
     if not signalled:
         outcome = f"already stopped (pid {worker.pid} now belongs to another process)"
     else:
@@ -242,8 +266,13 @@ def remove_container(transport: Transport, name: str) -> None:
 
 def stop_workers(state: ClusterState, transports: Transports) -> list[StopReport]:
     """Every worker, nodes in parallel; then, on SSH nodes left with nothing, their state directory."""
-    reports = [r for node in in_parallel(lambda ws: [stop_worker(w, transports) for w in ws],
-                                          by_node(state.workers, lambda w: w.node)) for r in node]
+    reports = [
+        r
+        for node in in_parallel(
+            lambda ws: [stop_worker(w, transports) for w in ws], by_node(state.workers, lambda w: w.node)
+        )
+        for r in node
+    ]
     outcome = {report.worker_id: report for report in reports}
     for worker in state.workers:
         worker.stopped = outcome[worker.id].ok
@@ -280,7 +309,9 @@ def stop_daemon(state: ClusterState, drain_timeout: float) -> dict | None:
     return report
 
 
-def tear_down(state: ClusterState, drain_timeout: float, transports: Transports) -> tuple[dict | None, list[StopReport]]:
+def tear_down(
+    state: ClusterState, drain_timeout: float, transports: Transports
+) -> tuple[dict | None, list[StopReport]]:
     """Daemon first (it drains and releases), then the workers, then the state itself."""
     report = stop_daemon(state, drain_timeout)
     stops = stop_workers(state, transports)
@@ -301,8 +332,9 @@ def any_worker_alive(state: ClusterState, transports: Transports) -> bool:
     return any(transports.to(w.ssh).group_alive(w.process) for w in state.workers if not w.stopped)
 
 
-def revive_worker(state: ClusterState, worker: WorkerRecord, plan: WorkerPlan, transport: Transport,
-                  worker_key: str | None) -> bool:
+def revive_worker(
+    state: ClusterState, worker: WorkerRecord, plan: WorkerPlan, transport: Transport, worker_key: str | None
+) -> bool:
     """Start a worker again if its process group is gone (and its tunnel, if that ended), as its
     plan says, logging to the same file. Returns whether the worker itself was restarted."""
     restarted = False
@@ -318,8 +350,9 @@ def revive_worker(state: ClusterState, worker: WorkerRecord, plan: WorkerPlan, t
     return restarted
 
 
-def revive_dead_workers(state: ClusterState, plans: list[WorkerPlan], transports: Transports,
-                        worker_key: str | None) -> list[str]:
+def revive_dead_workers(
+    state: ClusterState, plans: list[WorkerPlan], transports: Transports, worker_key: str | None
+) -> list[str]:
     """Every worker that died without being stopped on purpose, started again. Returns their ids."""
     by_id = {plan.id: plan for plan in plans}
     return [
@@ -329,8 +362,9 @@ def revive_dead_workers(state: ClusterState, plans: list[WorkerPlan], transports
     ]  # fmt: skip
 
 
-def recover(state: ClusterState, plans: list[WorkerPlan], timeout: float, report: Report,
-            transports: Transports) -> list[str]:
+def recover(
+    state: ClusterState, plans: list[WorkerPlan], timeout: float, report: Report, transports: Transports
+) -> list[str]:
     """A cluster whose daemon died: restart the workers that died with it (not those a drain
     stopped on purpose) and their tunnels, then a new daemon. Returns the ids of the workers restarted."""
     worker_key = read_worker_key(state.dir) or create_worker_key(state.dir)
@@ -350,7 +384,9 @@ class Reconciliation:
     not_in_profile: list[str]
 
     def summary(self) -> str:
-        done = f"restarted {', '.join(self.restarted)} (its process had exited)" if self.restarted else "nothing changed"
+        done = (
+            f"restarted {', '.join(self.restarted)} (its process had exited)" if self.restarted else "nothing changed"
+        )
         differs = [f"the profile's {', '.join(self.not_running)} not running"] if self.not_running else []
         differs += [f"{', '.join(self.not_in_profile)} not in the profile"] if self.not_in_profile else []
         if differs:
@@ -358,8 +394,9 @@ class Reconciliation:
         return done
 
 
-def reconcile(state: ClusterState, plans: list[WorkerPlan], timeout: float, report: Report,
-              transports: Transports) -> Reconciliation:
+def reconcile(
+    state: ClusterState, plans: list[WorkerPlan], timeout: float, report: Report, transports: Transports
+) -> Reconciliation:
     """A running cluster: its daemon starts again, now, every worker that died (not those a drain
     stopped), and `up` waits for them to be healthy."""
     with control_client(state) as client:
@@ -370,8 +407,14 @@ def reconcile(state: ClusterState, plans: list[WorkerPlan], timeout: float, repo
     return Reconciliation(restarted, [i for i in planned if i not in running], [i for i in running if i not in planned])
 
 
-def launch(profile: Profile, profile_path: Path, plans: list[WorkerPlan], timeout: float, report: Report,
-           transports: Transports) -> ClusterState:
+def launch(
+    profile: Profile,
+    profile_path: Path,
+    plans: list[WorkerPlan],
+    timeout: float,
+    report: Report,
+    transports: Transports,
+) -> ClusterState:
     """Install where needed, start workers, wait for their health, start the daemon; on any
     failure stop all of it, and say whether that worked."""
     state = new_state(profile, profile_path)

@@ -111,8 +111,13 @@ def sim_worker(profile: Profile, node: NodeSpec, port: int) -> list[str]:
     """`thunderctl engine sim` with the profile's shape, in the python that runs thunderctl."""
     engine = profile.engine
     options = ["--served-model-name", profile.model.served_name]
-    for flag, value in (("--preset", engine.preset), ("--time-scale", engine.time_scale), ("--kv-blocks", engine.kv_blocks),
-                        ("--block-size", engine.block_size), ("--max-model-len", engine.max_model_len)):
+    for flag, value in (
+        ("--preset", engine.preset),
+        ("--time-scale", engine.time_scale),
+        ("--kv-blocks", engine.kv_blocks),
+        ("--block-size", engine.block_size),
+        ("--max-model-len", engine.max_model_len),
+    ):
         if value is not None:
             options += [flag, str(value)]
     return sim_command(engine.python or sys.executable, port, bind_host(node), [*options, *engine.args])
@@ -139,15 +144,25 @@ def gpu_args(profile: Profile, node: NodeSpec, host: str, port: int, home: Engin
     return [*args, *engine.args]
 
 
-def gpu_worker(profile: Profile, node: NodeSpec, replica: int, port: int, home: EngineHome) -> tuple[list[str], dict[str, str]]:
+def gpu_worker(
+    profile: Profile, node: NodeSpec, replica: int, port: int, home: EngineHome
+) -> tuple[list[str], dict[str, str]]:
     gpus = gpu_partition(node, replica)
     python = worker_python(profile, home)
     if python is None:  # docker: the container sees only its GPUs, and listens on all its addresses
         args = gpu_args(profile, node, "0.0.0.0", port, home)
         worker_id = f"{node.name}/{replica}"
         bind = (bind_host(node), port)
-        command = docker_command(profile.engine, profile.cluster, worker_id, gpus, bind, model_path(profile, home), args,
-                                 env_from_host=(API_KEY_ENV,))
+        command = docker_command(
+            profile.engine,
+            profile.cluster,
+            worker_id,
+            gpus,
+            bind,
+            model_path(profile, home),
+            args,
+            env_from_host=(API_KEY_ENV,),
+        )
         return command, {}
     command = [python, "-m", VLLM_SERVER_MODULE, *gpu_args(profile, node, bind_host(node), port, home)]
     return command, {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
@@ -169,6 +184,19 @@ def plan_workers(profile: Profile, home: EngineHome | None = None) -> list[Worke
             container = container_name(profile.cluster, worker_id) if profile.engine.install == "docker" else None
             gpus = tuple(gpu_partition(node, replica)) if node.gpus else ()
             keyed = not is_loopback_host(bind_host(node))
-            plans.append(WorkerPlan(worker_id, node.name, node.host, port, command, env, ssh_target(node), gpus,
-                                    container, node.tunnel, keyed))
+            plans.append(
+                WorkerPlan(
+                    worker_id,
+                    node.name,
+                    node.host,
+                    port,
+                    command,
+                    env,
+                    ssh_target(node),
+                    gpus,
+                    container,
+                    node.tunnel,
+                    keyed,
+                )
+            )
     return plans

@@ -48,8 +48,9 @@ def connect(target: SshTarget, timeout: float = CONNECT_TIMEOUT_S) -> Connection
         if target.key else {}
     )  # fmt: skip
     gateway = Connection(target.jump_host, connect_timeout=timeout, connect_kwargs=auth) if target.jump_host else None
-    return Connection(target.host, user=target.user, port=target.port, connect_timeout=timeout,
-                      connect_kwargs=auth, gateway=gateway)
+    return Connection(
+        target.host, user=target.user, port=target.port, connect_timeout=timeout, connect_kwargs=auth, gateway=gateway
+    )
 
 
 def connection_error(target: SshTarget, error: Exception) -> TransportError:
@@ -59,22 +60,30 @@ def connection_error(target: SshTarget, error: Exception) -> TransportError:
         return TransportError(f"{target}: no key file {target.key}", "set nodes[].key to an existing private key")
     match error:
         case BadHostKeyException():
-            return TransportError(f"{target}: the host key differs from the one in known_hosts",
-                                  f"if {target.host} was reinstalled, remove its old entry: ssh-keygen -R {target.host}")
+            return TransportError(
+                f"{target}: the host key differs from the one in known_hosts",
+                f"if {target.host} was reinstalled, remove its old entry: ssh-keygen -R {target.host}",
+            )
         case AuthenticationException() if target.key:
-            return TransportError(f"{target}: the key {target.key} was refused",
-                                  f"add {target.key}.pub to ~/.ssh/authorized_keys of {target.user or 'the user'} on "
-                                  f"{target.host} (ssh-copy-id -i {target.key} -p {target.port} {where}), "
-                                  "or correct nodes[].key / nodes[].user")
+            return TransportError(
+                f"{target}: the key {target.key} was refused",
+                f"add {target.key}.pub to ~/.ssh/authorized_keys of {target.user or 'the user'} on "
+                f"{target.host} (ssh-copy-id -i {target.key} -p {target.port} {where}), "
+                "or correct nodes[].key / nodes[].user",
+            )
         case AuthenticationException():
-            return TransportError(f"{target}: no identity of the agent or ~/.ssh was accepted",
-                                  "set nodes[].key to the node's private key, or add the key to ssh-agent")
+            return TransportError(
+                f"{target}: no identity of the agent or ~/.ssh was accepted",
+                "set nodes[].key to the node's private key, or add the key to ssh-agent",
+            )
         case socket.gaierror():
             return TransportError(f"{target}: cannot resolve {target.host}", "correct nodes[].host")
         case _:
-            return TransportError(f"{target}: cannot connect ({error})",
-                                  "check nodes[].host and nodes[].port, that sshd runs on the node, and "
-                                  "nodes[].jump_host if it is only reachable through one")
+            return TransportError(
+                f"{target}: cannot connect ({error})",
+                "check nodes[].host and nodes[].port, that sshd runs on the node, and "
+                "nodes[].jump_host if it is only reachable through one",
+            )
 
 
 class SshTransport(Transport):
@@ -87,8 +96,9 @@ class SshTransport(Transport):
 
     def run(self, command: str, timeout: float = COMMAND_TIMEOUT_S) -> CommandResult:
         try:
-            result = self._connection.run(bounded(command, timeout), hide=True, warn=True, in_stream=False,
-                                          timeout=timeout + 2 * KILL_GRACE_S)
+            result = self._connection.run(
+                bounded(command, timeout), hide=True, warn=True, in_stream=False, timeout=timeout + 2 * KILL_GRACE_S
+            )
         except CommandTimedOut:
             result = None
         except (SSHException, OSError, EOFError) as error:
@@ -102,8 +112,18 @@ class SshTransport(Transport):
         # The inner shell writes its own pid and start time after setsid, so the file holds the
         # group leader whether or not setsid had to fork; exec keeps both for the command itself.
         # Its command name is "sh" (no spaces) while it writes, so cut finds field 22 (starttime).
-        leader = shlex.join(["env", *(f"{k}={v}" for k, v in env.items()), "setsid", "sh", "-c",
-                             'echo $$ $(cut -d " " -f 22 /proc/$$/stat) > "$0" && exec "$@"', pid_path, *command])
+        leader = shlex.join(
+            [
+                "env",
+                *(f"{k}={v}" for k, v in env.items()),
+                "setsid",
+                "sh",
+                "-c",
+                'echo $$ $(cut -d " " -f 22 /proc/$$/stat) > "$0" && exec "$@"',
+                pid_path,
+                *command,
+            ]
+        )
         log, pid = shlex.quote(log_path), shlex.quote(pid_path)
         script = (
             f"mkdir -p {shlex.quote(str(Path(log_path).parent))} && rm -f {pid} && "
@@ -128,8 +148,9 @@ class SshTransport(Transport):
         "nothing runs" or "no port is taken", so its absence is an error."""
         result = self.run(command)
         if not result.ok:
-            raise TransportError(f"`{command}` failed on {self.target.host}: {result.stderr.strip()}",
-                                 f"install {package} on the node")
+            raise TransportError(
+                f"`{command}` failed on {self.target.host}: {result.stderr.strip()}", f"install {package} on the node"
+            )
         return result.stdout
 
     def signal_group(self, pgid: int, sig: signal.Signals) -> bool:
@@ -192,6 +213,7 @@ def parse_listeners(ss_output: str) -> list[Listener]:
 
 def port_taken(host: str, port: int, listeners: list[Listener]) -> bool:
     """Whether binding host:port (an IPv4 address) would fail with these listeners."""
+
     def blocks(listener: Listener) -> bool:
         if listener.address in WILDCARD_ADDRESSES or listener.address == host:
             return True

@@ -31,7 +31,14 @@ CHUNK = 65536
 
 
 def tunnel_command(target: SshTarget, local_port: int, remote_port: int) -> list[str]:
-    return [sys.executable, "-m", "thunderctl.cluster.tunnel", json.dumps(asdict(target)), str(local_port), str(remote_port)]
+    return [
+        sys.executable,
+        "-m",
+        "thunderctl.cluster.tunnel",
+        json.dumps(asdict(target)),
+        str(local_port),
+        str(remote_port),
+    ]
 
 
 def relay(transport: Transport, client: socket.socket, remote_port: int) -> None:

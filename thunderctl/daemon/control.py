@@ -43,7 +43,9 @@ def shutdown_timeout(body: dict[str, Any]) -> float:
     """Seconds `shutdown` lets requests in flight finish: a finite number, 0 to a day."""
     value = body.get("timeout", DEFAULT_SHUTDOWN_TIMEOUT_S)
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_SHUTDOWN_TIMEOUT_S:
-        raise BadRequest(f"timeout must be a number of seconds from 0 to {MAX_SHUTDOWN_TIMEOUT_S:g}, not {shown(value)}")
+        raise BadRequest(
+            f"timeout must be a number of seconds from 0 to {MAX_SHUTDOWN_TIMEOUT_S:g}, not {shown(value)}"
+        )
     return float(value)
 
 
@@ -90,9 +92,7 @@ def status_view(daemon: Daemon) -> ClusterStatus:
                 restarts=daemon.restarts.restarts(record.id),
             )
         )
-    counts = Counter(
-        "paused" if p.status is Status.PAUSED else p.phase.value for p in scheduler.programs.values()
-    )
+    counts = Counter("paused" if p.status is Status.PAUSED else p.phase.value for p in scheduler.programs.values())
     return ClusterStatus(
         cluster=daemon.state.cluster,
         endpoint=daemon.state.endpoint,

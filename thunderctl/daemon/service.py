@@ -16,15 +16,15 @@ from thunderctl import aio
 from thunderctl.cluster.lifecycle import revive_worker
 from thunderctl.cluster.plan import plan_workers
 from thunderctl.cluster.state import ClusterState, WorkerRecord
-from thunderctl.processes import process_alive
 from thunderctl.cluster.transport import TransportError, Transports
 from thunderctl.cluster.worker_key import read_worker_key
 from thunderctl.daemon.control import build_control_app
 from thunderctl.daemon.supervisor import RestartPlanner
 from thunderctl.gateway import Gateway, Upstream, build_app
-from thunderctl.gateway.gateway import AGENT_KEEPALIVE_S
 from thunderctl.gateway.answers import resume_priority
+from thunderctl.gateway.gateway import AGENT_KEEPALIVE_S
 from thunderctl.jsonapi import BodyLimits
+from thunderctl.processes import process_alive
 from thunderctl.profile import ProfileError, load_profile
 from thunderctl.sandbox import SandboxPool, render_sandbox_metrics, sandbox_routes
 from thunderctl.scheduler import EventKind, ProgramEvent
@@ -163,8 +163,12 @@ class Daemon:
         restarted = revive_worker(self.state, worker, self.plans[worker.id], transport, self.worker_key)
         if restarted:
             self.restarts.restarted(worker.id, clock)
-            log.warning("worker %s had exited; started it again (restart %d; log %s)",
-                        worker.id, self.restarts.restarts(worker.id), worker.log_path)
+            log.warning(
+                "worker %s had exited; started it again (restart %d; log %s)",
+                worker.id,
+                self.restarts.restarts(worker.id),
+                worker.log_path,
+            )
         return restarted
 
     def sandbox_stats(self) -> dict:
@@ -185,8 +189,9 @@ class Daemon:
         self._spawn(self._supervise_workers())
         gateway = self.profile.gateway
         sockets = [bind_tcp(gateway.host, gateway.port), bind_control_socket(self.state.socket_path)]
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_keep_alive=AGENT_KEEPALIVE_S)
+        config = uvicorn.Config(
+            self.app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=AGENT_KEEPALIVE_S
+        )
         self.server = uvicorn.Server(config)
         try:
             await self.server.serve(sockets=sockets)
@@ -218,8 +223,11 @@ async def collect_orphaned_sandboxes(state: ClusterState) -> int:
         return 0  # the profile is gone; nothing says which Docker hosts to clean
     if config is None or not config.enabled:
         return 0
-    pool = SandboxPool(config.model_copy(update={"warm": 0, "warm_images": {}}), cluster=state.cluster,
-                       state_path=state.dir / "sandboxes.json")
+    pool = SandboxPool(
+        config.model_copy(update={"warm": 0, "warm_images": {}}),
+        cluster=state.cluster,
+        state_path=state.dir / "sandboxes.json",
+    )
     await pool.start()  # its reaper removes this cluster's sandbox containers, never its workers
     await pool.shutdown()
     return pool.stats().get("reaped", 0)

@@ -16,14 +16,17 @@ class ChildServer:
 
     what = "server"  # how errors name it
 
-    def __init__(self, command_for: Callable[[int], list[str]], log_path: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, command_for: Callable[[int], list[str]], log_path: Path, env: dict[str, str] | None = None
+    ) -> None:
         self.port = pick_free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("wb") as log:
-            self.process = subprocess.Popen(command_for(self.port), stdin=subprocess.DEVNULL, stdout=log,
-                                            stderr=subprocess.STDOUT, env=env)
+            self.process = subprocess.Popen(
+                command_for(self.port), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env
+            )
 
     def wait_healthy(self, timeout: float = 60.0) -> None:
         with httpx.Client(timeout=2.0, trust_env=False) as client:

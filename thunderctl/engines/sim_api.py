@@ -22,7 +22,9 @@ DONE_LINE = b"data: [DONE]\n\n"
 class VllmError(Exception):
     """A request vLLM would refuse, with vLLM's status, error type, message and parameter."""
 
-    def __init__(self, message: str, status: int = 400, kind: str = "BadRequestError", param: str | None = None) -> None:
+    def __init__(
+        self, message: str, status: int = 400, kind: str = "BadRequestError", param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status, self.kind, self.param = status, kind, param
 
@@ -73,41 +75,86 @@ class Answer:
         return "chat.completion" if self.kind is Kind.CHAT else "text_completion"
 
     def usage(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.prompt_tokens, "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "completion_tokens": self.completion_tokens}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "completion_tokens": self.completion_tokens,
+        }
 
     def whole(self, text: str) -> dict[str, Any]:
         """The non-streamed response."""
         if self.kind is Kind.CHAT:
             choice: dict[str, Any] = {
-                "index": 0, "message": {"role": "assistant", "content": text, "refusal": None, "annotations": None,
-                                        "audio": None, "function_call": None, "reasoning": None},
-                "logprobs": None, "finish_reason": FINISH_REASON, "stop_reason": None, "token_ids": None,
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": text,
+                    "refusal": None,
+                    "annotations": None,
+                    "audio": None,
+                    "function_call": None,
+                    "reasoning": None,
+                },
+                "logprobs": None,
+                "finish_reason": FINISH_REASON,
+                "stop_reason": None,
+                "token_ids": None,
             }
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": FINISH_REASON, "stop_reason": None,
-                      "token_ids": None, "prompt_logprobs": None}
-        return {"id": self.response_id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": [choice], "service_tier": None, "system_fingerprint": None,
-                "usage": {**self.usage(), "prompt_tokens_details": None}, "kv_transfer_params": None}
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": FINISH_REASON,
+                "stop_reason": None,
+                "token_ids": None,
+                "prompt_logprobs": None,
+            }
+        return {
+            "id": self.response_id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "service_tier": None,
+            "system_fingerprint": None,
+            "usage": {**self.usage(), "prompt_tokens_details": None},
+            "kv_transfer_params": None,
+        }
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
-        chunk = {"id": self.response_id, "object": f"{self.object}.chunk" if self.kind is Kind.CHAT else self.object,
-                 "created": self.created, "model": self.model, "choices": choices, **extra}
+        chunk = {
+            "id": self.response_id,
+            "object": f"{self.object}.chunk" if self.kind is Kind.CHAT else self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
         return f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n".encode()
 
     def _delta(self, text: str, final: bool) -> dict[str, Any]:
         if self.kind is Kind.CHAT:
             choice: dict[str, Any] = {"index": 0, "delta": {"content": text}, "logprobs": None}
-            return {**choice, "finish_reason": FINISH_REASON, "stop_reason": None} if final else {**choice, "finish_reason": None}
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": FINISH_REASON if final else None,
-                "stop_reason": None}
+            return (
+                {**choice, "finish_reason": FINISH_REASON, "stop_reason": None}
+                if final
+                else {**choice, "finish_reason": None}
+            )
+        return {
+            "index": 0,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": FINISH_REASON if final else None,
+            "stop_reason": None,
+        }
 
     async def stream(self, pieces: AsyncIterator[tuple[list[str], bool]], include_usage: bool) -> AsyncIterator[bytes]:
         """The SSE stream: (for chat) the role, then the answer as it is sampled, the usage, [DONE]."""
         if self.kind is Kind.CHAT:
-            yield self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                "finish_reason": None}])
+            yield self._chunk(
+                [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+            )
         first = True
         async for words, final in pieces:
             text = " ".join(words)

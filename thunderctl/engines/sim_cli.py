@@ -18,7 +18,9 @@ def engine_sim(
     preset: Annotated[str, typer.Option(help=f"The worker simulated: {', '.join(preset_names())}.")] = DEFAULT_PRESET,
     kv_blocks: Annotated[int | None, typer.Option(min=1, help="KV cache blocks (default: the preset's).")] = None,
     block_size: Annotated[int | None, typer.Option(min=1, help="Tokens per KV block (default: the preset's).")] = None,
-    max_model_len: Annotated[int | None, typer.Option(min=2, help="Longest prompt + answer (default: the preset's).")] = None,
+    max_model_len: Annotated[
+        int | None, typer.Option(min=2, help="Longest prompt + answer (default: the preset's).")
+    ] = None,
     served_model_name: Annotated[str, typer.Option(help="The model name clients send.")] = "tiny",
     time_scale: Annotated[
         float, typer.Option(min=0, help="Wall seconds per simulated second of engine time (0: as fast as it can).")
@@ -26,8 +28,16 @@ def engine_sim(
 ) -> None:
     """Serve a simulated vLLM worker (the simulator's engine model) over vLLM's OpenAI API, in real time."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = SimEngineConfig(port=port, host=host, preset=preset, kv_blocks=kv_blocks, block_size=block_size,
-                             max_model_len=max_model_len, served_model_name=served_model_name, time_scale=time_scale)
+    config = SimEngineConfig(
+        port=port,
+        host=host,
+        preset=preset,
+        kv_blocks=kv_blocks,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        served_model_name=served_model_name,
+        time_scale=time_scale,
+    )
     try:
         server = SimServer(config)
     except SimConfigError as exc:

@@ -35,18 +35,26 @@ class EngineCollector:
     def collect(self) -> Iterator[Metric]:
         engine, counters = self.engine, self.engine.counters
         shape = engine.shape
-        yield self._gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
-                          len(engine.running))
-        yield self._gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-                          len(engine.waiting))
+        yield self._gauge(
+            "vllm:num_requests_running", "Number of requests in model execution batches.", len(engine.running)
+        )
+        yield self._gauge(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", len(engine.waiting)
+        )
         yield self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", engine.kv_usage)
-        yield self._counter("vllm:prefix_cache_queries",
-                            "Prefix cache queries, in terms of number of queried tokens.",
-                            counters.prefix_cache_queries)
-        yield self._counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-                            counters.prefix_cache_hits)
-        yield self._counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
-                            counters.preemptions)
+        yield self._counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            counters.prefix_cache_queries,
+        )
+        yield self._counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            counters.prefix_cache_hits,
+        )
+        yield self._counter(
+            "vllm:num_preemptions", "Cumulative number of preemption from the engine.", counters.preemptions
+        )
         config = {
             "block_size": str(shape.block_size),
             "enable_prefix_caching": "True",
@@ -54,8 +62,9 @@ class EngineCollector:
             "kv_cache_size_tokens": str(shape.kv_capacity_tokens),
             "num_gpu_blocks": str(shape.num_gpu_blocks),
         }
-        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-                                 labels=list(config))
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(config)
+        )
         info.add_metric(list(config.values()), 1.0)
         yield info
 

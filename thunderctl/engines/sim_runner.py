@@ -83,8 +83,9 @@ class RealTimeEngine:
         words = answer_words(prompt, max_tokens)
         tokens = [*prompt, *token_ids(" ".join(words))]
         content = ContentStream.of(tokens, self.engine.block_size, self.block_ids)
-        request = Request(content, prompt_tokens=len(prompt), max_tokens=max_tokens,
-                          arrival_s=asyncio.get_running_loop().time())
+        request = Request(
+            content, prompt_tokens=len(prompt), max_tokens=max_tokens, arrival_s=asyncio.get_running_loop().time()
+        )
         generation = Generation(request, words)
         request.on_finish = lambda _: self._finished(generation)
         if stream:

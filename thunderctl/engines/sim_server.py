@@ -116,8 +116,10 @@ def text_prompt(body: dict[str, Any]) -> list[int]:
         return token_ids(prompt)
     if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return prompt
-    raise VllmError("prompt must be a string or a list of token ids (the simulated engine answers one prompt "
-                    "per request)", param="prompt")
+    raise VllmError(
+        "prompt must be a string or a list of token ids (the simulated engine answers one prompt per request)",
+        param="prompt",
+    )
 
 
 def chat_prompt(body: dict[str, Any]) -> list[int]:
@@ -140,11 +142,15 @@ class SimServer:
 
     def describe(self) -> str:
         shape = self.shape
-        return (f"simulated {self.preset.name} ({self.preset.summary}) at time scale {self.config.time_scale:g}: "
-                f"{shape.num_gpu_blocks:,} KV blocks of {shape.block_size} ({shape.kv_capacity_tokens:,} tokens), "
-                f"max_model_len {shape.max_model_len:,}, serving {self.config.served_model_name!r}")
+        return (
+            f"simulated {self.preset.name} ({self.preset.summary}) at time scale {self.config.time_scale:g}: "
+            f"{shape.num_gpu_blocks:,} KV blocks of {shape.block_size} ({shape.kv_capacity_tokens:,} tokens), "
+            f"max_model_len {shape.max_model_len:,}, serving {self.config.served_model_name!r}"
+        )
 
-    async def generate(self, request: Request, kind: Kind, prompt_of: Callable[[dict[str, Any]], list[int]]) -> Response:
+    async def generate(
+        self, request: Request, kind: Kind, prompt_of: Callable[[dict[str, Any]], list[int]]
+    ) -> Response:
         try:
             body = await json_body(request)
             model = body.get("model")
@@ -181,13 +187,22 @@ class SimServer:
             tokens = chat_prompt(body) if "messages" in body else text_prompt(body)
         except VllmError as exc:
             return exc.response()
-        return JSONResponse({"count": len(tokens), "max_model_len": self.shape.max_model_len, "tokens": tokens,
-                             "token_strs": None})
+        return JSONResponse(
+            {"count": len(tokens), "max_model_len": self.shape.max_model_len, "tokens": tokens, "token_strs": None}
+        )
 
     async def models(self, _: Request) -> Response:
         name = self.config.served_model_name
-        card = {"id": name, "object": "model", "created": self.started, "owned_by": "vllm", "root": self.preset.name,
-                "parent": None, "max_model_len": self.shape.max_model_len, "permission": []}
+        card = {
+            "id": name,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "vllm",
+            "root": self.preset.name,
+            "parent": None,
+            "max_model_len": self.shape.max_model_len,
+            "permission": [],
+        }
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(self, _: Request) -> Response:
@@ -200,15 +215,17 @@ class SimServer:
         return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def app(self) -> Starlette:
-        return Starlette(routes=[
-            Route("/v1/chat/completions", self.chat, methods=["POST"]),
-            Route("/v1/completions", self.completions, methods=["POST"]),
-            Route("/v1/models", self.models, methods=["GET"]),
-            Route("/tokenize", self.tokenize, methods=["POST"]),
-            Route("/health", self.health, methods=["GET"]),
-            Route("/version", self.version, methods=["GET"]),
-            Route("/metrics", self.metrics, methods=["GET"]),
-        ])
+        return Starlette(
+            routes=[
+                Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/tokenize", self.tokenize, methods=["POST"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/version", self.version, methods=["GET"]),
+                Route("/metrics", self.metrics, methods=["GET"]),
+            ]
+        )
 
     async def log_stats(self) -> None:
         """Every LOG_INTERVAL_S while anything happened: what vLLM's stat logger says."""
@@ -220,20 +237,37 @@ class SimServer:
                 continue
             rate = [(b - a) / LOG_INTERVAL_S for a, b in zip(last, now)]
             hit = counters.hit_rate
-            log.info("Engine 000: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
-                     "Steps: %.1f/s, Running: %d reqs, Waiting: %d reqs, GPU KV cache usage: %.1f%%, "
-                     "Prefix cache hit rate: %s, Preemptions: %d", rate[1], rate[2], rate[0], len(self.engine.running),
-                     len(self.engine.waiting), 100 * self.engine.kv_usage, "-" if hit is None else f"{100 * hit:.1f}%",
-                     counters.preemptions)
+            log.info(
+                "Engine 000: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                "Steps: %.1f/s, Running: %d reqs, Waiting: %d reqs, GPU KV cache usage: %.1f%%, "
+                "Prefix cache hit rate: %s, Preemptions: %d",
+                rate[1],
+                rate[2],
+                rate[0],
+                len(self.engine.running),
+                len(self.engine.waiting),
+                100 * self.engine.kv_usage,
+                "-" if hit is None else f"{100 * hit:.1f}%",
+                counters.preemptions,
+            )
             last = now
 
     async def serve(self) -> None:
         """Serve until the process is told to stop (SIGINT/SIGTERM, which uvicorn handles)."""
-        config = uvicorn.Config(self.app(), host=self.config.host, port=self.config.port, log_level="warning",
-                                access_log=False, lifespan="off", timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+        config = uvicorn.Config(
+            self.app(),
+            host=self.config.host,
+            port=self.config.port,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+        )
         server = uvicorn.Server(config)
-        tasks = [asyncio.create_task(self.runner.run(), name="sim-steps"),
-                 asyncio.create_task(self.log_stats(), name="sim-stats")]
+        tasks = [
+            asyncio.create_task(self.runner.run(), name="sim-steps"),
+            asyncio.create_task(self.log_stats(), name="sim-stats"),
+        ]
 
         def stop_if_broken(task: asyncio.Task[None]) -> None:
             # A worker whose engine is dead must not answer /health: it exits, and `up` or the

@@ -12,8 +12,8 @@ from __future__ import annotations
 import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
-from itertools import chain
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 CHAT_START = "<|im_start|>"

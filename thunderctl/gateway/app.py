@@ -50,6 +50,7 @@ def build_app(
     """The gateway's routes; the daemon adds the sandbox pool's routes, metrics, adoption and
     collection at release (of any program: one may end before its first LLM request). With
     an API key in `auth`, every route but /health (and /metrics, if public) asks for it."""
+
     def release_program(program_id: str) -> bool:
         released = gateway.scheduler.release(program_id)
         if on_release is not None:

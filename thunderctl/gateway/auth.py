@@ -57,8 +57,11 @@ class RequireApiKey:
         if presented is not None and hmac.compare_digest(digest(presented), self._expected):
             await self.app(scope, receive, send)
             return
-        message = ("missing API key: send the header `Authorization: Bearer <key>`" if presented is None
-                   else "incorrect API key provided")
+        message = (
+            "missing API key: send the header `Authorization: Bearer <key>`"
+            if presented is None
+            else "incorrect API key provided"
+        )
         response = error(401, message, "authentication_error")
         response.headers["WWW-Authenticate"] = "Bearer"
         await response(scope, receive, send)
@@ -84,5 +87,7 @@ def exposure_problem(host: str, auth: GatewayAuth, allow_unauthenticated: bool, 
     says how to set a key where the caller configures it."""
     if auth.api_key or allow_unauthenticated or is_loopback_host(host):
         return None
-    return (f"the gateway would listen on {host}, beyond loopback, with no API key: anyone who reaches it "
-            f"could use the workers and run commands in sandboxes. {fix}")
+    return (
+        f"the gateway would listen on {host}, beyond loopback, with no API key: anyone who reaches it "
+        f"could use the workers and run commands in sandboxes. {fix}"
+    )

@@ -135,7 +135,9 @@ class Gateway:
         self._client = httpx.AsyncClient(
             headers=bearer_headers(worker_key),
             timeout=httpx.Timeout(None, connect=10.0),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=WORKER_KEEPALIVE_S),
+            limits=httpx.Limits(
+                max_connections=None, max_keepalive_connections=256, keepalive_expiry=WORKER_KEEPALIVE_S
+            ),
             transport=transport,
         )
 
@@ -285,9 +287,7 @@ class Gateway:
 
     # ---- relaying -------------------------------------------------------------------------
 
-    async def relay(
-        self, path: str, body: dict[str, Any], program_id: str | None, shape: PromptShape
-    ) -> Relayed:
+    async def relay(self, path: str, body: dict[str, Any], program_id: str | None, shape: PromptShape) -> Relayed:
         """Send the request to its backend; account the engine's usage when it ends.
 
         A request that fails before any byte reached the client (the worker died) is tried
@@ -313,8 +313,9 @@ class Gateway:
             response = None
             try:
                 response = await self._client.send(
-                    self._client.build_request("POST", f"{upstream.url}{path}", content=payload,
-                                               headers={"content-type": "application/json"}),
+                    self._client.build_request(
+                        "POST", f"{upstream.url}{path}", content=payload, headers={"content-type": "application/json"}
+                    ),
                     stream=True,
                 )
                 if response.status_code == 200 and stream:

@@ -30,25 +30,43 @@ def gateway_families(gateway: Gateway) -> Iterator[Metric]:
     for name, documentation, value in [
         ("thunderctl_pauses_total", "Programs paused.", sched.counters.pauses),
         ("thunderctl_resumes_total", "Programs resumed.", sched.counters.resumes),
-        ("thunderctl_forced_resumes_total", "Programs resumed without room, past resume_timeout_s.", sched.counters.forced_resumes),
+        (
+            "thunderctl_forced_resumes_total",
+            "Programs resumed without room, past resume_timeout_s.",
+            sched.counters.forced_resumes,
+        ),
         ("thunderctl_programs_released_total", "Programs released.", sched.counters.released),
-        ("thunderctl_programs_expired_total", "Programs ended after idle_ttl_s without activity.", sched.counters.expired),
+        (
+            "thunderctl_programs_expired_total",
+            "Programs ended after idle_ttl_s without activity.",
+            sched.counters.expired,
+        ),
         ("thunderctl_scheduler_tick_failures_total", "Scheduler ticks that raised.", sched.counters.tick_failures),
     ]:
         yield CounterMetricFamily(name, documentation, value=value)
     yield GaugeMetricFamily(
-        "thunderctl_acting_weight", "Share of an acting program's private tokens charged.", round(sched.acting_weight, 4)
+        "thunderctl_acting_weight",
+        "Share of an acting program's private tokens charged.",
+        round(sched.acting_weight, 4),
     )
     yield GaugeMetricFamily(
         "thunderctl_admission_gate_open", "1 while the admission law's gate is open.", int(sched.tuner.gate_open)
     )
     yield GaugeMetricFamily(
-        "thunderctl_worker_utilization", "Mean busy fraction of the workers in service.", round(gateway.last_utilization, 4)
+        "thunderctl_worker_utilization",
+        "Mean busy fraction of the workers in service.",
+        round(gateway.last_utilization, 4),
     )
     backend = ["backend"]
-    reserved = GaugeMetricFamily("thunderctl_backend_reserved_tokens", "Physical KV tokens charged on the backend.", labels=backend)
-    capacity = GaugeMetricFamily("thunderctl_backend_capacity_tokens", "KV cache tokens of the backend.", labels=backend)
-    in_flight = GaugeMetricFamily("thunderctl_backend_requests_in_flight", "Requests relayed to the backend now.", labels=backend)
+    reserved = GaugeMetricFamily(
+        "thunderctl_backend_reserved_tokens", "Physical KV tokens charged on the backend.", labels=backend
+    )
+    capacity = GaugeMetricFamily(
+        "thunderctl_backend_capacity_tokens", "KV cache tokens of the backend.", labels=backend
+    )
+    in_flight = GaugeMetricFamily(
+        "thunderctl_backend_requests_in_flight", "Requests relayed to the backend now.", labels=backend
+    )
     for upstream in gateway.upstreams.values():
         reserved.add_metric([upstream.id], sched.reserved_tokens(upstream.id))
         if upstream.capacity is not None:

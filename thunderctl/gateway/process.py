@@ -12,7 +12,6 @@ from thunderctl.gateway.auth import API_KEY_ENV, env_api_key
 from thunderctl.jsonapi import bearer_headers
 
 
-
 class ServeProcess(ChildServer):
     """A gateway in its own process (so it does not share the caller's GIL), stopped by pid."""
 

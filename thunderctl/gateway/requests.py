@@ -63,7 +63,9 @@ def pop_docker_ids(body: dict[str, Any]) -> list[str]:
     if ids is None:
         return []
     if not isinstance(ids, list) or not all(isinstance(i, str) and 0 < len(i) <= MAX_CONTAINER_REF_CHARS for i in ids):
-        raise BadRequest(f"docker_ids must be an array of container ids or names (strings of 1-{MAX_CONTAINER_REF_CHARS} characters)")
+        raise BadRequest(
+            f"docker_ids must be an array of container ids or names (strings of 1-{MAX_CONTAINER_REF_CHARS} characters)"
+        )
     return ids
 
 
@@ -77,7 +79,9 @@ def check_generation_fields(body: dict[str, Any]) -> None:
         if not isinstance(options, dict):
             raise BadRequest(f"stream_options must be an object or null, not {json_type(options)}")
         if not isinstance(options.get("include_usage"), bool | None):
-            raise BadRequest(f"stream_options.include_usage must be true or false, not {json_type(options['include_usage'])}")
+            raise BadRequest(
+                f"stream_options.include_usage must be true or false, not {json_type(options['include_usage'])}"
+            )
     for name in ("max_tokens", "max_completion_tokens"):
         value = body.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

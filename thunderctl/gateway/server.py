@@ -24,14 +24,23 @@ def parse_backend(spec: str, index: int) -> Upstream:
 
 
 async def serve_gateway(
-    gateway: Gateway, host: str, port: int, on_ready: Callable[[list[str]], None],
-    auth: GatewayAuth = GatewayAuth(), limits: BodyLimits = BodyLimits(),
+    gateway: Gateway,
+    host: str,
+    port: int,
+    on_ready: Callable[[list[str]], None],
+    auth: GatewayAuth = GatewayAuth(),
+    limits: BodyLimits = BodyLimits(),
 ) -> None:
     """Check the backends, then serve until interrupted; the gateway's loops stop with it."""
     warnings = await gateway.start()
     config = uvicorn.Config(
-        build_app(gateway, auth=auth, limits=limits), host=host, port=port, log_level="warning", access_log=False,
-        lifespan="off", timeout_keep_alive=AGENT_KEEPALIVE_S,
+        build_app(gateway, auth=auth, limits=limits),
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        timeout_keep_alive=AGENT_KEEPALIVE_S,
     )
     server = uvicorn.Server(config)
     try:

@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-
 from prometheus_client.samples import Sample
 
 TICK_SECONDS = "thunderctl_scheduler_tick_seconds"
@@ -27,11 +26,18 @@ def log_buckets(low: float, high: float, per_decade: int = 10) -> list[float]:
 class GatewayTimings:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.tick = Histogram(TICK_SECONDS, "Wall time of one scheduler tick (adapt and tick).",
-                              buckets=log_buckets(1e-5, 10), registry=self.registry)
-        self.admission_wait = Histogram(ADMISSION_WAIT_SECONDS,
-                                        "Time from a scheduled request's arrival to its backend being chosen.",
-                                        buckets=log_buckets(1e-5, 3600), registry=self.registry)
+        self.tick = Histogram(
+            TICK_SECONDS,
+            "Wall time of one scheduler tick (adapt and tick).",
+            buckets=log_buckets(1e-5, 10),
+            registry=self.registry,
+        )
+        self.admission_wait = Histogram(
+            ADMISSION_WAIT_SECONDS,
+            "Time from a scheduled request's arrival to its backend being chosen.",
+            buckets=log_buckets(1e-5, 3600),
+            registry=self.registry,
+        )
 
     def render(self) -> str:
         return generate_latest(self.registry).decode()

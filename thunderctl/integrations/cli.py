@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
@@ -21,28 +20,44 @@ from thunderctl.cluster.state import ClusterNotFound
 from thunderctl.gateway.auth import API_KEY_ENV
 from thunderctl.integrations.cluster import ClusterError
 from thunderctl.integrations.tasks import AgentResult, TaskFileError, load_tasks
+from thunderctl.terminal import fail, out
 
 agents_app = typer.Typer(help="Agent frameworks on the cluster: run batches of agent tasks.", no_args_is_help=True)
-
-out = Console()
-err = Console(stderr=True)
-
-
-def fail(message: str) -> typer.Exit:
-    err.print(f"[bold red]error:[/] {escape(message)}")  # messages hold [brackets]: extras, indexes
-    return typer.Exit(1)
 
 
 @agents_app.command("run")
 def run(
-    tasks_file: Annotated[Path, typer.Argument(help="Tasks: JSONL, JSON or YAML records of {id, problem_statement, image?} (SWE-bench's instance_id / image_name work too).", exists=True, dir_okay=False)],
-    cluster: Annotated[str | None, typer.Option("--cluster", "-c", help="The running cluster (default: the only one).")] = None,
-    endpoint: Annotated[str | None, typer.Option(help="The cluster's endpoint URL instead of a local cluster's name.")] = None,
-    api_key: Annotated[str | None, typer.Option(envvar=API_KEY_ENV, help="The gateway's API key, if it has one.")] = None,
+    tasks_file: Annotated[
+        Path,
+        typer.Argument(
+            help="Tasks: JSONL, JSON or YAML records of {id, problem_statement, image?} (SWE-bench's instance_id / image_name work too).",
+            exists=True,
+            dir_okay=False,
+        ),
+    ],
+    cluster: Annotated[
+        str | None, typer.Option("--cluster", "-c", help="The running cluster (default: the only one).")
+    ] = None,
+    endpoint: Annotated[
+        str | None, typer.Option(help="The cluster's endpoint URL instead of a local cluster's name.")
+    ] = None,
+    api_key: Annotated[
+        str | None, typer.Option(envvar=API_KEY_ENV, help="The gateway's API key, if it has one.")
+    ] = None,
     concurrency: Annotated[int, typer.Option("--concurrency", "-j", min=1, help="Agents running at once.")] = 4,
-    config: Annotated[list[str] | None, typer.Option("--config", help="mini-swe-agent config: a file (its built-in ones by name) or key.path=value; repeat to merge. Default: swebench_backticks.yaml.")] = None,
-    model: Annotated[str | None, typer.Option(help="litellm model name; default: openai/<the cluster's served model>.")] = None,
-    output: Annotated[Path | None, typer.Option("--output", "-o", help="Directory for trajectories, results.jsonl and preds.json.")] = None,
+    config: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--config",
+            help="mini-swe-agent config: a file (its built-in ones by name) or key.path=value; repeat to merge. Default: swebench_backticks.yaml.",
+        ),
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option(help="litellm model name; default: openai/<the cluster's served model>.")
+    ] = None,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Directory for trajectories, results.jsonl and preds.json.")
+    ] = None,
 ) -> None:
     """Run each task as a mini-swe-agent with a sandbox of the cluster, one program per task.
 
@@ -51,7 +66,9 @@ def run(
     try:
         from thunderctl.integrations import mini_swe_agent
     except ImportError as exc:
-        raise fail(f"mini-swe-agent is not installed ({exc}); install it with pip install 'thunderctl[agents]'") from exc
+        raise fail(
+            f"mini-swe-agent is not installed ({exc}); install it with pip install 'thunderctl[agents]'"
+        ) from exc
     try:
         tasks = load_tasks(tasks_file)
         if endpoint is None:  # the running cluster's gateway, with its profile's key unless one is given
@@ -66,7 +83,11 @@ def run(
 
     def finished(result: AgentResult) -> None:
         detail = f" ({result.error})" if result.error else ""
-        out.print(escape(f"{result.task_id}: {result.exit_status} after {result.steps} steps, {result.duration_s:.1f} s{detail}"))
+        out.print(
+            escape(
+                f"{result.task_id}: {result.exit_status} after {result.steps} steps, {result.duration_s:.1f} s{detail}"
+            )
+        )
         if results_file is not None:
             results_file.write(json.dumps(asdict(result)) + "\n")
 
@@ -75,8 +96,14 @@ def run(
     out.print(f"{len(tasks)} task(s) on {endpoint}, at most {concurrency} at once")
     try:
         results = mini_swe_agent.run_batch(
-            endpoint, tasks, concurrency=concurrency, config_specs=config or [mini_swe_agent.DEFAULT_CONFIG],
-            model_name=model, api_key=api_key, output_dir=output, on_result=finished,
+            endpoint,
+            tasks,
+            concurrency=concurrency,
+            config_specs=config or [mini_swe_agent.DEFAULT_CONFIG],
+            model_name=model,
+            api_key=api_key,
+            output_dir=output,
+            on_result=finished,
         )
     except KeyboardInterrupt:
         raise fail("interrupted: the running agents were stopped and their programs released") from None
@@ -92,8 +119,10 @@ def run(
 
 def write_predictions(path: Path, results: list[AgentResult], model_name: str) -> None:
     """SWE-bench's predictions file (as mini-swe-agent's batch writes it): each task's submission."""
-    predictions = {r.task_id: {"model_name_or_path": model_name, "instance_id": r.task_id, "model_patch": r.submission}
-                   for r in results}
+    predictions = {
+        r.task_id: {"model_name_or_path": model_name, "instance_id": r.task_id, "model_patch": r.submission}
+        for r in results
+    }
     path.write_text(json.dumps(predictions, indent=2))
 
 

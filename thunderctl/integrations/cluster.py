@@ -53,8 +53,9 @@ class ClusterClient:
     def __post_init__(self) -> None:
         self.url = gateway_url(self.endpoint)
         # trust_env=False: the gateway is on loopback or a tunnel, never behind the user's proxy.
-        self._http = httpx.Client(base_url=self.url, headers=bearer_headers(self.api_key), timeout=self.timeout_s,
-                                  trust_env=False)
+        self._http = httpx.Client(
+            base_url=self.url, headers=bearer_headers(self.api_key), timeout=self.timeout_s, trust_env=False
+        )
 
     def close(self) -> None:
         self._http.close()
@@ -75,7 +76,9 @@ class ClusterClient:
                 "is the cluster up (`thunderctl status`)?"
             ) from exc
         if response.is_error:
-            raise ClusterError(f"{what} answered {response.status_code}: {error_message(response)}", response.status_code)
+            raise ClusterError(
+                f"{what} answered {response.status_code}: {error_message(response)}", response.status_code
+            )
         return response.json()
 
     def served_model(self) -> str:
@@ -98,20 +101,29 @@ class ClusterClient:
         the gateway was tracking it."""
         return self._call("POST", "/programs/release", json={"program_id": program_id})["released"]
 
-    def create_sandbox(self, program_id: str, image: str | None = None, env: dict[str, str] | None = None,
-                       setup: str | None = None) -> dict:
+    def create_sandbox(
+        self, program_id: str, image: str | None = None, env: dict[str, str] | None = None, setup: str | None = None
+    ) -> dict:
         """Ask for a sandbox of the program; it answers at once while the sandbox is prepared."""
         body = {"program_id": program_id, "image": image, "env": env or None, "setup": setup}
         return self._call("POST", "/v1/sandboxes", json={k: v for k, v in body.items() if v is not None})
 
     def wait_sandbox_ready(self, sandbox_id: str) -> dict:
-        return self._call("GET", f"/v1/sandboxes/{sandbox_id}", params={"wait": "ready", "timeout": READY_WAIT_S},
-                          timeout=READY_WAIT_S + EXEC_MARGIN_S)
+        return self._call(
+            "GET",
+            f"/v1/sandboxes/{sandbox_id}",
+            params={"wait": "ready", "timeout": READY_WAIT_S},
+            timeout=READY_WAIT_S + EXEC_MARGIN_S,
+        )
 
     def exec(self, sandbox_id: str, cmd: str, timeout_s: float) -> dict:
         """Run a shell command: `{"exit_code", "output", "duration_s", "timed_out", "truncated"}`."""
-        return self._call("POST", f"/v1/sandboxes/{sandbox_id}/exec", json={"cmd": cmd, "timeout": timeout_s},
-                          timeout=timeout_s + EXEC_MARGIN_S)
+        return self._call(
+            "POST",
+            f"/v1/sandboxes/{sandbox_id}/exec",
+            json={"cmd": cmd, "timeout": timeout_s},
+            timeout=timeout_s + EXEC_MARGIN_S,
+        )
 
     def delete_sandbox(self, sandbox_id: str) -> None:
         """Remove the sandbox now; one already gone (released with its program) is not an error."""

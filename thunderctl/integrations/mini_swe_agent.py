@@ -67,8 +67,11 @@ class SandboxEnvironmentConfig(BaseModel):
     cwd: str = Field("", description="directory each command runs in; empty: the image's")
     env: dict[str, str] = Field(default_factory=dict, description="variables of every command")
     timeout: float = Field(60, gt=0, description="seconds a command may run before it is killed")
-    interpreter: list[str] = Field(default_factory=lambda: ["/bin/sh", "-c"], min_length=1,
-                                   description="the command is its last argument, like mini-swe-agent's docker")
+    interpreter: list[str] = Field(
+        default_factory=lambda: ["/bin/sh", "-c"],
+        min_length=1,
+        description="the command is its last argument, like mini-swe-agent's docker",
+    )
     setup: str | None = Field(None, description="shell command run once while the sandbox is prepared")
 
 
@@ -82,8 +85,9 @@ class ClusterSandboxEnvironment:
     failed or is gone raises ClusterError, which ends the run.
     """
 
-    def __init__(self, *, config_class: type[SandboxEnvironmentConfig] = SandboxEnvironmentConfig,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, *, config_class: type[SandboxEnvironmentConfig] = SandboxEnvironmentConfig, **kwargs: Any
+    ) -> None:
         self.config = config_class(**kwargs)
         self.client = ClusterClient(self.config.endpoint, self.config.api_key)
         try:
@@ -109,8 +113,11 @@ class ClusterSandboxEnvironment:
         output: dict[str, Any] = {"output": result["output"], "returncode": result["exit_code"], "exception_info": ""}
         if result["timed_out"]:
             message = f"the command timed out after {timeout:g} s and was killed"
-            output |= {"returncode": -1, "exception_info": message,
-                       "extra": {"exception_type": "TimeoutError", "exception": message}}
+            output |= {
+                "returncode": -1,
+                "exception_info": message,
+                "extra": {"exception_type": "TimeoutError", "exception": message},
+            }
         if result["truncated"]:
             output["exception_info"] += " (output truncated by the sandbox's output limit)"
         self._raise_if_submitted(output)
@@ -134,8 +141,9 @@ class ClusterSandboxEnvironment:
         lines = output["output"].lstrip().splitlines(keepends=True)
         if lines and lines[0].strip() == SUBMIT_MARKER and output["returncode"] == 0:
             submission = "".join(lines[1:])
-            raise Submitted({"role": "exit", "content": submission,
-                             "extra": {"exit_status": "Submitted", "submission": submission}})
+            raise Submitted(
+                {"role": "exit", "content": submission, "extra": {"exit_status": "Submitted", "submission": submission}}
+            )
 
     def cleanup(self) -> None:
         """Remove the sandbox now (idempotent; one already collected with its program is fine)."""
@@ -158,8 +166,9 @@ class ClusterSandboxEnvironment:
         return {"info": {"config": {"environment": environment, "environment_type": kind}}}
 
 
-def cluster_model(endpoint: str, program_id: str, model_name: str, *, api_key: str | None = None,
-                  config: dict | None = None) -> Model:
+def cluster_model(
+    endpoint: str, program_id: str, model_name: str, *, api_key: str | None = None, config: dict | None = None
+) -> Model:
     """mini-swe-agent's model for `model_name` (litellm's `openai/<served name>`) on the cluster,
     with the program id in every request (`extra_body`). `config` is the `model:` section of a
     mini-swe-agent config; its model_name is replaced, its model_class defaults to the
@@ -182,15 +191,15 @@ def cluster_model(endpoint: str, program_id: str, model_name: str, *, api_key: s
 class ClusterAgent(DefaultAgent):
     """mini-swe-agent's DefaultAgent that ends before its next step once `stop` is set."""
 
-    def __init__(self, model: Model, env: ClusterSandboxEnvironment, *, stop: threading.Event,
-                 **kwargs: Any) -> None:
+    def __init__(self, model: Model, env: ClusterSandboxEnvironment, *, stop: threading.Event, **kwargs: Any) -> None:
         super().__init__(model, env, **kwargs)
         self.stop = stop
 
     def step(self) -> list[dict]:
         if self.stop.is_set():
-            raise UserInterruption({"role": "exit", "content": "Interrupted",
-                                    "extra": {"exit_status": "Interrupted", "submission": ""}})
+            raise UserInterruption(
+                {"role": "exit", "content": "Interrupted", "extra": {"exit_status": "Interrupted", "submission": ""}}
+            )
         return super().step()
 
 
@@ -226,12 +235,16 @@ class AgentRunner:
         env: ClusterSandboxEnvironment | None = None
         info: dict[str, Any] = {}
         error = ""
-        with self._tracked(program_id), ClusterClient(self.endpoint, self.api_key) as client, \
-                released_at_end(client, program_id):
+        with (
+            self._tracked(program_id),
+            ClusterClient(self.endpoint, self.api_key) as client,
+            released_at_end(client, program_id),
+        ):
             try:
                 env = ClusterSandboxEnvironment(**self._environment_config(program_id, task))
-                model = cluster_model(self.endpoint, program_id, self.model_name, api_key=self.api_key,
-                                      config=self.config.get("model"))
+                model = cluster_model(
+                    self.endpoint, program_id, self.model_name, api_key=self.api_key, config=self.config.get("model")
+                )
                 agent = ClusterAgent(model, env, stop=self.stop, **self._agent_config())
                 info = agent.run(task.problem_statement)
             except Exception as exc:  # one agent's failure is its result; the batch goes on
@@ -243,10 +256,15 @@ class AgentRunner:
                 if agent is not None and self.output_dir is not None:
                     agent.save(self.output_dir / f"{task.id}.traj.json", {"instance_id": task.id})
         return AgentResult(
-            task_id=task.id, program_id=program_id, exit_status=info.get("exit_status", ""),
-            submission=info.get("submission", ""), steps=agent.n_calls if agent else 0,
-            gateway_steps=tracked["steps"] if tracked else 0, sandbox_id=env.sandbox_id if env else None,
-            duration_s=round(time.monotonic() - started, 3), error=error,
+            task_id=task.id,
+            program_id=program_id,
+            exit_status=info.get("exit_status", ""),
+            submission=info.get("submission", ""),
+            steps=agent.n_calls if agent else 0,
+            gateway_steps=tracked["steps"] if tracked else 0,
+            sandbox_id=env.sandbox_id if env else None,
+            duration_s=round(time.monotonic() - started, 3),
+            error=error,
         )
 
     def interrupt(self) -> None:
@@ -279,10 +297,17 @@ class AgentRunner:
         return {k: v for k, v in self.config.get("agent", {}).items() if k != "agent_class"}
 
 
-def run_batch(endpoint: str, tasks: list[AgentTask], *, concurrency: int = 4,
-              config_specs: list[str] | tuple[str, ...] = (DEFAULT_CONFIG,), model_name: str | None = None,
-              api_key: str | None = None, output_dir: Path | None = None,
-              on_result: Callable[[AgentResult], None] | None = None) -> list[AgentResult]:
+def run_batch(
+    endpoint: str,
+    tasks: list[AgentTask],
+    *,
+    concurrency: int = 4,
+    config_specs: list[str] | tuple[str, ...] = (DEFAULT_CONFIG,),
+    model_name: str | None = None,
+    api_key: str | None = None,
+    output_dir: Path | None = None,
+    on_result: Callable[[AgentResult], None] | None = None,
+) -> list[AgentResult]:
     """Run every task as a mini-swe-agent on the cluster, at most `concurrency` at once, and
     return their results in the tasks' order. On Ctrl-C every running agent stops at its next
     step, its program is released at once, tasks not started are dropped, and the

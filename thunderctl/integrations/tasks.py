@@ -38,7 +38,9 @@ def read_records(path: Path) -> list[tuple[str, object]]:
             try:
                 records.append((f"{path}:{number}", json.loads(line)))
             except json.JSONDecodeError as exc:
-                raise TaskFileError(f"{path}:{number}: not JSON ({exc.msg}); a .jsonl file has one task object per line") from exc
+                raise TaskFileError(
+                    f"{path}:{number}: not JSON ({exc.msg}); a .jsonl file has one task object per line"
+                ) from exc
         return records
     if path.suffix not in (".json", ".yaml", ".yml"):
         raise TaskFileError(f"{path}: unknown task file type {path.suffix!r}; use .jsonl, .json, .yaml or .yml")

@@ -61,10 +61,12 @@ async def acquire_latency(config: SandboxConfig, samples: int, warm: bool) -> di
         await pool.shutdown()
 
 
-async def overlapped_wait(config: SandboxConfig, programs: int, resume_every_s: float, setup_s: float,
-                          arm: str) -> dict:
-    pool = SandboxPool(config.model_copy(update={"warm": 0, "prepare_concurrency": 2}),
-                       cluster=f"bench-{secrets.token_hex(3)}")
+async def overlapped_wait(
+    config: SandboxConfig, programs: int, resume_every_s: float, setup_s: float, arm: str
+) -> dict:
+    pool = SandboxPool(
+        config.model_copy(update={"warm": 0, "prepare_concurrency": 2}), cluster=f"bench-{secrets.token_hex(3)}"
+    )
     await pool.start()
     arrivals = [f"p{n}" for n in range(programs)]
     resume_order = list(reversed(arrivals))  # e.g. shortest first: not arrival order

@@ -19,9 +19,7 @@ class SandboxConfig(BaseModel):
     enabled: bool = True
     image: str = Field(default="busybox:latest", description="image of a sandbox whose request names none")
     warm: int = Field(default=0, ge=0, description="ready containers kept of `image`, handed out at once")
-    warm_images: dict[str, int] = Field(
-        default_factory=dict, description="further images to keep warm, image -> count"
-    )
+    warm_images: dict[str, int] = Field(default_factory=dict, description="further images to keep warm, image -> count")
     setup: str | None = Field(default=None, description="shell command run in every new container of `image`")
     hosts: list[str] = Field(default_factory=lambda: [LOCAL_DOCKER], min_length=1)
     cpus: float = Field(default=1.0, gt=0)

@@ -25,23 +25,35 @@ def sandbox_families(stats: dict) -> Iterator[Metric]:
     yield sandboxes
     for name, key, documentation in [
         ("thunderctl_sandbox_prepare_seconds", "prepare_s", "Time to prepare a sandbox."),
-        ("thunderctl_sandbox_acquire_to_ready_seconds", "acquire_to_ready_s", "Time from a request to a ready sandbox."),
+        (
+            "thunderctl_sandbox_acquire_to_ready_seconds",
+            "acquire_to_ready_s",
+            "Time from a request to a ready sandbox.",
+        ),
     ]:
         yield summary(name, documentation, stats[key])
-    disk = GaugeMetricFamily("thunderctl_sandbox_disk_bytes", "Disk the sandboxes use, per Docker host.", labels=["host"])
+    disk = GaugeMetricFamily(
+        "thunderctl_sandbox_disk_bytes", "Disk the sandboxes use, per Docker host.", labels=["host"]
+    )
     for host in stats["hosts"]:
         if host["disk_bytes"] is not None:
             disk.add_metric([host["url"]], host["disk_bytes"])
     yield disk
     # How old that figure is: a reader after a change waits for a measurement taken since.
-    age = GaugeMetricFamily("thunderctl_sandbox_disk_age_seconds", "Age of the disk figure, per Docker host.", labels=["host"])
+    age = GaugeMetricFamily(
+        "thunderctl_sandbox_disk_age_seconds", "Age of the disk figure, per Docker host.", labels=["host"]
+    )
     for host in stats["hosts"]:
         if host["disk_age_s"] is not None:
             age.add_metric([host["url"]], round(host["disk_age_s"], 3))
     yield age
-    yield CounterMetricFamily("thunderctl_sandboxes_reaped_total", "Leftover sandbox containers removed.", value=stats["reaped"])
     yield CounterMetricFamily(
-        "thunderctl_sandbox_images_evicted_total", "Images removed above the disk high watermark.", value=stats["evicted_images"]
+        "thunderctl_sandboxes_reaped_total", "Leftover sandbox containers removed.", value=stats["reaped"]
+    )
+    yield CounterMetricFamily(
+        "thunderctl_sandbox_images_evicted_total",
+        "Images removed above the disk high watermark.",
+        value=stats["evicted_images"],
     )
 
 

@@ -199,7 +199,11 @@ class SandboxPool:
 
     def stats(self) -> dict:
         return pool_stats(
-            self.config, self.hosts, list(self._sandboxes.values()), self._preparation.queued, self._counters,
+            self.config,
+            self.hosts,
+            list(self._sandboxes.values()),
+            self._preparation.queued,
+            self._counters,
             self._clock(),
         )
 

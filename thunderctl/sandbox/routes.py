@@ -80,8 +80,9 @@ def parse(model: type[Body], body: dict) -> Body:
         return model.model_validate(body)
     except ValidationError as exc:
         # Each part of a location is cut short: a key of the client's could be megabytes long.
-        problems = "; ".join(f"{'.'.join(str(part)[:64] for part in e['loc']) or 'body'}: {e['msg']}"
-                             for e in exc.errors())
+        problems = "; ".join(
+            f"{'.'.join(str(part)[:64] for part in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()
+        )
         raise BadRequest(f"bad request body: {problems}") from exc
 
 
@@ -123,8 +124,9 @@ def sandbox_routes(pool: SandboxPool, limits: BodyLimits = BodyLimits()) -> list
             raise SandboxNotFound(f"sandbox {sandbox_id!r} was released")
         if sandbox.state is SandboxState.FAILED:
             return JSONResponse(
-                {"error": {"message": sandbox.error, "type": "sandbox_failed", "code": 422},
-                 "sandbox": sandbox.view()}, 422)
+                {"error": {"message": sandbox.error, "type": "sandbox_failed", "code": 422}, "sandbox": sandbox.view()},
+                422,
+            )
         return JSONResponse(sandbox.view())
 
     async def run(request: Request) -> Response:

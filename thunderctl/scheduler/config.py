@@ -27,9 +27,7 @@ class SchedulerConfig(BaseModel):
     idle_ttl_s: float = Field(900.0, gt=0)
     acting_decay: Decay = Decay.OFF
     acting_decay_tau_s: float = Field(30.0, gt=0)
-    acting_overbook: float = Field(
-        1.0, ge=0, le=1, description="weight of an ACTING reservation on the resume side"
-    )
+    acting_overbook: float = Field(1.0, ge=0, le=1, description="weight of an ACTING reservation on the resume side")
     adaptive: bool = Field(True, description="seek the ACTING weight that gives the most steps/s")
     acting_weight_min: float = Field(0.0, ge=0, le=1)
     adapt_utilization_low: float = Field(
@@ -53,8 +51,10 @@ class SchedulerConfig(BaseModel):
     tool_time_window: int = Field(256, ge=1, description="recent tool times kept per program, tool kind and cluster")
     tool_time_min_samples: int = Field(8, ge=1, description="tool times longer than the elapsed one to trust a key")
     resume_aging_tokens_per_s: float | None = Field(
-        250.0, gt=0, description="a waiting program's place: when it began waiting + its tokens / this; "
-        "None: shortest first, new programs last (the reference order, unbounded waits)"
+        250.0,
+        gt=0,
+        description="a waiting program's place: when it began waiting + its tokens / this; "
+        "None: shortest first, new programs last (the reference order, unbounded waits)",
     )
     new_program_delay_s: float = Field(60.0, ge=0, description="how far behind paused programs a new one queues")
 

@@ -122,9 +122,7 @@ class Scheduler:
             return None
         return program.backend
 
-    def on_response(
-        self, program_id: str, prompt_tokens: int, completion_tokens: int, tool: str | None = None
-    ) -> None:
+    def on_response(self, program_id: str, prompt_tokens: int, completion_tokens: int, tool: str | None = None) -> None:
         """A response ended: the engine's usage becomes the program's size; it now ACTs, in
         `tool` when the answer names the tool it called."""
         program = self.programs.get(program_id)
@@ -308,9 +306,7 @@ class Scheduler:
             if backend is not None:
                 self._place(program, backend, loads[backend.id])
 
-    def _force_overdue(
-        self, queue: list[Program], targets: list[Backend], loads: dict[str, Load]
-    ) -> list[Program]:
+    def _force_overdue(self, queue: list[Program], targets: list[Backend], loads: dict[str, Load]) -> list[Program]:
         deadline = self.clock() - self.config.resume_timeout_s
         waiting = []
         for program in queue:
@@ -348,9 +344,7 @@ class Scheduler:
     def _is_idle(self, backend: Backend) -> bool:
         return not backend.programs
 
-    def _roomiest_fit(
-        self, program: Program, targets: list[Backend], loads: dict[str, Load]
-    ) -> Backend | None:
+    def _roomiest_fit(self, program: Program, targets: list[Backend], loads: dict[str, Load]) -> Backend | None:
         def fits(backend: Backend) -> bool:
             need = loads[backend.id].need(program, 1.0, self.config.buffer_tokens)
             # An idle backend takes any program: otherwise one larger than the resume band

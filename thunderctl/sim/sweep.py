@@ -35,7 +35,9 @@ def ratios(arms: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]
     }
 
 
-def summarise_arm(arm: ArmName, spec: SimSpec, progress: Callable[[float], None] | None = None) -> tuple[dict[str, Any], float]:
+def summarise_arm(
+    arm: ArmName, spec: SimSpec, progress: Callable[[float], None] | None = None
+) -> tuple[dict[str, Any], float]:
     """One arm's summary and the CPU seconds it took (in whichever process ran it)."""
     cpu_started = time.process_time()
     summary = run_arm(arm, spec, progress).summary(spec.warmup_s)
