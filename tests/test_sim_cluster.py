@@ -50,15 +50,15 @@ def state_of(cli: Cli, cluster: str) -> dict:
 def test_up_starts_the_simulated_workers_and_status_shows_them(sim_cluster) -> None:
     cli, up = sim_cluster
     status = cli.status()
-    assert f"up: 4 worker(s); endpoint {status['endpoint']}" in up.stdout
-    assert [(w["id"], w["state"]) for w in status["workers"]] == [
+    assert f"up: 4 worker(s); endpoint {status.endpoint}" in up.stdout
+    assert [(w.id, w.state) for w in status.workers] == [
         ("sim-1/0", "ready"),
         ("sim-1/1", "ready"),
         ("sim-2/0", "ready"),
         ("sim-2/1", "ready"),
     ]
     capacity = h100_tp4_32b().engine.kv_capacity_tokens
-    assert all(w["kv_capacity_tokens"] == capacity for w in status["workers"])  # read off each worker's /metrics
+    assert all(w.kv_capacity_tokens == capacity for w in status.workers)  # read off each worker's /metrics
     table = cli("status").stdout
     assert "sim-2/1" in table and f"{capacity:,}" in table
 
@@ -91,16 +91,17 @@ def test_bench_compare_runs_on_the_simulated_cluster(sim_cluster, tmp_path: Path
         figures = report["arms"][arm]
         assert figures["steps_failed"] == 0 and figures["steps_ok"] > 0
         assert figures["hit_rate"] is not None and figures["hit_rate"] > 0  # the history's prefix is cached
-    assert cli.status()["scheduler"]["programs"] == {"reasoning": 0, "acting": 0, "paused": 0}
+    programs = cli.status().scheduler.programs
+    assert (programs.reasoning, programs.acting, programs.paused) == (0, 0, 0)
 
 
 def test_drain_takes_a_node_out_and_undrain_brings_it_back(sim_cluster) -> None:
     cli, _ = sim_cluster
     drained = cli("drain", "sim-2", "--wait", "--timeout", "60")
     assert "drained sim-2/0, sim-2/1" in drained.stdout
-    assert [w["state"] for w in cli.status()["workers"]] == ["ready", "ready", "drained", "drained"]
+    assert [w.state for w in cli.status().workers] == ["ready", "ready", "drained", "drained"]
     cli("undrain", "sim-2")
-    assert [w["state"] for w in cli.status()["workers"]] == ["ready"] * 4
+    assert [w.state for w in cli.status().workers] == ["ready"] * 4
 
 
 def test_logs_show_what_the_simulated_worker_is(sim_cluster) -> None:
@@ -111,7 +112,7 @@ def test_logs_show_what_the_simulated_worker_is(sim_cluster) -> None:
 
 def test_down_leaves_nothing_running(sim_cluster) -> None:
     cli, _ = sim_cluster
-    cluster = cli.status()["cluster"]
+    cluster = cli.status().cluster
     state = state_of(cli, cluster)
     pids = [state["daemon_pid"], *(w["pid"] for w in state["workers"])]
     assert all(pid_alive(pid) for pid in pids)
