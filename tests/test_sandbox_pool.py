@@ -12,6 +12,7 @@ import pytest
 
 from fake_docker import Command, FakeEngine, fake_hosts
 from thunderctl.docker_labels import LABEL_CLUSTER, LABEL_LEASE, LABEL_PROGRAM, LABEL_ROLE, ROLE_WORKER
+from thunderctl.prometheus import parse_samples
 from thunderctl.sandbox import PoolUnavailable, SandboxConfig, SandboxFailed, SandboxNotFound, SandboxPool
 from thunderctl.sandbox.metrics import render_sandbox_metrics
 from thunderctl.sim.clock import VirtualClock
@@ -193,9 +194,11 @@ async def test_warm_pool_hands_out_ready_sandboxes_and_refills(start_pool, engin
     await eventually(lambda: pool.stats()["warm"] == 2)
     assert pool.stats()["warm"] == 2 and pool.stats()["bound"] == 1
     assert len(sandbox_containers(engine)) == 3
-    metrics = render_sandbox_metrics(pool.stats()).splitlines()
-    assert 'thunderctl_sandboxes{state="warm"} 2' in metrics
-    assert 'thunderctl_sandboxes{state="bound"} 1' in metrics
+    by_state = {
+        s.labels["state"]: s.value
+        for s in parse_samples(render_sandbox_metrics(pool.stats()), ["thunderctl_sandboxes"])
+    }
+    assert by_state["warm"] == 2 and by_state["bound"] == 1
 
     # A warm container that died is removed and replaced at the next maintenance.
     dead = next(c for c in engine.containers.values() if c.id != sandbox.container_id)
