@@ -27,6 +27,7 @@ import yaml
 from thunderctl.bench.closed_loop import LoadSpec, Target, run_load
 from thunderctl.bench.results import LoadResult
 from thunderctl.bench.shapes import AgentShape, Uniform
+from thunderctl.daemon.status import ClusterStatus
 from thunderctl.gateway.timings import ADMISSION_WAIT_SECONDS, TICK_SECONDS, histogram_quantile
 from thunderctl.processes import pick_free_port, pick_free_ports, pid_alive
 from thunderctl.prometheus import parse_samples
@@ -151,8 +152,8 @@ class Cluster:
     def state(self) -> dict[str, Any]:
         return json.loads(self.state_path.read_text())
 
-    def status(self) -> dict[str, Any]:
-        return json.loads(self.cli("status", "--json", "--cluster", self.name))
+    def status(self) -> ClusterStatus:
+        return ClusterStatus.model_validate_json(self.cli("status", "--json", "--cluster", self.name))
 
 
 async def sample_rss(process: psutil.Process, peak: list[float]) -> None:
@@ -190,7 +191,7 @@ async def load_with_rss(
 def settled_programs(cluster: Cluster) -> list[dict[str, Any]]:
     """The gateway's programs once nothing is in flight (requests cut off at the deadline finish first)."""
     deadline = time.monotonic() + SETTLE_TIMEOUT_S
-    while any(w["requests_in_flight"] for w in cluster.status()["workers"]) and time.monotonic() < deadline:
+    while any(w.requests_in_flight for w in cluster.status().workers) and time.monotonic() < deadline:
         time.sleep(1)
     return httpx.get(f"{cluster.gateway}/programs", timeout=60).json()["programs"]
 
