@@ -26,7 +26,9 @@ from thunderctl.gateway.answers import (
 )
 from thunderctl.gateway.recorder import TraceRecorder
 from thunderctl.gateway.requests import PromptShape, TokenEstimator
+from thunderctl.gateway.sse import StreamRelay
 from thunderctl.gateway.timings import GatewayTimings
+from thunderctl.gateway.transport import AiohttpTransport
 from thunderctl.jsonapi import bearer_headers
 from thunderctl.scheduler import EventKind, ProgramEvent, Scheduler, SchedulerConfig
 from thunderctl.scheduler.front import (
@@ -135,10 +137,7 @@ class Gateway:
         self._client = httpx.AsyncClient(
             headers=bearer_headers(worker_key),
             timeout=httpx.Timeout(None, connect=10.0),
-            limits=httpx.Limits(
-                max_connections=None, max_keepalive_connections=256, keepalive_expiry=WORKER_KEEPALIVE_S
-            ),
-            transport=transport,
+            transport=transport or AiohttpTransport(keepalive_s=WORKER_KEEPALIVE_S),
         )
 
     # ---- life -----------------------------------------------------------------------------
@@ -351,32 +350,17 @@ class Gateway:
         client_wants_usage: bool,
         answer: StreamedAnswer,
     ) -> AsyncIterator[bytes]:
-        usage = None
-        drop_blank = False
+        relay = StreamRelay(answer if program_id is not None else None, client_wants_usage, self._clock)
         try:
-            async for line in response.aiter_lines():
-                if not line:
-                    if not drop_blank:
-                        yield b"\n"
-                    drop_blank = False
-                    continue
-                if program_id is not None and line.startswith("data: {"):
-                    # The scheduler learns the tool the answer calls and the prefill rate.
-                    answer.chunk(json.loads(line[6:]), self._clock())
-                if line.startswith("data: {") and '"usage"' in line:
-                    chunk = json.loads(line[6:])
-                    usage = chunk.get("usage") or usage
-                    if not client_wants_usage:
-                        if not chunk.get("choices"):
-                            drop_blank = True  # the usage-only chunk we asked for ourselves
-                            continue
-                        chunk.pop("usage", None)
-                        line = f"data: {json.dumps(chunk, separators=(',', ':'))}"
-                yield f"{line}\n".encode()
+            async for data in response.aiter_bytes():
+                if relayed := relay.feed(data):
+                    yield relayed
+            if rest := relay.end():
+                yield rest
         finally:
             # Runs on normal end, backend error and client disconnect alike: the slot is freed.
             await response.aclose()
-            self._finish(upstream, program_id, shape, usage, answer.tool, answer.ttft_s)
+            self._finish(upstream, program_id, shape, relay.usage, answer.tool, answer.ttft_s)
 
     def _fail_over(self, upstream: Upstream, program_id: str | None) -> bool:
         """Take a worker that refused a connection out of scheduling; is there another?"""

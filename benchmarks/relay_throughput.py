@@ -1,0 +1,349 @@
+"""Gateway relay throughput: streamed SSE chunks per second through `thunderctl serve` vs straight to the engine.
+
+    python benchmarks/relay_throughput.py                          # 1, 64 and 512 streams, ~4 minutes
+    python benchmarks/relay_throughput.py --streams 512 --slice-s 20 --slices 2
+    python benchmarks/relay_throughput.py --no-program-ids         # unscheduled requests (no scheduler)
+
+A simulated engine (`thunderctl engine sim --time-scale 0`: every step as fast as Python can
+take it, so its answer is paced by the machine, not by a model) and a gateway in front of it,
+each a subprocess on loopback. Per concurrency, closed-loop streams (each sends a streamed chat
+request, reads it to `[DONE]`, sends the next) go in two arms, `direct` (to the engine) and
+`gateway` (through it, a program id per stream), alternated in slices (direct, gateway, gateway,
+direct...) so that drift of this shared machine lands on both alike. The load comes from
+--clients processes, so that one client process's CPU is not the ceiling.
+
+Per arm: chunks/s (SSE `data:` lines the clients read, `[DONE]` not counted) and answer
+tokens/s over the steady window, the p50 of the time to first token (the first chunk after the
+role chunk) and of the whole request, and the CPU time each process spent per chunk,
+with the load average around the slice. The gateway's CPU per chunk is the figure that does not
+depend on what else shares the machine: 1 / (its CPU s per chunk) is what one gateway process
+relays with a core of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+
+import aiohttp
+import psutil
+from rich.console import Console
+from rich.table import Table
+
+from thunderctl import aio
+from thunderctl.engines.sim_process import SimProcess
+from thunderctl.gateway.process import ServeProcess
+
+MODEL = "sim"
+PROMPT = "relay throughput probe: answer with as many words as you are asked for"
+ARMS = ("direct", "gateway")
+
+
+@dataclass(frozen=True)
+class ClientJob:
+    """One load-generator process's share of a slice."""
+
+    url: str
+    headers: dict[str, str]
+    streams: int
+    first_stream: int
+    answer_tokens: int
+    start_at: float  # wall clock (time.time()): every client of a slice starts together
+    warmup_s: float
+    window_s: float
+    program_ids: bool
+
+
+@dataclass
+class ClientResult:
+    chunks: int = 0  # read inside the window
+    chunks_all: int = 0  # read over the whole slice, warm-up and the end included
+    requests: int = 0  # finished inside the window
+    failed: int = 0
+    ttft_s: list[float] = field(default_factory=list)  # of requests sent inside the window, first token inside it
+    total_s: list[float] = field(default_factory=list)  # of requests sent and finished inside the window
+    cpu_s: float = 0.0  # this process, over the whole slice
+    errors: list[str] = field(default_factory=list)
+
+
+async def one_stream(session: aiohttp.ClientSession, job: ClientJob, index: int, result: ClientResult) -> None:
+    loop_start = time.perf_counter() - (time.time() - job.start_at)
+    window = (loop_start + job.warmup_s, loop_start + job.warmup_s + job.window_s)
+    body: dict[str, object] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"{PROMPT} {index}"}],
+        "max_tokens": job.answer_tokens,
+        "stream": True,
+    }
+    if job.program_ids:
+        body["program_id"] = f"relay-{index}"
+    payload = json.dumps(body).encode()
+    headers = {"content-type": "application/json", **job.headers}
+    while time.perf_counter() < window[1]:
+        sent = time.perf_counter()
+        data_lines = 0
+        try:
+            async with session.post(f"{job.url}/v1/chat/completions", data=payload, headers=headers) as response:
+                if response.status != 200:
+                    raise RuntimeError(f"HTTP {response.status}: {(await response.read())[:200]!r}")
+                async for line in response.content:
+                    if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                        continue
+                    data_lines += 1
+                    now = time.perf_counter()
+                    if data_lines == 2 and window[0] <= sent and now < window[1]:  # the first after the role chunk
+                        result.ttft_s.append(now - sent)
+                    result.chunks_all += 1
+                    if window[0] <= now < window[1]:
+                        result.chunks += 1
+        except (TimeoutError, aiohttp.ClientError, RuntimeError) as exc:
+            result.failed += 1
+            if len(result.errors) < 5:
+                result.errors.append(repr(exc))
+            continue
+        done = time.perf_counter()
+        if window[0] <= done < window[1]:
+            result.requests += 1
+            if sent >= window[0]:
+                result.total_s.append(done - sent)
+
+
+async def client_load(job: ClientJob) -> ClientResult:
+    result = ClientResult()
+    await asyncio.sleep(max(0.0, job.start_at - time.time()))
+    # aiohttp, not httpx: its C parser reads a chunk for a fraction of httpx's CPU, and its pool
+    # does not scan every connection per request, so the client is not what is measured.
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=120)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        await asyncio.gather(*(one_stream(session, job, job.first_stream + i, result) for i in range(job.streams)))
+    return result
+
+
+def run_client(job: ClientJob) -> ClientResult:
+    """A load-generator process: its streams, then its own CPU time."""
+    started = time.process_time()
+    result = aio.run(client_load(job))
+    result.cpu_s = time.process_time() - started
+    return result
+
+
+@dataclass
+class SliceResult:
+    arm: str
+    streams: int
+    window_s: float
+    chunks: int  # inside the window
+    chunks_all: int  # over the slice, what the CPU seconds were spent on
+    requests: int
+    failed: int
+    ttft_s: list[float]
+    total_s: list[float]
+    cpu_s: dict[str, float]  # engine, gateway, clients
+    load_average: tuple[float, float]  # 1-minute, at the start and at the end
+    errors: list[str]
+
+
+def cpu_seconds(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
+
+
+def run_slice(
+    pool: ProcessPoolExecutor,
+    arm: str,
+    url: str,
+    headers: dict[str, str],
+    streams: int,
+    args: argparse.Namespace,
+    servers: dict[str, psutil.Process],
+) -> SliceResult:
+    clients = min(args.clients, streams)
+    shares = [streams // clients + (i < streams % clients) for i in range(clients)]
+    start_at = time.time() + 1.0  # time for every client process to be scheduled
+    jobs = [
+        ClientJob(
+            url=url,
+            headers=headers,
+            streams=share,
+            first_stream=sum(shares[:i]),
+            answer_tokens=args.answer_tokens,
+            start_at=start_at,
+            warmup_s=args.warmup_s,
+            window_s=args.slice_s,
+            program_ids=arm == "gateway" and args.program_ids,
+        )
+        for i, share in enumerate(shares)
+    ]
+    load_before = os.getloadavg()[0]
+    before = {name: cpu_seconds(p) for name, p in servers.items()}
+    results = list(pool.map(run_client, jobs))
+    after = {name: cpu_seconds(p) for name, p in servers.items()}
+    return SliceResult(
+        arm=arm,
+        streams=streams,
+        window_s=args.slice_s,
+        chunks=sum(r.chunks for r in results),
+        chunks_all=sum(r.chunks_all for r in results),
+        requests=sum(r.requests for r in results),
+        failed=sum(r.failed for r in results),
+        ttft_s=[t for r in results for t in r.ttft_s],
+        total_s=[t for r in results for t in r.total_s],
+        cpu_s={**{name: after[name] - before[name] for name in servers}, "clients": sum(r.cpu_s for r in results)},
+        load_average=(load_before, os.getloadavg()[0]),
+        errors=[e for r in results for e in r.errors][:5],
+    )
+
+
+@dataclass
+class ArmFigures:
+    arm: str
+    streams: int
+    chunks_per_s: float
+    tokens_per_s: float
+    ttft_p50_ms: float | None
+    total_p50_ms: float | None
+    failed: int
+    cpu_us_per_chunk: dict[str, float]
+    load_average: tuple[float, float]  # lowest and highest seen around its slices
+
+
+def pooled(slices: list[SliceResult], answer_tokens: int) -> ArmFigures:
+    seconds = sum(s.window_s for s in slices)
+    chunks = sum(s.chunks for s in slices)
+    chunks_all = sum(s.chunks_all for s in slices)
+    ttft = [t for s in slices for t in s.ttft_s]
+    total = [t for s in slices for t in s.total_s]
+    cpu = {name: sum(s.cpu_s.get(name, 0.0) for s in slices) for name in slices[0].cpu_s}
+    loads = [value for s in slices for value in s.load_average]
+    return ArmFigures(
+        arm=slices[0].arm,
+        streams=slices[0].streams,
+        chunks_per_s=chunks / seconds,
+        tokens_per_s=sum(s.requests for s in slices) * answer_tokens / seconds,
+        ttft_p50_ms=statistics.median(ttft) * 1e3 if ttft else None,
+        total_p50_ms=statistics.median(total) * 1e3 if total else None,
+        failed=sum(s.failed for s in slices),
+        cpu_us_per_chunk={name: 1e6 * value / max(chunks_all, 1) for name, value in cpu.items()},
+        load_average=(min(loads), max(loads)),
+    )
+
+
+def arm_order(slices: int, flip: bool) -> list[str]:
+    """direct, gateway, gateway, direct, ... (ABBA), starting with the gateway when `flip`."""
+    first, second = ARMS[::-1] if flip else ARMS
+    return [arm for i in range(slices) for arm in ((first, second) if i % 2 == 0 else (second, first))]
+
+
+def ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def render(points: list[dict[str, ArmFigures]], console: Console) -> None:
+    table = Table(title="relay throughput: direct to the sim engine vs through thunderctl serve")
+    columns = ("streams", "arm", "chunks/s", "tokens/s", "TTFT p50 ms", "total p50 ms", "failed")
+    for column in (*columns, "CPU µs/chunk: engine / gateway / clients", "load avg", "gw/direct"):
+        table.add_column(column, justify="left" if column == "arm" else "right")
+    for point in points:
+        for name in ARMS:
+            figures = point[name]
+            cpu = figures.cpu_us_per_chunk
+            ratio = figures.chunks_per_s / point["direct"].chunks_per_s if point["direct"].chunks_per_s else 0.0
+            table.add_row(
+                str(figures.streams), name, f"{figures.chunks_per_s:,.0f}", f"{figures.tokens_per_s:,.0f}",
+                ms(figures.ttft_p50_ms), ms(figures.total_p50_ms), str(figures.failed),
+                " / ".join(f"{cpu.get(k, 0):.0f}" if k in cpu else "-" for k in ("engine", "gateway", "clients")),
+                f"{figures.load_average[0]:.1f}-{figures.load_average[1]:.1f}",
+                f"{ratio:.2f}x" if name == "gateway" else "",
+            )  # fmt: skip
+        direct, through = point["direct"], point["gateway"]
+        if direct.ttft_p50_ms is not None and through.ttft_p50_ms is not None:
+            console.print(
+                f"{direct.streams} streams: the gateway adds {through.ttft_p50_ms - direct.ttft_p50_ms:+.2f} ms to the "
+                f"p50 TTFT and {through.total_p50_ms - direct.total_p50_ms:+.2f} ms to the p50 request"  # type: ignore[operator]
+            )
+    console.print(table)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", default="1,64,512", help="concurrent streams, comma-separated")
+    parser.add_argument("--clients", type=int, default=2, help="load-generator processes")
+    parser.add_argument("--answer-tokens", type=int, default=64, help="max_tokens of every request")
+    parser.add_argument("--slices", type=int, default=2, help="slices per arm and concurrency (ABBA order)")
+    parser.add_argument("--slice-s", type=float, default=20.0, help="measured seconds per slice")
+    parser.add_argument("--warmup-s", type=float, default=5.0, help="seconds of load before each slice's window")
+    parser.add_argument("--engine-arg", action="append", default=[], help="one more `engine sim` option")
+    parser.add_argument("--gateway-arg", action="append", default=[], help="one more `thunderctl serve` option")
+    parser.add_argument("--program-ids", action=argparse.BooleanOptionalAction, default=True,
+                        help="a program id per stream through the gateway (scheduled, as agents are)")  # fmt: skip
+    parser.add_argument("--profile", type=Path, help="record the gateway with py-spy into this SVG (needs py-spy)")
+    parser.add_argument("--out", type=Path, default=Path("results/relay_throughput.json"))
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    console = Console(width=150)
+    concurrencies = [int(s) for s in args.streams.split(",")]
+    engine_options = ["--time-scale", "0", "--served-model-name", MODEL, *args.engine_arg]
+    with tempfile.TemporaryDirectory(prefix="thunderctl-relay-") as workdir:
+        engine = SimProcess(engine_options, Path(workdir) / "engine.log")
+        gateway = None
+        profiler = None
+        try:
+            engine.wait_healthy()
+            gateway = ServeProcess([engine.url], args.gateway_arg, Path(workdir) / "gateway.log")
+            gateway.wait_healthy()
+            if args.profile:
+                profiler = subprocess.Popen(
+                    ["py-spy", "record", "--pid", str(gateway.process.pid), "--output", str(args.profile),
+                     "--rate", "200", "--nonblocking"],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                )  # fmt: skip
+            servers = {"engine": psutil.Process(engine.process.pid), "gateway": psutil.Process(gateway.process.pid)}
+            targets = {"direct": (engine.url, {}), "gateway": (gateway.url, gateway.headers)}
+            points = []
+            with ProcessPoolExecutor(max_workers=args.clients, mp_context=get_context("spawn")) as pool:
+                for n, streams in enumerate(concurrencies):
+                    slices: dict[str, list[SliceResult]] = {arm: [] for arm in ARMS}
+                    for arm in arm_order(args.slices, flip=n % 2 == 1):
+                        url, headers = targets[arm]
+                        with console.status(f"{streams} streams, {arm}"):
+                            result = run_slice(pool, arm, url, headers, streams, args, servers)
+                        slices[arm].append(result)
+                        console.print(
+                            f"{streams:>4} {arm:<8} {result.chunks / result.window_s:>9,.0f} chunks/s "
+                            f"({result.failed} failed{'; ' + result.errors[0] if result.errors else ''}), "
+                            f"load {result.load_average[0]:.1f}"
+                        )
+                    points.append({arm: pooled(slices[arm], args.answer_tokens) for arm in ARMS})
+        finally:
+            if profiler is not None:
+                profiler.send_signal(2)  # SIGINT: py-spy writes its SVG and exits
+                profiler.wait(timeout=60)
+            if gateway is not None:
+                gateway.stop()
+            engine.stop()
+    render(points, console)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    report = {"settings": {k: str(v) for k, v in vars(args).items()}, "points": [
+        {arm: asdict(figures) for arm, figures in point.items()} for point in points
+    ]}  # fmt: skip
+    args.out.write_text(json.dumps(report, indent=2))
+    console.print(f"written {args.out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""The gateway's own HTTP to its workers (httpx over aiohttp), over real loopback HTTP: simulated
+workers in real processes, a silent server and a closed port. Streams and whole answers arrive as
+the engine sent them with their usage accounted, a worker that went away is failed over, and
+aiohttp's failures reach the gateway as the httpx errors it acts on."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from thunderctl.gateway import Gateway, Upstream, build_app
+from thunderctl.gateway.transport import AiohttpTransport
+from thunderctl.processes import pick_free_port
+
+pytestmark = pytest.mark.anyio
+
+MODEL = "sim"
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def chat(**extra: object) -> dict:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "list the files"}], "max_tokens": 12}
+    return body | {"program_id": "p1"} | extra
+
+
+def sse_chunks(text: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+async def gateway_client(gateway: Gateway) -> httpx.AsyncClient:
+    assert await gateway.start() == []
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(gateway)), base_url="http://gateway")
+
+
+async def test_a_stream_and_a_whole_answer_arrive_as_the_engine_sent_them(start_sim) -> None:
+    sim = start_sim("--time-scale", "0", "--served-model-name", MODEL)
+    gateway = Gateway([Upstream("w0", sim.url)])
+    client = await gateway_client(gateway)
+    try:
+        async with httpx.AsyncClient() as direct:
+            expected = (await direct.post(f"{sim.url}/v1/chat/completions", json=chat(stream=True))).text
+        response = await client.post("/v1/chat/completions", json=chat(stream=True))
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        # The same words (ids and times differ per request), no usage chunk: the client did not ask.
+        relayed, sent = sse_chunks(response.text), sse_chunks(expected)
+        assert [c["choices"] for c in relayed] == [c["choices"] for c in sent]
+        assert response.text.endswith("data: [DONE]\n\n")
+        seen = gateway.programs_view()[0]
+        assert seen["steps"] == 1 and seen["tokens"] > 12  # the engine's usage: prompt + 12 answer tokens
+
+        whole = await client.post("/v1/chat/completions", json=chat())
+        assert whole.status_code == 200 and whole.json()["usage"]["completion_tokens"] == 12
+        assert gateway.programs_view()[0]["steps"] == 2
+        assert gateway.upstreams["w0"].in_flight == 0
+    finally:
+        await client.aclose()
+        await gateway.stop()
+
+
+async def test_a_worker_that_went_away_is_failed_over_to_the_other(start_sim) -> None:
+    live, gone = (start_sim("--time-scale", "0", "--served-model-name", MODEL) for _ in range(2))
+    gateway = Gateway([Upstream("gone", gone.url), Upstream("live", live.url)])
+    client = await gateway_client(gateway)
+    try:
+        gone.stop()  # both idle: the least loaded is the first listed, the one gone
+        response = await client.post("/v1/chat/completions", json=chat(program_id=None, stream=True))
+        assert response.status_code == 200 and response.text.endswith("data: [DONE]\n\n")
+        assert not gateway.upstreams["gone"].healthy and gateway.upstreams["live"].healthy
+    finally:
+        await client.aclose()
+        await gateway.stop()
+
+
+@pytest.fixture
+async def silent_server(anyio_backend: str) -> AsyncIterator[str]:
+    """Accepts connections and never answers (a stalled worker)."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def hold(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    for writer in held:
+        writer.close()
+    server.close()
+    await server.wait_closed()
+
+
+async def test_a_silent_worker_is_a_read_timeout_and_a_closed_port_a_connect_error(silent_server: str) -> None:
+    async with httpx.AsyncClient(transport=AiohttpTransport(keepalive_s=4.0)) as client:
+        with pytest.raises(httpx.ReadTimeout):
+            await client.get(f"{silent_server}/health", timeout=httpx.Timeout(None, read=0.3))
+        with pytest.raises(httpx.ConnectError):
+            await client.get(f"http://127.0.0.1:{pick_free_port()}/health")

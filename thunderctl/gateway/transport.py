@@ -1,0 +1,94 @@
+"""The gateway's HTTP to its workers: httpx's API over aiohttp's connection pool and C parser.
+
+Every streamed token crosses this hop. httpx's own transport (httpcore over anyio, h11) spends
+several times aiohttp's CPU per read and scans its whole pool on every request, and one
+gateway process relays thousands of streams; so the gateway keeps httpx's client (its
+requests, errors, timeouts and the tests' MockTransport seam) and reads through aiohttp.
+A read hands on everything that has arrived, so a stream that fell behind catches up in one
+write to the client rather than one per chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import aiohttp
+import httpx
+
+# Connection management is aiohttp's; httpx would send these for its own.
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "content-length", "transfer-encoding"})
+
+
+def translated(exc: Exception, request: httpx.Request) -> httpx.TransportError:
+    """The httpx error the gateway (and anything written against httpx) expects for an aiohttp one."""
+    message = str(exc) or type(exc).__name__
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return httpx.ConnectTimeout(message, request=request)
+    if isinstance(exc, TimeoutError):
+        return httpx.ReadTimeout(message, request=request)
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return httpx.ConnectError(message, request=request)
+    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError):
+        return httpx.RemoteProtocolError(message, request=request)
+    return httpx.ReadError(message, request=request)
+
+
+class AiohttpStream(httpx.AsyncByteStream):
+    """A response body as it arrives; closing it before the end closes the connection (the worker aborts)."""
+
+    def __init__(self, response: aiohttp.ClientResponse, request: httpx.Request) -> None:
+        self._response = response
+        self._request = request
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        try:
+            async for data in self._response.content.iter_any():
+                yield data
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise translated(exc, self._request) from exc
+
+    async def aclose(self) -> None:
+        self._response.release()
+
+
+class AiohttpTransport(httpx.AsyncBaseTransport):
+    """Unlimited connections, idle ones dropped after `keepalive_s`; no redirects, bodies left encoded
+    (httpx decodes them, as with its own transport). httpx's connect and read timeouts apply
+    (read: the longest wait for the next bytes)."""
+
+    def __init__(self, keepalive_s: float) -> None:
+        self.keepalive_s = keepalive_s
+        self._session: aiohttp.ClientSession | None = None
+
+    def _open_session(self) -> aiohttp.ClientSession:
+        # Made on first use: aiohttp binds its session to the running event loop.
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=self.keepalive_s)
+            self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        return self._session
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        timeouts = request.extensions.get("timeout", {})
+        timeout = aiohttp.ClientTimeout(sock_connect=timeouts.get("connect"), sock_read=timeouts.get("read"))
+        headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() not in HOP_BY_HOP]
+        try:
+            response = await self._open_session().request(
+                request.method,
+                str(request.url),
+                headers=headers,
+                data=await request.aread() or None,
+                allow_redirects=False,
+                timeout=timeout,
+            )
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise translated(exc, request) from exc
+        return httpx.Response(
+            response.status,
+            headers=[(k.decode("latin-1"), v.decode("latin-1")) for k, v in response.raw_headers],
+            stream=AiohttpStream(response, request),
+            extensions={"http_version": b"HTTP/1.1", "reason_phrase": (response.reason or "").encode()},
+        )
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
