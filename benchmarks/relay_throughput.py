@@ -267,12 +267,17 @@ def render(points: list[dict[str, ArmFigures]], console: Console) -> None:
                 f"{figures.load_average[0]:.1f}-{figures.load_average[1]:.1f}",
                 f"{ratio:.2f}x" if name == "gateway" else "",
             )  # fmt: skip
-        direct, through = point["direct"], point["gateway"]
-        if direct.ttft_p50_ms is not None and through.ttft_p50_ms is not None:
-            console.print(
-                f"{direct.streams} streams: the gateway adds {through.ttft_p50_ms - direct.ttft_p50_ms:+.2f} ms to the "
-                f"p50 TTFT and {through.total_p50_ms - direct.total_p50_ms:+.2f} ms to the p50 request"  # type: ignore[operator]
+        added = {
+            name: ms(b - a if a is not None and b is not None else None)
+            for name, a, b in (
+                ("TTFT", point["direct"].ttft_p50_ms, point["gateway"].ttft_p50_ms),
+                ("request", point["direct"].total_p50_ms, point["gateway"].total_p50_ms),
             )
+        }
+        console.print(
+            f"{point['direct'].streams} streams: the gateway adds {added['TTFT']} ms to the p50 TTFT "
+            f"and {added['request']} ms to the p50 request"
+        )
     console.print(table)
 
 
@@ -336,12 +341,12 @@ def main() -> None:
             if gateway is not None:
                 gateway.stop()
             engine.stop()
-    render(points, console)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {"settings": {k: str(v) for k, v in vars(args).items()}, "points": [
         {arm: asdict(figures) for arm, figures in point.items()} for point in points
     ]}  # fmt: skip
     args.out.write_text(json.dumps(report, indent=2))
+    render(points, console)
     console.print(f"written {args.out}")
 
 

@@ -6,6 +6,7 @@ aiohttp's failures reach the gateway as the httpx errors it acts on."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 
@@ -93,6 +94,31 @@ async def silent_server(anyio_backend: str) -> AsyncIterator[str]:
         writer.close()
     server.close()
     await server.wait_closed()
+
+
+@pytest.fixture
+async def one_answer_per_connection(anyio_backend: str) -> AsyncIterator[str]:
+    """Answers the first request on a connection with keep-alive, then closes it when the next one
+    arrives, as a worker does whose keep-alive ran out just as the gateway reused the connection."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: keep-alive\r\n\r\nok")
+        await writer.drain()
+        with contextlib.suppress(asyncio.IncompleteReadError):  # the client may close it first
+            await reader.readuntil(b"\r\n\r\n")
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    server.close()
+
+
+async def test_a_connection_closed_as_it_is_reused_is_retried_on_another(one_answer_per_connection: str) -> None:
+    async with httpx.AsyncClient(transport=AiohttpTransport(keepalive_s=4.0)) as client:
+        for _ in range(3):
+            response = await client.post(f"{one_answer_per_connection}/v1/completions", content=b"{}")
+            assert response.status_code == 200 and response.text == "ok"
 
 
 async def test_a_silent_worker_is_a_read_timeout_and_a_closed_port_a_connect_error(silent_server: str) -> None:

@@ -15,6 +15,11 @@ from collections.abc import AsyncIterator
 import aiohttp
 import httpx
 
+# A pooled connection can be closed by the worker just as it is reused: its keep-alive ran out
+# while the gateway, behind on a busy loop, had not yet read the end of the previous answer. The
+# request did not get an answer's first byte; it goes again on another connection (as browsers
+# retry a stale keep-alive connection), and only a worker that cannot be reached is an error.
+STALE_RETRIES = 2
 # Connection management is aiohttp's; httpx would send these for its own.
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "content-length", "transfer-encoding"})
 
@@ -71,17 +76,18 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         timeouts = request.extensions.get("timeout", {})
         timeout = aiohttp.ClientTimeout(sock_connect=timeouts.get("connect"), sock_read=timeouts.get("read"))
         headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() not in HOP_BY_HOP]
-        try:
-            response = await self._open_session().request(
-                request.method,
-                str(request.url),
-                headers=headers,
-                data=await request.aread() or None,
-                allow_redirects=False,
-                timeout=timeout,
-            )
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            raise translated(exc, request) from exc
+        body = await request.aread() or None
+        for attempt in range(1, STALE_RETRIES + 2):
+            try:
+                response = await self._open_session().request(
+                    request.method, str(request.url), headers=headers, data=body, allow_redirects=False, timeout=timeout
+                )
+                break
+            except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
+                if isinstance(exc, aiohttp.ClientConnectorError) or attempt > STALE_RETRIES:
+                    raise translated(exc, request) from exc
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                raise translated(exc, request) from exc
         return httpx.Response(
             response.status,
             headers=[(k.decode("latin-1"), v.decode("latin-1")) for k, v in response.raw_headers],
