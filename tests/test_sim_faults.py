@@ -254,6 +254,8 @@ def test_a_stalled_worker_is_taken_out_within_the_bound_and_its_programs_resume(
           f"{result.steps_ok} ok, {result.steps_failed} failed; load {os.getloadavg()[0]:.1f}")  # fmt: skip
     assert result.steps_failed == 0 and result.steps_ok > PROGRAMS
     assert all(backend != victim.id for backend in sim.programs_on().values())
+    row = next(line for line in sim.cli("status").stdout.splitlines() if victim.id in line)
+    assert "stalled" in row
 
     httpx.delete(f"{victim.url}/sim/stall")
     wait_for(lambda: sim.worker(victim.id).state == "ready", 30, "the worker to rejoin once it steps again")
