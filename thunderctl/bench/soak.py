@@ -16,7 +16,9 @@ import secrets
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
+from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,9 @@ RSS_SAMPLE_S = 5.0
 # request, so one client of 2,048 connections spends the load generator's CPU on its own pool
 # (connects then time out, and the load, not the cluster, is what fails).
 PROGRAMS_PER_CLIENT = 128
+# Programs per load-generator process: one process's event loop did not get 2,048 programs'
+# first connects done on this machine's share of a core (0 admissions after 2 minutes).
+PROGRAMS_PER_PROCESS = 512
 
 # Agents of a few thousand tokens by the end, with tools of seconds: thousands of them overbook
 # eight simulated 4×H100 workers' KV caches (891,728 tokens each) and keep the scheduler busy.
@@ -156,16 +161,20 @@ class Cluster:
         return ClusterStatus.model_validate_json(self.cli("status", "--json", "--cluster", self.name))
 
 
-async def sample_rss(process: psutil.Process, peak: list[float]) -> None:
-    while True:
-        peak[0] = max(peak[0], process.memory_info().rss / MIB)
-        await asyncio.sleep(RSS_SAMPLE_S)
+def run_shards(gateway_url: str, loads: list[LoadSpec], workers: list[str]) -> list[LoadResult]:
+    """One load-generator process: its shards at once, each its own closed loop and client."""
+
+    async def run_all() -> list[LoadResult]:
+        return list(await asyncio.gather(*(run_load(Target.gateway(gateway_url), load, workers) for load in loads)))
+
+    return asyncio.run(run_all())
 
 
-async def load_with_rss(
+def load_with_rss(
     spec: SoakSpec, cluster: Cluster, workers: list[str], daemon: psutil.Process, peak: list[float]
 ) -> list[LoadResult]:
-    """The programs in shards of PROGRAMS_PER_CLIENT, each its own closed loop and client, all at once."""
+    """The programs in shards of PROGRAMS_PER_CLIENT over processes of PROGRAMS_PER_PROCESS, all at once;
+    the daemon's RSS sampled meanwhile."""
     sizes = [min(PROGRAMS_PER_CLIENT, spec.programs - start) for start in range(0, spec.programs, PROGRAMS_PER_CLIENT)]
     loads = [
         LoadSpec(
@@ -181,11 +190,13 @@ async def load_with_rss(
         )
         for shard, size in enumerate(sizes)
     ]
-    sampler = asyncio.create_task(sample_rss(daemon, peak))
-    try:
-        return list(await asyncio.gather(*(run_load(Target.gateway(cluster.gateway), load, workers) for load in loads)))
-    finally:
-        sampler.cancel()
+    per_process = max(1, PROGRAMS_PER_PROCESS // PROGRAMS_PER_CLIENT)
+    groups = [loads[i : i + per_process] for i in range(0, len(loads), per_process)]
+    with ProcessPoolExecutor(len(groups), mp_context=get_context("spawn")) as pool:
+        running = [pool.submit(run_shards, cluster.gateway, group, workers) for group in groups]
+        while wait(running, timeout=RSS_SAMPLE_S).not_done:
+            peak[0] = max(peak[0], daemon.memory_info().rss / MIB)
+        return [result for future in running for result in future.result()]
 
 
 def settled_programs(cluster: Cluster) -> list[dict[str, Any]]:
@@ -221,7 +232,7 @@ def run_soak(spec: SoakSpec, workdir: Path) -> SoakResult:
         rss_start = daemon.memory_info().rss / MIB
         peak = [rss_start]
         workers = [w["url"] for w in started["workers"]]
-        results = asyncio.run(load_with_rss(spec, cluster, workers, daemon, peak))
+        results = load_with_rss(spec, cluster, workers, daemon, peak)
         left = settled_programs(cluster)
         figures = gateway_figures(cluster)
         rss_end = daemon.memory_info().rss / MIB
