@@ -22,8 +22,11 @@ import httpx
 import pytest
 import yaml
 from minisweagent.exceptions import Submitted
+from typer.testing import CliRunner
 
+import thunderctl.integrations
 from test_cluster import Cli, consecutive_free_ports, write_profile
+from thunderctl.cli import app
 from thunderctl.integrations.cluster import ClusterClient, ClusterError
 from thunderctl.integrations.mini_swe_agent import (
     DEFAULT_CONFIG,
@@ -276,15 +279,21 @@ def test_task_files_take_swe_bench_records_and_name_the_bad_one(tmp_path: Path) 
         load_tasks(listed)
 
 
-def test_thunderctl_works_without_mini_swe_agent_and_says_how_to_get_it(tmp_path: Path) -> None:
-    tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text(json.dumps({"id": "one", "problem_statement": "x"}) + "\n")
-    # A None entry in sys.modules makes `import minisweagent` fail as if it were not installed.
+def test_thunderctl_works_without_mini_swe_agent_and_says_how_to_get_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A None entry in sys.modules makes `import minisweagent` fail as if it were not installed;
+    # a fresh interpreter shows the command line loads without it.
     without = "import sys; sys.modules['minisweagent'] = None; from thunderctl.cli import app; app()"
     status = subprocess.run([sys.executable, "-c", without, "--help"], capture_output=True, text=True, timeout=120)
     assert status.returncode == 0 and "agents" in status.stdout
-    run = subprocess.run(
-        [sys.executable, "-c", without, "agents", "run", str(tasks)], capture_output=True, text=True, timeout=120
-    )
-    assert run.returncode == 1
-    assert "pip install 'thunderctl[agents]'" in run.stderr
+    # The command that needs it, in this process (whose litellm is already imported, as a fresh one
+    # would spend seconds on): the integration, forgotten, is imported again and fails.
+    monkeypatch.setitem(sys.modules, "minisweagent", None)
+    monkeypatch.delitem(sys.modules, "thunderctl.integrations.mini_swe_agent")
+    monkeypatch.delattr(thunderctl.integrations, "mini_swe_agent")
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"id": "one", "problem_statement": "x"}) + "\n")
+    run = CliRunner().invoke(app, ["agents", "run", str(tasks)])
+    assert run.exit_code == 1
+    assert "pip install 'thunderctl[agents]'" in run.output
