@@ -57,6 +57,9 @@ class SchedulerConfig(BaseModel):
         "None: shortest first, new programs last (the reference order, unbounded waits)",
     )
     new_program_delay_s: float = Field(60.0, ge=0, description="how far behind paused programs a new one queues")
+    stall_timeout_s: float = Field(
+        30.0, gt=0, description="a worker with requests in flight and no progress for this long is taken out as stalled"
+    )
 
     @model_validator(mode="after")
     def _bands_are_ordered(self) -> SchedulerConfig:
