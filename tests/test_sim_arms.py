@@ -37,7 +37,7 @@ SMALL = Preset(
     kv_bytes_per_token=1024,
     host_link_bytes_per_s=1e9,
 )
-PRESSURE = SimSpec(SMALL, WORKLOAD, concurrency=48, duration_s=150, workers=2, warmup_s=30)
+PRESSURE = SimSpec(SMALL, WORKLOAD, concurrency=48, duration_s=90, workers=2, warmup_s=20)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def test_the_reference_policy_preempts_no_more_than_the_engine_alone(
 
 
 def test_the_same_seed_gives_the_same_report_and_another_seed_another() -> None:
-    spec = replace(PRESSURE, duration_s=80, warmup_s=20)
+    spec = replace(PRESSURE, duration_s=40, warmup_s=10)
     arms = [ArmName.STICKY, ArmName.THUNDERCTL]
     first = run_sweep(spec, [8, 24], arms, {"name": "shape"})
     second = run_sweep(spec, [8, 24], arms, {"name": "shape"})
@@ -75,7 +75,7 @@ def test_the_same_seed_gives_the_same_report_and_another_seed_another() -> None:
 
 
 def test_runs_in_parallel_processes_give_the_serial_report() -> None:
-    spec = replace(PRESSURE, duration_s=80, warmup_s=20)
+    spec = replace(PRESSURE, duration_s=40, warmup_s=10)
     arms = [ArmName.STICKY, ArmName.REFERENCE, ArmName.LIMIT]
     finished: list[tuple[int, str]] = []
     serial = run_sweep(spec, [8, 24], arms, {"name": "shape"})
@@ -98,7 +98,7 @@ def test_bench_simulate_writes_the_report_the_table_and_the_plot(tmp_path: Path)
     out = tmp_path / "sim.json"
     result = CliRunner().invoke(
         app,
-        ["bench", "simulate", "--preset", "cpu-tiny", "--concurrency", "4,8", "--duration", "120", "--scale", "0.1",
+        ["bench", "simulate", "--preset", "cpu-tiny", "--concurrency", "4,8", "--duration", "60", "--scale", "0.1",
          "--arms", "sticky,thunderctl,limit", "--out", str(out)],
     )  # fmt: skip
     assert result.exit_code == 0, result.output
