@@ -9,6 +9,13 @@ of it, and at each concurrency runs two arms for `--duration` seconds on the rec
 it simulates the same workload object, seed, concurrency, duration and warm-up on `cpu-tiny` with
 the same cache: `sticky` (one worker: the engine alone) and `thunderctl` (the default policy).
 
+With `--sim-engine` each row also runs the same arm, in real time, against the simulated engine
+served over HTTP (`thunderctl engine sim --preset cpu-tiny`, the same cache; `policy` through a
+second gateway in front of it): how closely the project's stand-in for vLLM agrees with the real
+one on the same closed-loop load (issue 16).
+
+    python benchmarks/calibrate_sim.py --kv-blocks 1024 --concurrency 16,48 --sim-engine --out results/sim_engine.jsonl
+
 Each row (cache, concurrency, arm) is appended to `--out` (JSON lines) as it finishes, with the
 load average around it, and rows already there are skipped: a run cut short resumes where it
 stopped. The table of real vs simulated figures is printed from the file at the end.
@@ -18,10 +25,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -37,6 +46,7 @@ from thunderctl.bench.replay import Arm, TraceWorkload, run_arms
 from thunderctl.bench.report import fmt
 from thunderctl.bench.swe_lite import SHARED_PREFIX_TOKENS
 from thunderctl.bench.workloads import WorkloadChoice
+from thunderctl.engines.sim_process import SimProcess
 from thunderctl.gateway.auth import env_api_key
 from thunderctl.gateway.process import ServeProcess
 from thunderctl.prometheus import parse_samples
@@ -69,6 +79,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--markdown", action="store_true", help="Print the table as Markdown too (for docs/simulator.md)."
+    )
+    parser.add_argument(
+        "--sim-engine", action="store_true", help="Run each row's arm against `thunderctl engine sim` too."
     )
     parser.add_argument("--out", type=Path, default=Path("results/calibrate_sim.jsonl"))
     parser.add_argument("--log-dir", type=Path, default=Path("results/logs-calibrate"))
@@ -164,31 +177,54 @@ async def run_real(
     }  # fmt: skip
 
 
+@contextlib.contextmanager
+def served_stack(args: argparse.Namespace, kv_blocks: int, console: Console) -> Iterator[dict[str, dict[str, str]]]:
+    """The real engine and a gateway in front of it; with --sim-engine, the simulated engine and its gateway too."""
+    with contextlib.ExitStack() as stack:
+        engine = start_engine(EngineSettings(kv_blocks, args.block_size, MAX_MODEL_LEN), args.log_dir, console)
+        stack.callback(engine.stop)
+        engines = {"real": engine.url}
+        if args.sim_engine:
+            sim = SimProcess(
+                ("--preset", "cpu-tiny", "--kv-blocks", str(kv_blocks), "--block-size", str(args.block_size),
+                 "--max-model-len", str(MAX_MODEL_LEN)),
+                args.log_dir / f"sim-engine-{kv_blocks}.log",
+            )  # fmt: skip
+            stack.callback(sim.stop)
+            sim.wait_healthy()
+            engines["sim_engine"] = sim.url
+        stacks = {}
+        for side, url in engines.items():
+            gateway = ServeProcess([url], [], args.log_dir / f"gateway-{side}-{kv_blocks}.log")
+            stack.callback(gateway.stop)
+            gateway.wait_healthy(timeout=ENGINE_START_TIMEOUT_S)
+            stacks[side] = {"engine": url, "gateway": gateway.url}
+        yield stacks
+
+
 def measure_cache(
     args: argparse.Namespace, kv_blocks: int, todo: list[tuple[int, str]], workload: TraceWorkload, console: Console
 ) -> None:
-    engine = start_engine(EngineSettings(kv_blocks, args.block_size, MAX_MODEL_LEN), args.log_dir, console)
-    gateway = ServeProcess([engine.url], [], args.log_dir / f"gateway-{kv_blocks}.log")
-    try:
-        gateway.wait_healthy(timeout=ENGINE_START_TIMEOUT_S)
-        urls = {"engine": engine.url, "gateway": gateway.url}
+    with served_stack(args, kv_blocks, console) as stacks:
         for concurrency, arm in todo:
             load_before, started = load_average(), time.monotonic()
-            real = asyncio.run(run_real(args, workload, urls, concurrency, arm))
+            real = asyncio.run(run_real(args, workload, stacks["real"], concurrency, arm))
             real_wall, load_after = time.monotonic() - started, load_average()
+            served_sim = (
+                {"sim_engine": asyncio.run(run_real(args, workload, stacks["sim_engine"], concurrency, arm))}
+                if "sim_engine" in stacks
+                else {}
+            )
             row = {
                 "kv_blocks": kv_blocks, "kv_tokens": kv_blocks * args.block_size, "concurrency": concurrency,
                 "arm": arm, "sim_arm": SIM_ARMS[arm].value, "duration_s": args.duration, "warmup_s": args.warmup,
                 "scale": args.scale, "seed": args.seed, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "load_before": load_before, "load_after": load_after, "real_wall_s": real_wall,
-                "real": real, **simulated(args, workload, kv_blocks, concurrency, arm),
+                "real": real, **served_sim, **simulated(args, workload, kv_blocks, concurrency, arm),
             }  # fmt: skip
             with args.out.open("a") as out:
                 out.write(json.dumps(row, default=str) + "\n")
             console.print(describe_row(row))
-    finally:
-        gateway.stop()
-        engine.stop()
 
 
 def resimulate(args: argparse.Namespace, workload: TraceWorkload) -> None:
@@ -214,6 +250,27 @@ def describe_row(row: dict[str, Any]) -> str:
         f"sim {fmt(sim['hit_rate'])}, preemptions real {real['preemptions']} sim {sim['preemptions']}, "
         f"load {row['load_before'][0]:.1f}->{row['load_after'][0]:.1f}"
     )
+
+
+def sim_engine_markdown(rows: list[dict[str, Any]]) -> str:
+    """Real vLLM-CPU against the simulated engine served over HTTP and the virtual-time simulator."""
+    header = ("cache", "programs", "arm", "steps/min real", "sim engine (÷ real)", "virtual sim (÷ real)",
+              "hit rate real", "sim engine (− real)", "virtual sim (− real)", "p50 real", "sim engine", "load 1 min")  # fmt: skip
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in sorted((row for row in rows if "sim_engine" in row), key=row_key):
+        real, served, sim = row["real"], row["sim_engine"], row["sim"]
+        cells = [
+            f"{row['kv_tokens']:,}", str(row["concurrency"]), row["arm"], fmt(real["steps_per_min"], digits=1),
+            f"{fmt(served['steps_per_min'], digits=1)} ({fmt(ratio(real['steps_per_min'], served['steps_per_min']), 'x')})",
+            f"{fmt(sim['steps_per_min'], digits=1)} ({fmt(ratio(real['steps_per_min'], sim['steps_per_min']), 'x')})",
+            fmt(real["prefix_cache_hit_rate"]),
+            f"{fmt(served['prefix_cache_hit_rate'])} ({fmt(difference(real['prefix_cache_hit_rate'], served['prefix_cache_hit_rate']))})",
+            f"{fmt(sim['hit_rate'])} ({fmt(difference(real['prefix_cache_hit_rate'], sim['hit_rate']))})",
+            fmt(real["p50_s"], " s"), fmt(served["p50_s"], " s"),
+            f"{row['load_before'][0]:.1f} → {row['load_after'][0]:.1f}",
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def table(rows: list[dict[str, Any]]) -> Table:
@@ -285,6 +342,8 @@ def main(argv: list[str] | None = None) -> None:
     console.print(table(rows))
     if args.markdown:
         print(markdown(rows))
+        if any("sim_engine" in row for row in rows):
+            print(sim_engine_markdown(rows))
     console.print(f"wall time {time.monotonic() - started:.0f} s; rows in {args.out}")
 
 

@@ -176,9 +176,10 @@ def test_more_programs_than_fit_are_paused_not_failed_and_keep_their_cache(vllm_
     """Eight agents whose contexts outgrow a 4,096-token KV cache: straight to vLLM they
     evict each other's prefixes; through the gateway they take turns and keep them."""
     engine = vllm_pair[0]
-    # The reference policy: cache retention is what this test is about (the adaptive law may
-    # trade it for throughput on this cheap-recompute engine; docs/admission.md).
-    gateway = start_gateway([engine.url], "--tick-interval", "0.2", "--buffer-tokens", "64", "--no-adaptive")
+    # The reference policy: cache retention is what this test is about (the adaptive law and
+    # priced retention trade it for throughput on this cheap-recompute engine; docs/admission.md).
+    reference = ("--no-adaptive", "--no-retention", "--resume-aging", "0")
+    gateway = start_gateway([engine.url], "--tick-interval", "0.2", "--buffer-tokens", "64", *reference)
     shape = AgentShape(
         system_prompt_tokens=150,
         task_tokens=Uniform(150, 250),

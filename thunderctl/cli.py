@@ -93,6 +93,19 @@ def serve(
     adapt_window: Annotated[
         float, typer.Option(help="Seconds of steps/min measured per move of the adaptive weight.")
     ] = 15.0,
+    retention: Annotated[
+        bool, typer.Option(help="Pause an ACTING program while others wait when its KV costs more than a re-prefill.")
+    ] = True,
+    resume_aging: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="Tokens/s that age a waiting program's place in the resume order (0: shortest first, unbounded waits).",
+        ),
+    ] = 250.0,
+    stall_timeout: Annotated[
+        float, typer.Option(help="A worker with requests in flight and no progress this long is taken out as stalled.")
+    ] = 30.0,
     kv_blocks: Annotated[int, typer.Option(help="With --local-engine: KV cache blocks.")] = 256,
     record_trace: Annotated[
         Path | None,
@@ -142,6 +155,9 @@ def serve(
             acting_overbook=acting_overbook,
             adaptive=adaptive,
             adapt_window_s=adapt_window,
+            retention=retention,
+            resume_aging_tokens_per_s=resume_aging or None,
+            stall_timeout_s=stall_timeout,
         )
     except ValidationError as exc:
         raise fail(f"invalid scheduler options:\n{exc}") from exc

@@ -15,15 +15,16 @@ run recorded, and the figures drawn from it, are bench/results.py's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import random
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import httpx
 
@@ -38,6 +39,16 @@ from thunderctl.sim.agents import aged_start_fraction
 # Used when the engine cannot tokenize for us; real tokenizers give ~1.0-1.3 on these words.
 DEFAULT_TOKENS_PER_WORD = 1.0
 CALIBRATION_WORDS = 400
+T = TypeVar("T")
+# A request that got no byte of its answer is sent again this often (while `retry_unanswered_s` lasts).
+UNANSWERED_RETRY_INTERVAL_S = 0.25
+# How a request can end with no byte of its answer: refused, or its connection closed before the answer.
+UNANSWERED_ERRORS = (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+
+
+class AnswerCut(httpx.TransportError):
+    """The connection ended after the answer had begun: the server acted on the request, so it is
+    never sent again."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +74,11 @@ class LoadSpec:
     time_scale: float = 1.0
     # How often the engines' counters are read during the run (for figures over time).
     sample_interval_s: float = 10.0
+    # A request that got no byte of its answer (refused, or its connection closed first: a server
+    # that died, a stale keep-alive connection) is sent again for up to this long, as an agent's
+    # client retries connection errors (the OpenAI SDK twice by default). One cut after its answer
+    # began is never sent again: it fails. 0: every error fails at once.
+    retry_unanswered_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -173,6 +189,7 @@ class ClosedLoop:
         self.steps_cancelled = 0
         self.steps_cut = 0
         self.release_failures = 0
+        self.unanswered_retries = 0
         self.open_programs: set[str] = set()
         self._t0 = 0.0
         self._next_index = 0
@@ -280,7 +297,9 @@ class ClosedLoop:
             body["program_id"] = plan.program_id
         start = self.now()
         try:
-            reply = await (self.stream_chat(url, body) if self.spec.stream else self.chat(url, body))
+            reply = await self.retrying_unanswered(
+                lambda: self.stream_chat(url, body) if self.spec.stream else self.chat(url, body)
+            )
         except httpx.HTTPError as exc:
             reply = _Reply(status=0, error=f"{type(exc).__name__}: {exc}")
         except asyncio.CancelledError:
@@ -301,8 +320,25 @@ class ClosedLoop:
         )
         return record, reply.text
 
+    async def retrying_unanswered(self, send: Callable[[], Awaitable[T]]) -> T:
+        give_up_at = time.monotonic() + self.spec.retry_unanswered_s
+        while True:
+            try:
+                return await send()
+            except AnswerCut:
+                raise
+            except UNANSWERED_ERRORS:
+                if time.monotonic() + UNANSWERED_RETRY_INTERVAL_S > give_up_at:
+                    raise
+                self.unanswered_retries += 1
+                await asyncio.sleep(UNANSWERED_RETRY_INTERVAL_S)
+
     async def chat(self, url: str, body: dict[str, Any]) -> _Reply:
-        response = await self.client.post(f"{url}/v1/chat/completions", json=body, headers=self.target.headers)
+        async with self.client.stream(
+            "POST", f"{url}/v1/chat/completions", json=body, headers=self.target.headers
+        ) as response:
+            with answer_begun():
+                await response.aread()
         if response.status_code != 200:
             return _Reply(response.status_code, error=response.text[:300])
         try:
@@ -322,16 +358,17 @@ class ClosedLoop:
             "POST", f"{url}/v1/chat/completions", json=body, headers=self.target.headers
         ) as response:
             reply.status = response.status_code
-            if response.status_code != 200:
-                reply.error = (await response.aread()).decode(errors="replace")[:300]
-                return reply
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:") :].strip()
-                if data == "[DONE]":
-                    break
-                read_stream_chunk(json.loads(data), reply, parts, time.monotonic() - start)
+            with answer_begun():
+                if response.status_code != 200:
+                    reply.error = (await response.aread()).decode(errors="replace")[:300]
+                    return reply
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[len("data:") :].strip()
+                    if data == "[DONE]":
+                        break
+                    read_stream_chunk(json.loads(data), reply, parts, time.monotonic() - start)
         reply.text = "".join(parts)
         return reply
 
@@ -341,10 +378,23 @@ class ClosedLoop:
         self.open_programs.discard(program_id)
         try:
             url = f"{self.target.urls[0].rstrip('/')}/programs/release"
-            response = await self.client.post(url, json={"program_id": program_id}, headers=self.target.headers)
+            response = await self.retrying_unanswered(
+                lambda: self.client.post(url, json={"program_id": program_id}, headers=self.target.headers)
+            )
             response.raise_for_status()
         except httpx.HTTPError:
             self.release_failures += 1
+
+
+@contextlib.contextmanager
+def answer_begun() -> Iterator[None]:
+    """Reading an answer whose status line came: a transport error now is an AnswerCut."""
+    try:
+        yield
+    except AnswerCut:
+        raise
+    except httpx.TransportError as exc:
+        raise AnswerCut(f"{type(exc).__name__}: {exc}") from exc
 
 
 def read_stream_chunk(chunk: dict[str, Any], reply: _Reply, parts: list[str], elapsed_s: float) -> None:
@@ -462,6 +512,7 @@ async def run_load(
         steady_ttfts_s=[r.ttft_s for r in steady if r.ttft_s is not None],
         samples=samples,
         steps_cut=loop.steps_cut,
+        unanswered_retries=loop.unanswered_retries,
         tool_records=tool_records,
         sandbox_samples=sandbox_samples,
         sandbox_create_failures=create_failures,

@@ -143,6 +143,7 @@ class LoadResult:
     steady_ttfts_s: list[float] = listed(Pooling.CONCATENATED)  # streaming only
     samples: list[CounterSample] = listed(Pooling.SHIFTED, clock="t_s")
     steps_cut: int = pooled(Pooling.SUMMED, default=0)  # steps of started programs left out to fit the context limit
+    unanswered_retries: int = pooled(Pooling.SUMMED, default=0)  # requests sent again (LoadSpec.retry_unanswered_s)
     # With tool steps in sandboxes (`bench swe-lite --sandboxes`):
     tool_records: list[ToolRecord] = listed(Pooling.SHIFTED, clock="start_s")
     sandbox_samples: list[SandboxSample] = listed(Pooling.SHIFTED, clock="t_s")

@@ -11,8 +11,8 @@ from pydantic import BaseModel, ConfigDict
 
 from thunderctl.gateway.gateway import WorkerState
 
-# States in which a worker has nothing left to finish: `drain --wait` waits for one.
-IDLE_STATES = (WorkerState.DRAINED, WorkerState.STOPPED, WorkerState.UNHEALTHY)
+# States in which a worker has nothing left it will finish: `drain --wait` waits for one.
+IDLE_STATES = (WorkerState.DRAINED, WorkerState.STOPPED, WorkerState.UNHEALTHY, WorkerState.STALLED)
 
 
 class StatusPart(BaseModel):

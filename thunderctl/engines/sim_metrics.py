@@ -52,6 +52,8 @@ class EngineCollector:
             "Prefix cache hits, in terms of number of cached tokens.",
             counters.prefix_cache_hits,
         )
+        # vLLM counts every sampled token; the model's counter leaves out each answer's first, sampled by its prefill.
+        yield self._counter("vllm:generation_tokens", "Number of generation tokens processed.", counters.decode_tokens)
         yield self._counter(
             "vllm:num_preemptions", "Cumulative number of preemption from the engine.", counters.preemptions
         )

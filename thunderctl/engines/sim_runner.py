@@ -75,6 +75,8 @@ class RealTimeEngine:
         self.time_scale = time_scale
         self._streaming: set[Generation] = set()
         self._work = asyncio.Event()
+        self._unstalled = asyncio.Event()
+        self._unstalled.set()
         # Contents remembered: a few times what the cache holds, so a cached block is not forgotten.
         self.block_ids = BlockIds(capacity=IDS_PER_CACHED_BLOCK * engine.shape.num_gpu_blocks)
 
@@ -94,6 +96,18 @@ class RealTimeEngine:
         self._work.set()
         return generation
 
+    @property
+    def stalled(self) -> bool:
+        return not self._unstalled.is_set()
+
+    def stall(self, stalled: bool) -> None:
+        """Stop stepping at the next step boundary (requests queue, none progresses), or step again:
+        a hung engine whose HTTP server still answers, for fault tests."""
+        if stalled:
+            self._unstalled.clear()
+        else:
+            self._unstalled.set()
+
     def _finished(self, generation: Generation) -> None:
         self._streaming.discard(generation)
         generation.finish()
@@ -103,6 +117,7 @@ class RealTimeEngine:
         loop = asyncio.get_running_loop()
         engine = self.engine
         while True:
+            await self._unstalled.wait()
             start = loop.time()
             seconds = engine.begin_step(start)
             if seconds is None:

@@ -2,7 +2,8 @@
 gateway, `bench` and agent clients use, in real time.
 
 Routes: `/v1/chat/completions` and `/v1/completions` (streamed or not, `max_tokens`, `ignore_eos`,
-`stream_options.include_usage`), `/v1/models`, `/tokenize`, `/health`, `/metrics` (vLLM's names).
+`stream_options.include_usage`), `/v1/models`, `/tokenize`, `/health`, `/metrics` (vLLM's names),
+and `/sim/stall` (no vLLM has it): POST stops the engine stepping, DELETE starts it again.
 An answer is always `max_tokens` long, clamped to what fits `max_model_len` as vLLM clamps it:
 the model has no end-of-sequence token, so `ignore_eos` changes nothing.
 """
@@ -208,6 +209,13 @@ class SimServer:
     async def health(self, _: Request) -> Response:
         return Response(status_code=200)
 
+    async def stall(self, request: Request) -> Response:
+        """POST stalls the engine, DELETE lets it step again; /health and /metrics answer throughout."""
+        stalled = request.method == "POST"
+        self.runner.stall(stalled)
+        log.warning("engine %s (%s /sim/stall)", "stalled: no step runs" if stalled else "steps again", request.method)
+        return JSONResponse({"stalled": self.runner.stalled})
+
     async def version(self, _: Request) -> Response:
         return JSONResponse({"version": SIM_VERSION})
 
@@ -224,6 +232,7 @@ class SimServer:
                 Route("/health", self.health, methods=["GET"]),
                 Route("/version", self.version, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
+                Route("/sim/stall", self.stall, methods=["POST", "DELETE"]),  # fault tests: a hung engine
             ]
         )
 

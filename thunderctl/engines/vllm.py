@@ -40,6 +40,8 @@ PREFIX_HITS_NAMES = (
     "vllm:gpu_prefix_cache_hits",
 )
 PREEMPTIONS_NAMES = ("vllm:num_preemptions_total", "vllm:num_preemptions")
+# Moves while the engine makes progress: the gateway's sign that a worker with long answers is not stalled.
+GENERATION_TOKENS_NAMES = ("vllm:generation_tokens_total", "vllm:generation_tokens")
 # Only these shape the result: other vllm: series (some without an `engine` label, like
 # vllm:admission_rejections_total) must not invent an extra engine.
 RELEVANT_NAMES = frozenset(
@@ -50,6 +52,7 @@ RELEVANT_NAMES = frozenset(
     + PREFIX_QUERIES_NAMES
     + PREFIX_HITS_NAMES
     + PREEMPTIONS_NAMES
+    + GENERATION_TOKENS_NAMES
 )
 
 # Samples without an `engine` label (older single-engine servers) are kept under this key.
@@ -67,6 +70,7 @@ class EngineMetrics:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     preemptions: int = 0
+    generation_tokens: int = 0
     per_engine: dict[str, EngineMetrics] = field(default_factory=dict)
 
     @property
@@ -95,6 +99,7 @@ def parse_metrics(text: str) -> EngineMetrics:
         "prefix_cache_queries": first_present(PREFIX_QUERIES_NAMES, present),
         "prefix_cache_hits": first_present(PREFIX_HITS_NAMES, present),
         "preemptions": first_present(PREEMPTIONS_NAMES, present),
+        "generation_tokens": first_present(GENERATION_TOKENS_NAMES, present),
     }
     per_engine = {engine: engine_metrics(group, names) for engine, group in sorted(by_engine.items())}
     return total_metrics(per_engine)
@@ -118,6 +123,7 @@ def engine_metrics(samples: list[Sample], names: dict[str, str | None]) -> Engin
         prefix_cache_queries=round(total("prefix_cache_queries")),
         prefix_cache_hits=round(total("prefix_cache_hits")),
         preemptions=round(total("preemptions")),
+        generation_tokens=round(total("generation_tokens")),
     )
 
 
@@ -155,6 +161,7 @@ def total_metrics(per_engine: dict[str, EngineMetrics]) -> EngineMetrics:
         prefix_cache_queries=sum(e.prefix_cache_queries for e in engines),
         prefix_cache_hits=sum(e.prefix_cache_hits for e in engines),
         preemptions=sum(e.preemptions for e in engines),
+        generation_tokens=sum(e.generation_tokens for e in engines),
         per_engine=per_engine,
     )
 

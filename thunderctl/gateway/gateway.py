@@ -26,6 +26,7 @@ from thunderctl.gateway.answers import (
 )
 from thunderctl.gateway.recorder import TraceRecorder
 from thunderctl.gateway.requests import PromptShape, TokenEstimator
+from thunderctl.gateway.stalls import StallWatch, UnansweredRequests, WorkerStalled
 from thunderctl.gateway.timings import GatewayTimings
 from thunderctl.jsonapi import bearer_headers
 from thunderctl.scheduler import EventKind, ProgramEvent, Scheduler, SchedulerConfig
@@ -66,6 +67,7 @@ class WorkerState(StrEnum):
     DRAINING = "draining"
     DRAINED = "drained"
     UNHEALTHY = "unhealthy"
+    STALLED = "stalled"
     STOPPED = "stopped"
 
 
@@ -82,6 +84,8 @@ class Upstream:
     healthy: bool = True
     stopped: bool = False
     failures: int = 0  # consecutive failed polls
+    stalled: bool = False
+    last_progress_s: float = 0.0  # when a request last ended, or started on an idle worker
 
     @property
     def capacity(self) -> int | None:
@@ -89,11 +93,13 @@ class Upstream:
 
     @property
     def usable(self) -> bool:
-        return self.healthy and not self.draining and not self.stopped
+        return self.healthy and not self.draining and not self.stopped and not self.stalled
 
     def add_in_flight(self, delta: int, now: float) -> None:
         self.in_flight += delta
         self.meter.set(self.in_flight, now)
+        if delta < 0 or self.in_flight == delta:
+            self.last_progress_s = now
 
 
 @dataclass(frozen=True)
@@ -130,6 +136,8 @@ class Gateway:
         self.started_at = clock()
         self._clock = clock
         self._resumed: dict[str, asyncio.Event] = {}
+        self.stalls = StallWatch(self.scheduler.config.stall_timeout_s)
+        self.unanswered = UnansweredRequests()
         self._tasks: list[asyncio.Task[None]] = []
         # Every call to a worker (relay, health, metrics) carries the cluster's worker key.
         self._client = httpx.AsyncClient(
@@ -213,6 +221,7 @@ class Gateway:
                 log.warning("worker %s answers again", upstream.id)
                 upstream.healthy = True
                 self.scheduler.set_schedulable(upstream.id, upstream.usable)
+            self.watch_stall(upstream, result)
 
     # ---- worker states --------------------------------------------------------------------
 
@@ -222,6 +231,32 @@ class Gateway:
             log.warning("worker %s is unhealthy; its programs move to other workers", upstream.id)
         upstream.healthy = False
         self.scheduler.drain(upstream.id)
+
+    def watch_stall(self, upstream: Upstream, metrics: EngineMetrics) -> None:
+        """A stalled worker is taken out of scheduling and its unanswered requests go to other
+        workers (stalls.py says when); it rejoins once it makes progress again."""
+        stalled = self.stalls.polled(
+            upstream.id,
+            in_flight=upstream.in_flight,
+            last_progress_s=upstream.last_progress_s,
+            generation_tokens=metrics.generation_tokens,
+            engine_busy=metrics.requests_running + metrics.requests_waiting > 0,
+            now_s=self._clock(),
+        )
+        if stalled == upstream.stalled:
+            return
+        upstream.stalled = stalled
+        if stalled:
+            given_up = self.unanswered.give_up(upstream.id)
+            log.warning(
+                "worker %s stalled (%d request(s) in flight, no progress for %gs); its programs and %d unanswered "
+                "request(s) move to other workers",
+                upstream.id, upstream.in_flight, self.stalls.bound_s, given_up,
+            )  # fmt: skip
+            self.scheduler.drain(upstream.id)
+        else:
+            log.warning("worker %s makes progress again; it rejoins scheduling", upstream.id)
+            self.scheduler.set_schedulable(upstream.id, upstream.usable)
 
     def drain(self, worker_id: str) -> None:
         upstream = self.upstreams[worker_id]
@@ -243,6 +278,8 @@ class Gateway:
             return WorkerState.STOPPED
         if not upstream.healthy:
             return WorkerState.UNHEALTHY
+        if upstream.stalled:
+            return WorkerState.STALLED
         if upstream.draining:
             idle = upstream.in_flight == 0 and not self.scheduler.backends[upstream.id].programs
             return WorkerState.DRAINED if idle else WorkerState.DRAINING
@@ -290,7 +327,7 @@ class Gateway:
     async def relay(self, path: str, body: dict[str, Any], program_id: str | None, shape: PromptShape) -> Relayed:
         """Send the request to its backend; account the engine's usage when it ends.
 
-        A request that fails before any byte reached the client (the worker died) is tried
+        A request that fails before any byte reached the client (its worker died or stalled) is tried
         once more on another worker.
         """
         stream = bool(body.get("stream"))
@@ -312,20 +349,24 @@ class Gateway:
             answer = StreamedAnswer(sent_at=self._clock())
             response = None
             try:
-                response = await self._client.send(
-                    self._client.build_request(
-                        "POST", f"{upstream.url}{path}", content=payload, headers={"content-type": "application/json"}
-                    ),
-                    stream=True,
-                )
-                if response.status_code == 200 and stream:
-                    lines = self._relay_stream(response, upstream, program_id, shape, client_wants_usage, answer)
-                    return Relayed(200, response.headers.get("content-type", "text/event-stream"), lines)
-                content = await response.aread()
+                async with self.unanswered.waiting_on(upstream.id):  # given up if the worker stalls
+                    response = await self._client.send(
+                        self._client.build_request(
+                            "POST",
+                            f"{upstream.url}{path}",
+                            content=payload,
+                            headers={"content-type": "application/json"},
+                        ),
+                        stream=True,
+                    )
+                    if response.status_code == 200 and stream:
+                        lines = self._relay_stream(response, upstream, program_id, shape, client_wants_usage, answer)
+                        return Relayed(200, response.headers.get("content-type", "text/event-stream"), lines)
+                    content = await response.aread()
                 break
-            except httpx.TransportError as exc:
+            except (httpx.TransportError, WorkerStalled) as exc:
                 upstream.add_in_flight(-1, self._clock())
-                if attempt == 1 and self._fail_over(upstream, program_id):
+                if attempt == 1 and self._fail_over(upstream, program_id, stalled=isinstance(exc, WorkerStalled)):
                     log.warning("worker %s failed (%r); retrying on another worker", upstream.id, exc)
                     continue
                 self._finish_failed(program_id)
@@ -378,9 +419,11 @@ class Gateway:
             await response.aclose()
             self._finish(upstream, program_id, shape, usage, answer.tool, answer.ttft_s)
 
-    def _fail_over(self, upstream: Upstream, program_id: str | None) -> bool:
-        """Take a worker that refused a connection out of scheduling; is there another?"""
-        self.mark_unhealthy(upstream)
+    def _fail_over(self, upstream: Upstream, program_id: str | None, stalled: bool) -> bool:
+        """Take a worker that refused a connection out of scheduling (a stalled one is out already);
+        is there another?"""
+        if not stalled:
+            self.mark_unhealthy(upstream)
         if program_id is not None:
             self.scheduler.requeue(program_id)
         return any(u.usable for u in self.upstreams.values())

@@ -71,6 +71,9 @@ class SchedulerConfig(BaseModel):
         description="a program that waited this long gets room at once: ACTING programs pause for it "
         "(pause_order), unless resume_timeout_s comes first; None: only the forced resume bounds a wait",
     )
+    stall_timeout_s: float = Field(
+        30.0, gt=0, description="a worker with requests in flight and no progress for this long is taken out as stalled"
+    )
 
     @model_validator(mode="after")
     def _bands_are_ordered(self) -> SchedulerConfig:

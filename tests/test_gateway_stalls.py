@@ -1,0 +1,95 @@
+"""A worker that stalls (answers /health, finishes nothing): the rule on a clock, then a real gateway
+(`thunderctl serve`) in front of two simulated workers, one of which is stalled through `/sim/stall`."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+from thunderctl.gateway.stalls import StallWatch
+
+BOUND_S = 10.0
+
+
+def poll(watch: StallWatch, now_s: float, *, in_flight: int = 1, progress_s: float = 0.0, tokens: int = 0,
+         busy: bool = True) -> bool:  # fmt: skip
+    return watch.polled(
+        "w", in_flight=in_flight, last_progress_s=progress_s, generation_tokens=tokens, engine_busy=busy, now_s=now_s
+    )
+
+
+def test_requests_in_flight_without_progress_for_the_bound_is_a_stall() -> None:
+    watch = StallWatch(BOUND_S)
+    assert not poll(watch, 0.0)
+    assert not poll(watch, 9.9)
+    assert poll(watch, 10.0)
+    assert watch.stalled == {"w"}
+
+
+def test_an_idle_worker_never_stalls() -> None:
+    watch = StallWatch(BOUND_S)
+    assert not poll(watch, 0.0, in_flight=0)
+    assert not poll(watch, 100.0, in_flight=0)
+
+
+def test_a_moving_token_counter_is_progress_without_any_answer() -> None:
+    watch = StallWatch(BOUND_S)
+    for second in range(0, 60, 2):  # one long answer in flight, its tokens counted at every poll
+        assert not poll(watch, float(second), tokens=second * 30)
+    assert not poll(watch, 66.0, tokens=58 * 30)
+    assert poll(watch, 68.0, tokens=58 * 30)  # the counter stood still for the bound
+
+
+def test_an_answer_ending_restarts_the_clock() -> None:
+    watch = StallWatch(BOUND_S)
+    poll(watch, 0.0)
+    assert not poll(watch, 15.0, progress_s=8.0)
+    assert poll(watch, 18.0, progress_s=8.0)
+
+
+def test_a_stalled_worker_rejoins_when_its_counter_moves_or_its_engine_is_empty() -> None:
+    watch = StallWatch(BOUND_S)
+    poll(watch, 0.0)
+    assert poll(watch, 10.0)
+    assert poll(watch, 12.0, in_flight=0)  # its requests were given up; the engine still holds them
+    assert not poll(watch, 14.0, in_flight=0, tokens=5)  # it steps again
+    assert not poll(watch, 20.0, tokens=5)  # and its clock started again as it rejoined
+    assert poll(watch, 24.0, tokens=5)
+    assert not poll(watch, 26.0, in_flight=0, tokens=5, busy=False)  # nothing left running: rejoins
+
+
+def gateway_backends(gateway) -> dict[str, str]:
+    return {p["program_id"]: p["backend"] for p in gateway.programs().values()}
+
+
+def test_a_stalled_workers_unanswered_requests_are_answered_by_the_other(start_sim, start_gateway) -> None:
+    stuck, other = start_sim("--time-scale", "0.1"), start_sim("--time-scale", "0.1")
+    gateway = start_gateway([f"stuck={stuck.url}", f"other={other.url}"], "--stall-timeout", "1")
+    assert httpx.post(f"{stuck.url}/sim/stall").json() == {"stalled": True}
+    assert httpx.get(f"{stuck.url}/health").status_code == 200
+
+    def ask(program: int) -> httpx.Response:
+        body = {"model": "tiny", "program_id": f"p{program}", "max_tokens": 8,
+                "messages": [{"role": "user", "content": f"task {program}"}]}  # fmt: skip
+        return gateway.http.post("/v1/chat/completions", json=body)
+
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(ask, range(6)))
+    assert [a.status_code for a in answers] == [200] * 6
+    assert set(gateway_backends(gateway).values()) == {"other"}  # the programs that were on `stuck` moved
+    log = gateway.log_path.read_text()
+    assert "worker stuck stalled" in log and "unanswered request(s) move to other workers" in log
+    stuck_programs = int(log.split("its programs and ")[1].split(" unanswered")[0])
+    assert stuck_programs >= 1  # some request had gone to the stalled worker, and was answered elsewhere
+
+    httpx.delete(f"{stuck.url}/sim/stall")
+    deadline = time.monotonic() + 30
+    while "worker stuck makes progress again" not in gateway.log_path.read_text():
+        assert time.monotonic() < deadline, "the worker did not rejoin after it stepped again"
+        time.sleep(0.5)
+    with ThreadPoolExecutor(6) as pool:
+        again = list(pool.map(ask, range(10, 16)))
+    assert [a.status_code for a in again] == [200] * 6
+    assert "stuck" in set(gateway_backends(gateway).values())  # scheduled there again
