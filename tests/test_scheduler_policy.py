@@ -7,8 +7,8 @@ from pydantic import ValidationError
 
 from thunderctl.scheduler import (
     Decay,
-    PauseOrder,
     EventKind,
+    PauseOrder,
     Phase,
     ProgramEvent,
     Scheduler,

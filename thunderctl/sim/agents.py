@@ -158,7 +158,13 @@ class ClosedLoop:
         step = run.steps[run.next_step]
         self.records.append(
             StepRecord(
-                run.index, run.next_step, request.arrival_s, self.clock.now, worker.id, admitted_s, request.prompt_tokens
+                run.index,
+                run.next_step,
+                request.arrival_s,
+                self.clock.now,
+                worker.id,
+                admitted_s,
+                request.prompt_tokens,
             )
         )
         self.router.done(run.program_id, worker, request.prompt_tokens, request.max_tokens)

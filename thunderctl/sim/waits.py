@@ -60,7 +60,12 @@ def program_fairness(records: Sequence[StepRecord]) -> dict[str, Any]:
     if not longest:
         return {"programs": 0, "longest_s": None, "median_s": None, "ratio": None}
     worst, median = max(longest.values()), statistics.median(longest.values())
-    return {"programs": len(longest), "longest_s": worst, "median_s": median, "ratio": worst / median if median else None}
+    return {
+        "programs": len(longest),
+        "longest_s": worst,
+        "median_s": median,
+        "ratio": worst / median if median else None,
+    }
 
 
 def first_answers(records: Sequence[StepRecord], first_step: int = 0) -> list[tuple[int, float]]:
