@@ -9,11 +9,12 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from thunderctl.engines.sim_process import SIM_MODULE
+from thunderctl.engines.sim_process import SIM_MODULE, SimProcess
 from thunderctl.engines.vllm import EngineMetrics, parse_metrics
 from thunderctl.sim.presets import CPU_TINY_COST
 
@@ -31,6 +32,17 @@ SMALL = (
     "0.01",
 )
 WORDS = [f"w{i}" for i in range(400)]
+
+
+@pytest.fixture(scope="module")
+def small_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimProcess]:
+    """One SMALL sim shared by the tests that read none of the counters or cache it keeps."""
+    sim = SimProcess(SMALL, tmp_path_factory.mktemp("small-sim") / "sim.log")
+    try:
+        sim.wait_healthy()
+        yield sim
+    finally:
+        sim.stop()
 
 
 def metrics(url: str) -> EngineMetrics:
@@ -115,8 +127,8 @@ def test_an_agents_next_turn_hits_its_previous_prompt_and_answer(start_sim) -> N
     assert metrics(sim.url).prefix_cache_hits - before == (prompt_tokens + 30 - 1) // 16 * 16
 
 
-def test_a_stream_gives_the_answer_then_the_usage_chunk_then_done(start_sim) -> None:
-    sim = start_sim(*SMALL)
+def test_a_stream_gives_the_answer_then_the_usage_chunk_then_done(small_sim: SimProcess) -> None:
+    sim = small_sim
     messages = [{"role": "user", "content": "list the files"}]
     whole = chat(sim.url, messages, max_tokens=12).json()
     events, _ = stream_chat(sim.url, messages, max_tokens=12, include_usage=True)
@@ -188,8 +200,8 @@ def test_a_full_cache_queues_and_preempts_and_every_request_still_finishes(start
     assert (after.requests_running, after.requests_waiting, after.kv_usage) == (0, 0, 0.0)
 
 
-def test_a_prompt_longer_than_max_model_len_gets_vllms_400(start_sim) -> None:
-    sim = start_sim(*SMALL)
+def test_a_prompt_longer_than_max_model_len_gets_vllms_400(small_sim: SimProcess) -> None:
+    sim = small_sim
     response = complete(sim.url, [7] * 1025)
     assert response.status_code == 400
     assert response.json() == {
@@ -206,16 +218,16 @@ def test_a_prompt_longer_than_max_model_len_gets_vllms_400(start_sim) -> None:
     assert streamed.status_code == 400 and "maximum context length is 1024" in streamed.json()["error"]["message"]
 
 
-def test_max_tokens_is_clamped_to_what_fits_as_vllm_does(start_sim) -> None:
-    sim = start_sim(*SMALL)
+def test_max_tokens_is_clamped_to_what_fits_as_vllm_does(small_sim: SimProcess) -> None:
+    sim = small_sim
     usage = complete(sim.url, [7] * 1000, max_tokens=100).json()["usage"]
     assert (usage["prompt_tokens"], usage["completion_tokens"]) == (1000, 24)
     full = complete(sim.url, [7] * 1024, max_tokens=5)
     assert full.status_code == 400 and full.json()["error"]["message"] == "max_tokens must be at least 1, got 0."
 
 
-def test_an_unknown_model_and_bad_bodies_get_vllms_errors(start_sim) -> None:
-    sim = start_sim(*SMALL)
+def test_an_unknown_model_and_bad_bodies_get_vllms_errors(small_sim: SimProcess) -> None:
+    sim = small_sim
     unknown = httpx.post(f"{sim.url}/v1/chat/completions", json={"model": "gpt-4", "messages": []})
     assert unknown.status_code == 404
     assert unknown.json()["error"] == {
