@@ -64,6 +64,20 @@ def test_the_reference_policy_preempts_no_more_than_the_engine_alone(
     assert under_pressure["reference"]["pauses"] > 0, "the policy held programs back: it is in the loop"
 
 
+def test_a_policy_that_holds_programs_back_reports_their_admission_waits(under_pressure: dict[str, dict]) -> None:
+    reference = under_pressure["reference"]
+    waits = reference["admission_waits"]["<=8k"]
+    assert waits["requests"] == reference["steady_steps"], "every prompt of this workload is in the first class"
+    assert waits["max_s"] > 0 and waits["p99_s"] <= waits["max_s"]
+    assert reference["fairness"]["longest_s"] == waits["max_s"]
+
+
+@pytest.mark.parametrize("engine_alone", ["sticky", "least-loaded", "limit"])
+def test_the_engines_alone_admit_every_request_at_once(under_pressure: dict[str, dict], engine_alone: str) -> None:
+    assert under_pressure[engine_alone]["admission_waits"]["<=8k"]["max_s"] == 0
+    assert under_pressure[engine_alone]["fairness"]["ratio"] is None
+
+
 def test_the_same_seed_gives_the_same_report_and_another_seed_another() -> None:
     spec = replace(PRESSURE, duration_s=40, warmup_s=10)
     arms = [ArmName.STICKY, ArmName.THUNDERCTL]

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 from thunderctl.scheduler.admission import AdmissionTuner
-from thunderctl.scheduler.config import Decay, SchedulerConfig
+from thunderctl.scheduler.config import Decay, PauseOrder, SchedulerConfig
 from thunderctl.scheduler.events import Counters, EventKind, Listener, ProgramEvent
 from thunderctl.scheduler.ledger import Ledger, Load
 from thunderctl.scheduler.program import Backend, Phase, Program, Status
@@ -191,7 +191,8 @@ class Scheduler:
                 log.info("admission: %s -> %s (workers busy %.0f%%)", before, self.tuner.label, 100 * utilization)
 
     def tick(self) -> None:
-        """Expire idle programs, then resume, then pause (so nothing resumes the tick it paused).
+        """Expire idle programs, then resume (and make room for waits at their bound), then pause
+        (so nothing resumes the tick it paused).
 
         A tick that raises fails open: every paused program is let go, so a policy bug costs
         cache hits, never a stuck agent.
@@ -199,6 +200,7 @@ class Scheduler:
         try:
             self._expire_idle()
             self._resume()
+            self._make_room_for_overdue()
             self._pause_overfull()
             self._pause_priced()
         except Exception:
@@ -385,21 +387,61 @@ class Scheduler:
             if load.tokens <= backend.capacity * cfg.pause_threshold:
                 continue
             target = backend.capacity * cfg.pause_target
-            members = sorted((self.programs[i] for i in backend.programs), key=lambda p: (p.tokens, p.id))
-            for program in members:
-                if program.phase is Phase.ACTING:
-                    load.remove(program, 1.0, cfg.buffer_tokens)
-                    self._pause(program)
-                    if load.tokens <= target:
-                        break
+            for program in self._acting_in_pause_order(backend):
+                load.remove(program, 1.0, cfg.buffer_tokens)
+                self._pause(program)
+                if load.tokens <= target:
+                    break
             else:
                 # Nothing ACTING is left: the shortest decodes pause once their response is out.
-                for program in members:
+                for program in sorted((self.programs[i] for i in backend.programs), key=lambda p: (p.tokens, p.id)):
                     if load.tokens <= target:
                         break
                     if program.phase is Phase.REASONING and program.status is Status.ACTIVE:
                         program.pause_at_boundary = True
                         load.remove(program, 1.0, cfg.buffer_tokens)
+
+    def _acting_in_pause_order(self, backend: Backend) -> list[Program]:
+        """The backend's ACTING programs, the first to pause first.
+
+        Longest in its tool first: its KV was freed to the engine's cache earliest, so the
+        engine's LRU evicts it first anyway (pausing it keeps the scheduler's charge and the
+        engine's cache in step), and under the tool times' heavy tail it is the one expected
+        back last. Ties (responses at the same instant) go shortest first, as the reference."""
+        acting = [p for i in backend.programs if (p := self.programs[i]).phase is Phase.ACTING]
+        if self.config.pause_order is PauseOrder.SHORTEST:
+            return sorted(acting, key=lambda p: (p.tokens, p.id))
+        return sorted(acting, key=lambda p: (p.acting_since, p.tokens, p.id))
+
+    def _make_room_for_overdue(self) -> None:
+        """A program that has waited `wait_bound_s` is admitted now onto the backend with the most
+        headroom, ACTING programs there pausing for it in pause order: rotation where the cache
+        is far smaller than the working set, so that no wait runs into the forced resume (which
+        overbooks the cache) while others are admitted."""
+        cfg = self.config
+        if cfg.wait_bound_s is None or not self._waiting or self.tuner.gate_open:
+            return
+        targets = [b for b in self.backends.values() if b.schedulable and b.capacity]
+        deadline = self.clock() - cfg.wait_bound_s
+        overdue = [
+            program
+            for _, program_id in self._waiting
+            if (program := self.programs[program_id]).waiting_since is not None and program.waiting_since <= deadline
+        ]
+        for program in overdue:
+            if not targets:
+                return
+            loads = {b.id: self._load(b, physical=True) for b in targets}
+            backend = max(targets, key=lambda b: self._headroom(b, loads[b.id]))
+            load = loads[backend.id]
+            for member in self._acting_in_pause_order(backend):
+                if load.need(program, 1.0, cfg.buffer_tokens) <= self._headroom(backend, load):
+                    break
+                load.remove(member, 1.0, cfg.buffer_tokens)
+                self._pause(member)
+                self.counters.bound_pauses += 1
+            if load.need(program, 1.0, cfg.buffer_tokens) <= self._headroom(backend, load):
+                self._place(program, backend, load)
 
     def _pause_priced(self) -> None:
         """While requests wait, pause the ACTING programs whose KV costs more to hold than to
