@@ -512,7 +512,7 @@ def test_ledger_and_queue_match_a_full_recount_after_any_history() -> None:
             )
             assert fast == pytest.approx(recount, abs=1e-6)
         waiting = [p for p in sched.resume_queue() if p.waiting_since is not None]
-        assert [pid for _, pid in sched._waiting] == [p.id for p in waiting]
+        assert list(sched._waiting) == [p.id for p in waiting]
 
 
 def test_an_overfull_backend_pauses_the_program_longest_in_its_tool_first() -> None:

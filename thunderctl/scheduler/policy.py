@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import bisect
 import logging
 import math
 import time
@@ -10,9 +9,10 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 from thunderctl.scheduler.admission import AdmissionTuner
-from thunderctl.scheduler.config import Decay, PauseOrder, SchedulerConfig
+from thunderctl.scheduler.config import Decay, SchedulerConfig
 from thunderctl.scheduler.events import Counters, EventKind, Listener, ProgramEvent
 from thunderctl.scheduler.ledger import Ledger, Load
+from thunderctl.scheduler.ordering import WaitingQueue, acting_decay, pause_key
 from thunderctl.scheduler.program import Backend, Phase, Program, Status
 from thunderctl.scheduler.retention import PrefillRate, RetentionLaw, ToolTimes
 
@@ -34,9 +34,7 @@ class Scheduler:
         self.programs: dict[str, Program] = {}
         self.backends: dict[str, Backend] = {}
         self._ledgers: dict[str, Ledger] = {}
-        # Paused programs whose request waits, kept in resume order: a waiting program's
-        # order key does not change until it resumes, so insertion keeps the list sorted.
-        self._waiting: list[tuple[tuple[int, float, float], str]] = []
+        self._waiting = WaitingQueue(self.config)
         cfg = self.config
         self.retention = RetentionLaw(
             cfg.retention_price_scale, cfg.tool_time_min_samples,
@@ -81,7 +79,7 @@ class Scheduler:
         self._pause(program)
         program.phase = Phase.REASONING
         assert program.paused_at is not None, "_pause stamps it"
-        self._enqueue(program, program.paused_at)
+        self._waiting.add(program, program.paused_at)
         self._resume_waiting()
 
     # ---- what the gateway reports ---------------------------------------------------------
@@ -115,7 +113,7 @@ class Scheduler:
         program.last_activity = now
         if program.status is Status.ACTIVE:
             return program.backend
-        self._enqueue(program, waiting_since)
+        self._waiting.add(program, waiting_since)
         self._resume_waiting()
         if program.status is not Status.ACTIVE:
             self._waited = True
@@ -220,23 +218,14 @@ class Scheduler:
 
     def resume_queue(self) -> list[Program]:
         """Paused programs in the order they will resume."""
-        return sorted(self.paused(), key=self._resume_order)
+        return sorted(self.paused(), key=self._waiting.key)
 
     # ---- policy ---------------------------------------------------------------------------
 
     def _weight(self, program: Program, physical: bool) -> float:
         if physical or program.phase is Phase.REASONING:
             return 1.0
-        cfg = self.config
-        idle = max(self.clock() - program.acting_since, 0.0)
-        match cfg.acting_decay:
-            case Decay.EXP:
-                decay = math.pow(2.0, -idle / cfg.acting_decay_tau_s)
-            case Decay.LINEAR:
-                decay = max(0.0, 1.0 - idle / cfg.acting_decay_tau_s)
-            case Decay.OFF:
-                decay = 1.0
-        return self.acting_weight * decay
+        return self.acting_weight * acting_decay(self.config, max(self.clock() - program.acting_since, 0.0))
 
     def _load(self, backend: Backend, physical: bool) -> Load:
         if physical or self.config.acting_decay is Decay.OFF:
@@ -254,18 +243,6 @@ class Scheduler:
             if not in_flight and program.waiting_since is None and program.last_activity < deadline:
                 self._terminate(program, EventKind.EXPIRED)
                 self.counters.expired += 1
-
-    def _resume_order(self, program: Program) -> tuple[int, float, float]:
-        cfg = self.config
-        if program.waiting_since is None:
-            return 1, program.tokens, program.paused_at or 0.0
-        if cfg.resume_aging_tokens_per_s is None:
-            return 0, float(program.is_new), program.tokens
-        # Shorter first, but aged: a program is behind none that began waiting more than
-        # tokens / rate (+ the delay of a new program) after it. The key is fixed while it
-        # waits, so the waiting list stays sorted by insertion.
-        place = program.waiting_since + program.tokens / cfg.resume_aging_tokens_per_s
-        return 0, place + cfg.new_program_delay_s * program.is_new, program.tokens
 
     def _resume_waiting(self) -> None:
         """The event-driven resume: only programs whose request waits, nobody forced."""
@@ -291,7 +268,7 @@ class Scheduler:
     def _resume_waiting_programs(self, targets: list[Backend], force_overdue: bool) -> None:
         # Lazily: admission stops at the first program that does not fit, and a response
         # triggers this pass, so it must not cost a walk over a long queue.
-        waiting: Iterable[Program] = (self.programs[program_id] for _, program_id in self._waiting)
+        waiting: Iterable[Program] = (self.programs[program_id] for program_id in self._waiting)
         loads = {b.id: self._load(b, physical=False) for b in targets}
         if self.tuner.gate_open:
             for program in list(waiting):
@@ -365,7 +342,7 @@ class Scheduler:
         program.backend = backend.id
         program.status = Status.ACTIVE
         self._ledgers[backend.id].add(program, self.config.buffer_tokens)
-        self._dequeue(program)
+        self._waiting.remove(program)
         if program.paused_at is not None:
             program.paused_total_s += now - program.paused_at
         program.paused_at = None
@@ -402,16 +379,8 @@ class Scheduler:
                         load.remove(program, 1.0, cfg.buffer_tokens)
 
     def _acting_in_pause_order(self, backend: Backend) -> list[Program]:
-        """The backend's ACTING programs, the first to pause first.
-
-        Longest in its tool first: its KV was freed to the engine's cache earliest, so the
-        engine's LRU evicts it first anyway (pausing it keeps the scheduler's charge and the
-        engine's cache in step), and under the tool times' heavy tail it is the one expected
-        back last. Ties (responses at the same instant) go shortest first, as the reference."""
         acting = [p for i in backend.programs if (p := self.programs[i]).phase is Phase.ACTING]
-        if self.config.pause_order is PauseOrder.SHORTEST:
-            return sorted(acting, key=lambda p: (p.tokens, p.id))
-        return sorted(acting, key=lambda p: (p.acting_since, p.tokens, p.id))
+        return sorted(acting, key=pause_key(self.config.pause_order))
 
     def _make_room_for_overdue(self) -> None:
         """A program that has waited `wait_bound_s` is admitted now onto the backend with the most
@@ -425,7 +394,7 @@ class Scheduler:
         deadline = self.clock() - cfg.wait_bound_s
         overdue = [
             program
-            for _, program_id in self._waiting
+            for program_id in self._waiting
             if (program := self.programs[program_id]).waiting_since is not None and program.waiting_since <= deadline
         ]
         for program in overdue:
@@ -448,7 +417,7 @@ class Scheduler:
         recompute (retention.py); the room goes to the queue at once."""
         if not (self.config.retention and self._waiting) or self.tuner.gate_open:
             return
-        demand = sum(self.programs[i].tokens + self.config.buffer_tokens for _, i in self._waiting)
+        demand = sum(self.programs[i].tokens + self.config.buffer_tokens for i in self._waiting)
         held = [
             (self.programs[i], backend.capacity)
             for backend in self.backends.values()
@@ -471,16 +440,6 @@ class Scheduler:
         self.counters.pauses += 1
         self._emit(EventKind.PAUSED, program)
 
-    def _enqueue(self, program: Program, since: float) -> None:
-        if program.waiting_since is None:
-            program.waiting_since = since
-            bisect.insort(self._waiting, (self._resume_order(program), program.id))
-
-    def _dequeue(self, program: Program) -> None:
-        if program.waiting_since is not None:
-            self._waiting.remove((self._resume_order(program), program.id))
-            program.waiting_since = None
-
     def _detach(self, program: Program) -> None:
         if program.status is Status.ACTIVE and program.backend in self.backends:
             self.backends[program.backend].programs.discard(program.id)
@@ -497,19 +456,19 @@ class Scheduler:
         if ledger is not None:
             ledger.remove(program, self.config.buffer_tokens)
         waiting_since = program.waiting_since
-        self._dequeue(program)
+        self._waiting.remove(program)
         try:
             yield
         finally:
             if ledger is not None:
                 ledger.add(program, self.config.buffer_tokens)
             if waiting_since is not None:
-                self._enqueue(program, waiting_since)
+                self._waiting.add(program, waiting_since)
 
     def _terminate(self, program: Program, kind: EventKind) -> None:
         self.retention.on_end(program)
         self._detach(program)
-        self._dequeue(program)
+        self._waiting.remove(program)
         program.status = Status.TERMINATED
         del self.programs[program.id]
         self._emit(kind, program)
