@@ -75,18 +75,28 @@ class FakeBackend:
         ])  # fmt: skip
 
 
-@pytest.fixture
-def fake_backend() -> Iterator[Callable[..., FakeBackend]]:
-    """Start fake backends on loopback, each served by uvicorn in a thread of its own."""
-    servers: list[tuple[uvicorn.Server, threading.Thread]] = []
+class FakeBackends:
+    """Fake backends kept running for the session, each served by uvicorn in a thread of its own,
+    and handed out as new: a server's start and stop cost a third of a second, and dozens of tests want one."""
 
-    def start(key: str | None = None) -> FakeBackend:
+    def __init__(self) -> None:
+        self.servers: list[tuple[uvicorn.Server, threading.Thread]] = []
+        self.idle: list[FakeBackend] = []
+
+    def take(self, key: str | None) -> FakeBackend:
+        """One that nothing uses, with nothing recorded, asking for `key`."""
+        if self.idle:
+            backend = self.idle.pop()
+            backend.key = key
+            backend.authorizations.clear()
+            backend.bodies.clear()
+            return backend
         port = pick_free_port()
         backend = FakeBackend(f"http://127.0.0.1:{port}", key)
         server = uvicorn.Server(uvicorn.Config(backend.app(), host="127.0.0.1", port=port, log_level="warning"))
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
-        servers.append((server, thread))
+        self.servers.append((server, thread))
         deadline = time.monotonic() + 10
         while not server.started:
             if time.monotonic() > deadline:
@@ -94,10 +104,30 @@ def fake_backend() -> Iterator[Callable[..., FakeBackend]]:
             time.sleep(0.01)
         return backend
 
-    yield start
-    for server, thread in servers:
-        server.should_exit = True
-        thread.join(timeout=10)
+    def stop(self) -> None:
+        for server, thread in self.servers:
+            server.should_exit = True
+            thread.join(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def fake_backends() -> Iterator[FakeBackends]:
+    backends = FakeBackends()
+    yield backends
+    backends.stop()
+
+
+@pytest.fixture
+def fake_backend(fake_backends: FakeBackends) -> Iterator[Callable[..., FakeBackend]]:
+    """Fake backends on loopback, as new to each test (asking for `key`, having recorded nothing)."""
+    taken: list[FakeBackend] = []
+
+    def take(key: str | None = None) -> FakeBackend:
+        taken.append(fake_backends.take(key))
+        return taken[-1]
+
+    yield take
+    fake_backends.idle.extend(taken)
 
 
 @pytest.fixture

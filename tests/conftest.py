@@ -14,7 +14,8 @@ from thunderctl.prometheus import parse_samples
 pytest_plugins = ["api_fixtures", "engine_fixtures", "sandbox_fixtures", "sim_fixtures", "ssh_fixtures"]
 
 # The real service a fixture starts, as the marker that selects or deselects its tests:
-# `pytest -m "not engine and not docker and not ssh"` is the fast tier.
+# `pytest -m "not engine and not docker and not ssh and not slow"` is the fast tier (`slow` is
+# set by hand, on tests whose cost is their point: see its description in pyproject.toml).
 SERVICE_MARKERS = {"engine_home": "engine", "docker_client": "docker", "ssh_nodes": "ssh"}
 
 

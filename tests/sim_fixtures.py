@@ -1,6 +1,7 @@
 """Pytest plugin: simulated vLLM workers (`thunderctl engine sim`) in real processes (registered from conftest.py).
 
-They start in about a second and need no vLLM, so tests that use them belong to the fast tier.
+They start in about a second and need no vLLM, so tests that use them are in the fast tier unless
+they are marked `slow` for what they do with them (see the marker in pyproject.toml).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ cluster serves the module; its vLLM worker costs a minute to start.
 
 from __future__ import annotations
 
+import importlib
 import json
 import secrets
 import signal
@@ -16,22 +17,19 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
 import docker
 import httpx
 import pytest
 import yaml
 from minisweagent.exceptions import Submitted
+from typer.testing import CliRunner
 
+import thunderctl.integrations
 from test_cluster import Cli, consecutive_free_ports, write_profile
+from thunderctl.cli import app
 from thunderctl.integrations.cluster import ClusterClient, ClusterError
-from thunderctl.integrations.mini_swe_agent import (
-    DEFAULT_CONFIG,
-    AgentRunner,
-    ClusterSandboxEnvironment,
-    load_config,
-    run_batch,
-)
 from thunderctl.integrations.tasks import AgentTask, TaskFileError, load_tasks
 from thunderctl.processes import pick_free_port
 from thunderctl.profile import DEFAULT_PROFILE
@@ -39,8 +37,7 @@ from thunderctl.profile import DEFAULT_PROFILE
 STEPS = 5
 # On top of mini-swe-agent's SWE-bench config: short, deterministic answers, a command per answer,
 # commands that busybox's sh can run, and an end after STEPS LLM calls (LimitsExceeded).
-TEST_CONFIG = [
-    DEFAULT_CONFIG,
+CONFIG_OVERRIDES = [
     f"agent.step_limit={STEPS}",
     "agent.max_consecutive_format_errors=0",
     "model.model_kwargs.max_tokens=12",
@@ -57,6 +54,18 @@ ENGINE = yaml.safe_load(DEFAULT_PROFILE.read_text())["engine"] | {
     "block_size": 32,
     "max_model_len": 8192,
 }
+
+
+@pytest.fixture(scope="module")
+def integration() -> ModuleType:
+    """thunderctl.integrations.mini_swe_agent, for the tests that run agents: importing it imports
+    litellm, seconds that this module's fast-tier tests (and their collection) do without."""
+    return importlib.import_module("thunderctl.integrations.mini_swe_agent")
+
+
+@pytest.fixture(scope="module")
+def agent_config(integration: ModuleType) -> list[str]:
+    return [integration.DEFAULT_CONFIG, *CONFIG_OVERRIDES]
 
 
 class AgentsCluster:
@@ -128,7 +137,7 @@ def observations(trajectory: Path) -> list[dict]:
 
 
 def test_a_batch_of_agents_is_tracked_step_by_step_and_leaves_nothing(
-    agents_cluster: AgentsCluster, tmp_path: Path
+    agents_cluster: AgentsCluster, integration: ModuleType, agent_config: list[str], tmp_path: Path
 ) -> None:
     prefix = f"batch{secrets.token_hex(2)}"
     tasks = [
@@ -136,7 +145,9 @@ def test_a_batch_of_agents_is_tracked_step_by_step_and_leaves_nothing(
     ]
     released_before = agents_cluster.released_total()
 
-    results = run_batch(agents_cluster.endpoint, tasks, concurrency=4, config_specs=TEST_CONFIG, output_dir=tmp_path)
+    results = integration.run_batch(
+        agents_cluster.endpoint, tasks, concurrency=4, config_specs=agent_config, output_dir=tmp_path
+    )
 
     assert [r.task_id for r in results] == [t.id for t in tasks]
     for result in results:
@@ -153,10 +164,10 @@ def test_a_batch_of_agents_is_tracked_step_by_step_and_leaves_nothing(
 
 
 def test_the_environment_runs_each_action_in_the_sandbox_as_mini_swe_agent_expects(
-    agents_cluster: AgentsCluster,
+    agents_cluster: AgentsCluster, integration: ModuleType
 ) -> None:
     program_id = f"env-{secrets.token_hex(3)}"
-    env = ClusterSandboxEnvironment(
+    env = integration.ClusterSandboxEnvironment(
         endpoint=agents_cluster.endpoint,
         program_id=program_id,
         cwd="/bin",
@@ -188,8 +199,12 @@ def test_the_environment_runs_each_action_in_the_sandbox_as_mini_swe_agent_expec
         agents_cluster.client.release_program(program_id)
 
 
-def test_an_agent_that_fails_still_releases_its_program_and_sandbox(agents_cluster: AgentsCluster) -> None:
-    runner = AgentRunner(agents_cluster.endpoint, load_config(TEST_CONFIG), model_name="openai/no-such-model")
+def test_an_agent_that_fails_still_releases_its_program_and_sandbox(
+    agents_cluster: AgentsCluster, integration: ModuleType, agent_config: list[str]
+) -> None:
+    runner = integration.AgentRunner(
+        agents_cluster.endpoint, integration.load_config(agent_config), model_name="openai/no-such-model"
+    )
     prefix = f"failing{secrets.token_hex(2)}"
 
     result = runner.run(AgentTask(id=prefix, problem_statement="Anything."))
@@ -200,13 +215,15 @@ def test_an_agent_that_fails_still_releases_its_program_and_sandbox(agents_clust
     assert agents_cluster.wait_for_no_containers() == []
 
 
-def test_ctrl_c_stops_the_batch_and_releases_every_program(agents_cluster: AgentsCluster, tmp_path: Path) -> None:
+def test_ctrl_c_stops_the_batch_and_releases_every_program(
+    agents_cluster: AgentsCluster, agent_config: list[str], tmp_path: Path
+) -> None:
     prefix = f"interrupted{secrets.token_hex(2)}"
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text(
         "".join(json.dumps({"instance_id": f"{prefix}-{i}", "problem_statement": "Loop."}) + "\n" for i in range(4))
     )
-    configs = [arg for spec in [*TEST_CONFIG, "agent.step_limit=200"] for arg in ("--config", spec)]
+    configs = [arg for spec in [*agent_config, "agent.step_limit=200"] for arg in ("--config", spec)]
     batch = subprocess.Popen(
         [
             sys.executable,
@@ -276,15 +293,24 @@ def test_task_files_take_swe_bench_records_and_name_the_bad_one(tmp_path: Path) 
         load_tasks(listed)
 
 
-def test_thunderctl_works_without_mini_swe_agent_and_says_how_to_get_it(tmp_path: Path) -> None:
-    tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text(json.dumps({"id": "one", "problem_statement": "x"}) + "\n")
-    # A None entry in sys.modules makes `import minisweagent` fail as if it were not installed.
-    without = "import sys; sys.modules['minisweagent'] = None; from thunderctl.cli import app; app()"
+def test_thunderctl_works_without_mini_swe_agent_and_says_how_to_get_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A None entry in sys.modules makes an import fail as if the package were not installed; without
+    # the agents extra neither mini-swe-agent nor its litellm is. A fresh interpreter shows that the
+    # command line loads without them.
+    without = (
+        "import sys; sys.modules['minisweagent'] = sys.modules['litellm'] = None; from thunderctl.cli import app; app()"
+    )
     status = subprocess.run([sys.executable, "-c", without, "--help"], capture_output=True, text=True, timeout=120)
     assert status.returncode == 0 and "agents" in status.stdout
-    run = subprocess.run(
-        [sys.executable, "-c", without, "agents", "run", str(tasks)], capture_output=True, text=True, timeout=120
-    )
-    assert run.returncode == 1
-    assert "pip install 'thunderctl[agents]'" in run.stderr
+    # The command that needs them, in this process, the integration forgotten if it was imported.
+    for package in ("minisweagent", "litellm"):
+        monkeypatch.setitem(sys.modules, package, None)
+    monkeypatch.delitem(sys.modules, "thunderctl.integrations.mini_swe_agent", raising=False)
+    monkeypatch.delattr(thunderctl.integrations, "mini_swe_agent", raising=False)
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"id": "one", "problem_statement": "x"}) + "\n")
+    run = CliRunner().invoke(app, ["agents", "run", str(tasks)])
+    assert run.exit_code == 1
+    assert "pip install 'thunderctl[agents]'" in run.output

@@ -13,7 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from typer.testing import CliRunner
 
+from thunderctl.cli import app
 from thunderctl.cluster.lifecycle import start_workers
 from thunderctl.cluster.plan import MASKED_WORKER_KEY, WorkerPlan, plan_workers
 from thunderctl.cluster.state import ClusterState
@@ -132,17 +134,10 @@ def write_profile(directory: Path, **gateway: object) -> Path:
 def test_up_refuses_a_gateway_open_to_the_network_and_starts_nothing(tmp_path: Path) -> None:
     profile = write_profile(tmp_path, host="0.0.0.0")
     state_dir = tmp_path / "state"
-    env = {k: v for k, v in os.environ.items() if k != "THUNDERCTL_API_KEY"}
-    env |= {"PYTHONPATH": str(REPO), "THUNDERCTL_STATE_DIR": str(state_dir), "COLUMNS": "200"}
-    up = subprocess.run(
-        [sys.executable, "-m", "thunderctl", "up", "-f", str(profile)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert up.returncode == 1
-    error = " ".join(up.stderr.split())
+    env = {"THUNDERCTL_API_KEY": None, "THUNDERCTL_STATE_DIR": str(state_dir), "COLUMNS": "200"}
+    up = CliRunner(env=env).invoke(app, ["up", "-f", str(profile)])
+    assert up.exit_code == 1
+    error = " ".join(up.output.split())
     assert (
         "gateway.api_key" in error and "gateway.allow_unauthenticated: true" in error and "nothing was started" in error
     )
@@ -211,11 +206,10 @@ def test_worker_key_is_random_and_owner_only(tmp_path: Path) -> None:
 
 
 def test_ssh_workers_listening_on_all_addresses_get_the_key_masked_in_the_plan() -> None:
-    dry_run = subprocess.run(
-        [sys.executable, "-m", "thunderctl", "up", "-f", str(REPO / "profiles" / "2xh100.yaml"), "--dry-run"],
-        env=os.environ | {"PYTHONPATH": str(REPO), "COLUMNS": "300"}, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert dry_run.returncode == 0, dry_run.stderr
+    dry_run = CliRunner(env={"COLUMNS": "300"}).invoke(
+        app, ["up", "-f", str(REPO / "profiles" / "2xh100.yaml"), "--dry-run"]
+    )
+    assert dry_run.exit_code == 0, dry_run.output
     assert dry_run.stdout.count(f"VLLM_API_KEY={MASKED_WORKER_KEY}") == 4
     assert "--api-key" not in dry_run.stdout and "--host 0.0.0.0" in dry_run.stdout
     plans = plan_workers(load_profile(REPO / "profiles" / "2xh100.yaml"))
@@ -309,9 +303,6 @@ def test_bench_sends_the_gateway_key_and_the_engines_key(fake_backend, start_gat
     gateway = start_gateway([backend.url], "--backend-api-key", "engine-key", api_key=KEY)
     report = tmp_path / "report.json"
     command = [
-        sys.executable,
-        "-m",
-        "thunderctl",
         "bench",
         "swe-lite",
         "--endpoint",
@@ -335,17 +326,13 @@ def test_bench_sends_the_gateway_key_and_the_engines_key(fake_backend, start_gat
         "--out",
         str(report),
     ]
-    env = os.environ | {"PYTHONPATH": str(REPO), "COLUMNS": "200"}
-    keyless = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
-    assert keyless.returncode == 1 and "401" in keyless.stdout and "--api-key" in keyless.stdout
-    keyed = subprocess.run(
-        command,
-        env=env | {"THUNDERCTL_API_KEY": KEY, "VLLM_API_KEY": "engine-key"},
-        capture_output=True,
-        text=True,
-        timeout=300,
+    # In this process: the engine-tier test below runs `bench` with keys as a command of its own.
+    keyless = CliRunner(env={"THUNDERCTL_API_KEY": None, "VLLM_API_KEY": None, "COLUMNS": "200"}).invoke(app, command)
+    assert keyless.exit_code == 1 and "401" in keyless.stdout and "--api-key" in keyless.stdout
+    keyed = CliRunner(env={"THUNDERCTL_API_KEY": KEY, "VLLM_API_KEY": "engine-key", "COLUMNS": "200"}).invoke(
+        app, command
     )
-    assert keyed.returncode == 0, keyed.stdout + keyed.stderr
+    assert keyed.exit_code == 0, keyed.output
     arms = json.loads(report.read_text())["arms"]
     assert set(arms) == {"cluster", "direct"} and all(arm["steps_ok"] > 0 for arm in arms.values()), arms
     assert set(backend.authorizations) == {"Bearer engine-key"}

@@ -14,14 +14,13 @@ from thunderctl.bench.closed_loop import (
     LoadSpec,
     Routing,
     Target,
-    _Reply,
     calibrate_tokens_per_word,
-    read_stream_chunk,
     run_load,
     window_end,
 )
 from thunderctl.bench.planning import WORDS, plan_program, system_prompt, words_for_tokens
 from thunderctl.bench.replay import TraceWorkload
+from thunderctl.bench.requests import Reply, read_stream_chunk
 from thunderctl.bench.results import (
     CacheDelta,
     LoadResult,
@@ -235,7 +234,7 @@ def test_a_summary_holds_every_count_of_a_result_and_the_slices_sum_into_the_arm
 
 
 def test_stream_chunks_give_text_first_token_time_and_usage() -> None:
-    reply, parts = _Reply(200), []
+    reply, parts = Reply(200), []
     read_stream_chunk({"choices": [{"delta": {"role": "assistant"}}]}, reply, parts, 0.1)
     read_stream_chunk({"choices": [{"delta": {"content": "a b"}}]}, reply, parts, 0.2)
     read_stream_chunk({"choices": [{"delta": {"content": " c"}}]}, reply, parts, 0.3)

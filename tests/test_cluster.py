@@ -21,10 +21,13 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from click.testing import Result
+from typer.testing import CliRunner
 
 from thunderctl.bench.closed_loop import LoadSpec, Target, run_load
 from thunderctl.bench.results import LoadResult
 from thunderctl.bench.shapes import AgentShape, Uniform
+from thunderctl.cli import app
 from thunderctl.daemon.status import ClusterStatus
 from thunderctl.processes import pick_free_port, pid_alive, port_free
 from thunderctl.profile import DEFAULT_PROFILE
@@ -49,7 +52,13 @@ def consecutive_free_ports(count: int) -> int:
 
 class Cli:
     def __init__(self, state_dir: Path) -> None:
-        self.env = {**os.environ, "THUNDERCTL_STATE_DIR": str(state_dir), "COLUMNS": "200"}
+        self.settings = {"THUNDERCTL_STATE_DIR": str(state_dir), "COLUMNS": "200"}
+        self.env = os.environ | self.settings
+
+    def in_process(self, *args: str) -> Result:
+        """The command in this process (CliRunner), for one that ends before leaving anything running:
+        it saves the second or two a fresh interpreter spends importing thunderctl."""
+        return CliRunner(env=self.settings).invoke(app, list(args))
 
     def __call__(self, *args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess[str]:
         result = subprocess.run(
@@ -256,8 +265,8 @@ def test_daemon_killed_then_up_recovers_it_and_down_leaves_nothing(cluster, sand
 def test_invalid_profile_fails_before_anything_starts(tmp_path: Path) -> None:
     cli = Cli(tmp_path / "state")
     profile = write_profile(tmp_path, nodes=[{"name": "gpu", "transport": "local", "gpus": 8, "tensor_parallel": 3}])
-    result = cli("up", "-f", str(profile), check=False)
-    assert result.returncode == 1
+    result = cli.in_process("up", "-f", str(profile))
+    assert result.exit_code == 1
     assert "nodes[0].tensor_parallel: 3 does not divide gpus: 8" in result.stderr
     assert not (tmp_path / "state").exists()
 
@@ -270,8 +279,8 @@ def test_busy_worker_port_fails_preflight_and_starts_nothing(tmp_path: Path) -> 
         port = busy.getsockname()[1]
         nodes = [{"name": "local", "transport": "local", "base_port": port}]
         profile = write_profile(tmp_path, nodes=nodes, gateway={"port": pick_free_port()})
-        result = cli("up", "-f", str(profile), check=False)
-    assert result.returncode == 1
+        result = cli.in_process("up", "-f", str(profile))
+    assert result.exit_code == 1
     assert f"port {port}" in result.stdout and "FAIL" in result.stdout
     assert "nothing was started" in result.stderr
     assert not (tmp_path / "state" / "local").exists()
@@ -293,8 +302,8 @@ def test_worker_that_exits_at_start_rolls_back_everything(tmp_path: Path) -> Non
     (model_dir / "config.json").write_text("{}")
     model = {"path": str(model_dir), "served_name": "tiny"}
     profile = write_profile(tmp_path, engine=engine, nodes=nodes, model=model, gateway={"port": pick_free_port()})
-    result = cli("up", "-f", str(profile), check=False, timeout=120)
-    assert result.returncode == 1
+    result = cli.in_process("up", "-f", str(profile))
+    assert result.exit_code == 1
     assert "worker local/0 exited during start-up" in result.stderr
     assert "No module named 'vllm'" in result.stderr  # the worker's log tail
     assert "has been stopped" in result.stderr

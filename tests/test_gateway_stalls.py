@@ -7,6 +7,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 
 from thunderctl.gateway.stalls import StallWatch
 
@@ -64,6 +65,7 @@ def gateway_backends(gateway) -> dict[str, str]:
     return {p["program_id"]: p["backend"] for p in gateway.programs().values()}
 
 
+@pytest.mark.slow  # three processes and the stall bound waited out, twice: the tests above keep the logic fast
 def test_a_stalled_workers_unanswered_requests_are_answered_by_the_other(start_sim, start_gateway) -> None:
     stuck, other = start_sim("--time-scale", "0.1"), start_sim("--time-scale", "0.1")
     gateway = start_gateway([f"stuck={stuck.url}", f"other={other.url}"], "--stall-timeout", "1")

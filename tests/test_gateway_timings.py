@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import httpx
 import pytest
 from prometheus_client.samples import Sample
 
+from thunderctl.gateway import Gateway, Upstream, build_app
 from thunderctl.gateway.timings import ADMISSION_WAIT_SECONDS, TICK_SECONDS, histogram_quantile, log_buckets
 from thunderctl.prometheus import parse_samples
+from thunderctl.scheduler import SchedulerConfig
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
 
 
 def buckets(name: str, counts: dict[float, float]) -> list[Sample]:
@@ -30,28 +38,35 @@ def test_buckets_are_ten_a_decade_and_reach_the_top() -> None:
     assert all(1.2 < b / a < 1.33 for a, b in zip(bounds, bounds[1:]))
 
 
-def test_each_scheduled_request_and_each_tick_is_timed(start_sim, start_gateway) -> None:
-    sim = start_sim("--preset", "cpu-tiny", "--time-scale", "0.01")
-    gateway = start_gateway([sim.url], "--tick-interval", "0.2")
-    for step in range(3):
-        body = {
-            "model": "tiny",
-            "program_id": "timed",
-            "max_tokens": 2,
-            "messages": [{"role": "user", "content": f"step {step}"}],
-        }
-        assert gateway.http.post("/v1/chat/completions", json=body).status_code == 200
-    unscheduled = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "no program"}]}
-    assert gateway.http.post("/v1/chat/completions", json=unscheduled).status_code == 200
-    deadline = time.monotonic() + 30
-    while True:  # ticks come every 0.2 s once the gateway runs; a loaded machine may take longer
-        samples = parse_samples(gateway.http.get("/metrics").text)
-        counts = {s.name: s.value for s in samples if s.name.endswith("_count")}
-        if counts[f"{TICK_SECONDS}_count"] >= 1 or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+@pytest.mark.anyio
+async def test_each_scheduled_request_and_each_tick_is_timed(fake_backend) -> None:
+    backend = fake_backend()
+    gateway = Gateway([Upstream("fake", backend.url)], SchedulerConfig(tick_interval_s=0.2))
+    await gateway.start()
+    try:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=build_app(gateway)), base_url="http://gw"
+        ) as client:
+            for step in range(3):
+                body = {
+                    "model": "fake",
+                    "program_id": "timed",
+                    "max_tokens": 2,
+                    "messages": [{"role": "user", "content": f"step {step}"}],
+                }
+                assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+            unscheduled = {"model": "fake", "max_tokens": 2, "messages": [{"role": "user", "content": "no program"}]}
+            assert (await client.post("/v1/chat/completions", json=unscheduled)).status_code == 200
+            deadline = time.monotonic() + 30
+            while True:  # ticks come every 0.2 s once the gateway runs; a loaded machine may take longer
+                samples = parse_samples((await client.get("/metrics")).text)
+                counts = {s.name: s.value for s in samples if s.name.endswith("_count")}
+                if counts[f"{TICK_SECONDS}_count"] >= 1 or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.2)
+    finally:
+        await gateway.stop()
     assert counts[f"{ADMISSION_WAIT_SECONDS}_count"] == 3  # the program's requests, not the unscheduled one
     assert counts[f"{TICK_SECONDS}_count"] >= 1
     wait = histogram_quantile(samples, ADMISSION_WAIT_SECONDS, 0.99)
     assert wait is not None and 0 < wait < 1  # an idle cluster admits at once
-    httpx.post(f"{gateway.url}/programs/release", json={"program_id": "timed"})

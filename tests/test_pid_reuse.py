@@ -88,7 +88,8 @@ def test_down_leaves_a_stranger_on_every_recorded_pid_alive(tmp_path: Path, stra
     with Transports() as transports:
         assert not any_worker_alive(state, transports)  # so `up` would not "recover" a stranger
 
-    down = Cli(root)("down")
+    down = Cli(root).in_process("down")
+    assert down.exit_code == 0, down.output
     assert f"local/0 already stopped (pid {worker_pid.pid} now belongs to another process)" in down.stdout
     assert f"its tunnel had ended (pid {tunnel_pid.pid} now belongs to another process)" in down.stdout
     for process in (worker_pid, tunnel_pid, daemon_pid):

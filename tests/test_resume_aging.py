@@ -66,3 +66,58 @@ def test_without_aging_a_stream_of_shorter_programs_starves_a_large_one() -> Non
     admitted, smalls = run(aging_tokens_per_s=None)  # shortest first, as the reference orders
     assert admitted is None
     assert len(smalls) > 100  # while the smalls all went
+
+
+def test_a_program_at_its_wait_bound_is_admitted_at_once_acting_programs_pausing_for_it() -> None:
+    """A full backend of ACTING programs that keep returning, and one that asks while it is full:
+    it waits no longer than the bound (not until the forced resume), and the ACTING program
+    longest in its tool is the one that makes room."""
+    clock = FakeClock()
+    config = SchedulerConfig(
+        adaptive=False, retention=False, buffer_tokens=0, resume_timeout_s=600, idle_ttl_s=10_000,
+        wait_bound_s=100, new_program_delay_s=0,
+    )  # fmt: skip
+    sched = Scheduler(config, clock)
+    sched.add_backend("a", 1000)
+    for index in range(3):  # 900 of 1000: the resume band is full
+        clock.now = float(index)
+        sched.on_request(f"held-{index}", 300)
+        sched.on_response(f"held-{index}", 300, 0)
+    clock.now = 10.0
+    assert sched.on_request("waiter", 200) is None
+    admitted = None
+    for second in range(11, 300):
+        clock.now = float(second)
+        for index in (1, 2):  # these two return every few seconds; held-0 stays in its tool
+            if second % 5 == index and sched.programs[f"held-{index}"].status is Status.ACTIVE:
+                sched.on_request(f"held-{index}", 300)
+                sched.on_response(f"held-{index}", 300, 0)
+        sched.tick()
+        if sched.programs["waiter"].status is Status.ACTIVE:
+            admitted = clock.now
+            break
+    assert admitted is not None and admitted - 10.0 <= config.wait_bound_s + config.tick_interval_s
+    assert sched.counters.forced_resumes == 0
+    assert sched.programs["held-0"].status is Status.PAUSED, "the program longest in its tool made the room"
+    assert sched.programs["held-1"].status is Status.ACTIVE and sched.programs["held-2"].status is Status.ACTIVE
+    assert sched.counters.bound_pauses == 1
+
+
+def test_without_a_wait_bound_only_the_forced_resume_ends_the_wait() -> None:
+    clock = FakeClock()
+    config = SchedulerConfig(
+        adaptive=False, retention=False, buffer_tokens=0, resume_timeout_s=200, idle_ttl_s=10_000, wait_bound_s=None
+    )
+    sched = Scheduler(config, clock)
+    sched.add_backend("a", 1000)
+    for index in range(3):
+        sched.on_request(f"held-{index}", 300)
+        sched.on_response(f"held-{index}", 300, 0)
+    assert sched.on_request("waiter", 200) is None
+    for second in range(1, 199):
+        clock.now = float(second)
+        sched.tick()
+    assert sched.programs["waiter"].status is Status.PAUSED
+    clock.now = 201.0
+    sched.tick()
+    assert sched.programs["waiter"].status is Status.ACTIVE and sched.counters.forced_resumes == 1

@@ -8,6 +8,7 @@ from pydantic import ValidationError
 from thunderctl.scheduler import (
     Decay,
     EventKind,
+    PauseOrder,
     Phase,
     ProgramEvent,
     Scheduler,
@@ -511,4 +512,28 @@ def test_ledger_and_queue_match_a_full_recount_after_any_history() -> None:
             )
             assert fast == pytest.approx(recount, abs=1e-6)
         waiting = [p for p in sched.resume_queue() if p.waiting_since is not None]
-        assert [pid for _, pid in sched._waiting] == [p.id for p in waiting]
+        assert list(sched._waiting) == [p.id for p in waiting]
+
+
+def test_an_overfull_backend_pauses_the_program_longest_in_its_tool_first() -> None:
+    sched, clock, _ = make()
+    run_step(sched, "early", 300)  # its tool started first
+    clock.advance(10)
+    run_step(sched, "late_small", 200)
+    run_step(sched, "late_big", 400)
+    sched.on_request("late_big", 480)
+    sched.on_response("late_big", 480, 0)  # 980 > 950
+    sched.tick()
+    assert [p.id for p in sched.paused()] == ["early"]
+
+
+def test_the_reference_pause_order_pauses_the_shortest_first() -> None:
+    sched, clock, _ = make(pause_order=PauseOrder.SHORTEST)
+    run_step(sched, "early", 300)
+    clock.advance(10)
+    run_step(sched, "late_small", 200)
+    run_step(sched, "late_big", 400)
+    sched.on_request("late_big", 480)
+    sched.on_response("late_big", 480, 0)
+    sched.tick()
+    assert [p.id for p in sched.paused()] == ["late_small"]

@@ -37,7 +37,7 @@ SMALL = Preset(
     kv_bytes_per_token=1024,
     host_link_bytes_per_s=1e9,
 )
-PRESSURE = SimSpec(SMALL, WORKLOAD, concurrency=48, duration_s=150, workers=2, warmup_s=30)
+PRESSURE = SimSpec(SMALL, WORKLOAD, concurrency=48, duration_s=90, workers=2, warmup_s=20)
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +64,22 @@ def test_the_reference_policy_preempts_no_more_than_the_engine_alone(
     assert under_pressure["reference"]["pauses"] > 0, "the policy held programs back: it is in the loop"
 
 
+def test_a_policy_that_holds_programs_back_reports_their_admission_waits(under_pressure: dict[str, dict]) -> None:
+    reference = under_pressure["reference"]
+    waits = reference["admission_waits"]["<=8k"]
+    assert waits["requests"] == reference["steady_steps"], "every prompt of this workload is in the first class"
+    assert waits["max_s"] > 0 and waits["p99_s"] <= waits["max_s"]
+    assert reference["fairness"]["longest_s"] == waits["max_s"]
+
+
+@pytest.mark.parametrize("engine_alone", ["sticky", "least-loaded", "limit"])
+def test_the_engines_alone_admit_every_request_at_once(under_pressure: dict[str, dict], engine_alone: str) -> None:
+    assert under_pressure[engine_alone]["admission_waits"]["<=8k"]["max_s"] == 0
+    assert under_pressure[engine_alone]["fairness"]["ratio"] is None
+
+
 def test_the_same_seed_gives_the_same_report_and_another_seed_another() -> None:
-    spec = replace(PRESSURE, duration_s=80, warmup_s=20)
+    spec = replace(PRESSURE, duration_s=40, warmup_s=10)
     arms = [ArmName.STICKY, ArmName.THUNDERCTL]
     first = run_sweep(spec, [8, 24], arms, {"name": "shape"})
     second = run_sweep(spec, [8, 24], arms, {"name": "shape"})
@@ -75,7 +89,7 @@ def test_the_same_seed_gives_the_same_report_and_another_seed_another() -> None:
 
 
 def test_runs_in_parallel_processes_give_the_serial_report() -> None:
-    spec = replace(PRESSURE, duration_s=80, warmup_s=20)
+    spec = replace(PRESSURE, duration_s=40, warmup_s=10)
     arms = [ArmName.STICKY, ArmName.REFERENCE, ArmName.LIMIT]
     finished: list[tuple[int, str]] = []
     serial = run_sweep(spec, [8, 24], arms, {"name": "shape"})
@@ -98,7 +112,7 @@ def test_bench_simulate_writes_the_report_the_table_and_the_plot(tmp_path: Path)
     out = tmp_path / "sim.json"
     result = CliRunner().invoke(
         app,
-        ["bench", "simulate", "--preset", "cpu-tiny", "--concurrency", "4,8", "--duration", "120", "--scale", "0.1",
+        ["bench", "simulate", "--preset", "cpu-tiny", "--concurrency", "4,8", "--duration", "60", "--scale", "0.1",
          "--arms", "sticky,thunderctl,limit", "--out", str(out)],
     )  # fmt: skip
     assert result.exit_code == 0, result.output

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -144,14 +145,15 @@ operation = st.tuples(
 )
 
 
-@settings(max_examples=400, deadline=None)
-@given(
-    num_blocks=st.integers(4, 24),
-    host_blocks=st.sampled_from([0, 3, 8]),
-    shared_blocks=st.integers(0, 3),
-    operations=st.lists(operation, max_size=60),
-)
-def test_runs_of_hashes_behave_as_blocks_one_by_one(
+HISTORY = {
+    "num_blocks": st.integers(4, 24),
+    "host_blocks": st.sampled_from([0, 3, 8]),
+    "shared_blocks": st.integers(0, 3),
+    "operations": st.lists(operation, max_size=60),
+}
+
+
+def runs_of_hashes_match_blocks_one_by_one(
     num_blocks: int, host_blocks: int, shared_blocks: int, operations: list[tuple[str, int, int, int]]
 ) -> None:
     pools = Pools(
@@ -172,3 +174,11 @@ def test_runs_of_hashes_behave_as_blocks_one_by_one(
         pools.free(holder)
         pools.check()
     assert pools.runs.in_use == 0 and pools.runs.num_free == num_blocks
+
+
+# Four hundred histories are the slow tier's; a hundred of them keep the fast tier's check.
+@pytest.mark.parametrize(
+    "histories", [pytest.param(100, id="a-hundred"), pytest.param(400, marks=pytest.mark.slow, id="four-hundred")]
+)
+def test_runs_of_hashes_behave_as_blocks_one_by_one(histories: int) -> None:
+    settings(max_examples=histories, deadline=None)(given(**HISTORY)(runs_of_hashes_match_blocks_one_by_one))()

@@ -15,13 +15,11 @@ run recorded, and the figures drawn from it, are bench/results.py's.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
-import json
 import random
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol, TypeVar
@@ -29,6 +27,7 @@ from typing import Any, Protocol, TypeVar
 import httpx
 
 from thunderctl.bench.planning import ProgramPlan, StepPlan, plan_program, system_prompt, word_text
+from thunderctl.bench.requests import Reply, chat, resend_unanswered, stream_chat
 from thunderctl.bench.results import CacheDelta, CounterSample, LoadResult, StepRecord, steady_steps
 from thunderctl.bench.sandboxes import SandboxTools
 from thunderctl.bench.shapes import AgentShape, Workload
@@ -40,15 +39,6 @@ from thunderctl.sim.agents import aged_start_fraction
 DEFAULT_TOKENS_PER_WORD = 1.0
 CALIBRATION_WORDS = 400
 T = TypeVar("T")
-# A request that got no byte of its answer is sent again this often (while `retry_unanswered_s` lasts).
-UNANSWERED_RETRY_INTERVAL_S = 0.25
-# How a request can end with no byte of its answer: refused, or its connection closed before the answer.
-UNANSWERED_ERRORS = (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
-
-
-class AnswerCut(httpx.TransportError):
-    """The connection ended after the answer had begun: the server acted on the request, so it is
-    never sent again."""
 
 
 @dataclass(frozen=True)
@@ -142,16 +132,6 @@ async def calibrate_tokens_per_word(client: httpx.AsyncClient, engine_url: str, 
 
 async def scrape_engines(client: httpx.AsyncClient, engine_urls: Sequence[str]) -> list[EngineMetrics]:
     return list(await asyncio.gather(*(fetch_metrics(client, url) for url in engine_urls)))
-
-
-@dataclass
-class _Reply:
-    status: int
-    text: str = ""
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    ttft_s: float | None = None
-    error: str | None = None
 
 
 class Observer(Protocol):
@@ -298,10 +278,10 @@ class ClosedLoop:
         start = self.now()
         try:
             reply = await self.retrying_unanswered(
-                lambda: self.stream_chat(url, body) if self.spec.stream else self.chat(url, body)
+                lambda: (stream_chat if self.spec.stream else chat)(self.client, url, body, self.target.headers)
             )
         except httpx.HTTPError as exc:
-            reply = _Reply(status=0, error=f"{type(exc).__name__}: {exc}")
+            reply = Reply(status=0, error=f"{type(exc).__name__}: {exc}")
         except asyncio.CancelledError:
             self.steps_cancelled += 1
             raise
@@ -321,56 +301,10 @@ class ClosedLoop:
         return record, reply.text
 
     async def retrying_unanswered(self, send: Callable[[], Awaitable[T]]) -> T:
-        give_up_at = time.monotonic() + self.spec.retry_unanswered_s
-        while True:
-            try:
-                return await send()
-            except AnswerCut:
-                raise
-            except UNANSWERED_ERRORS:
-                if time.monotonic() + UNANSWERED_RETRY_INTERVAL_S > give_up_at:
-                    raise
-                self.unanswered_retries += 1
-                await asyncio.sleep(UNANSWERED_RETRY_INTERVAL_S)
+        return await resend_unanswered(send, self.spec.retry_unanswered_s, self.count_retry)
 
-    async def chat(self, url: str, body: dict[str, Any]) -> _Reply:
-        async with self.client.stream(
-            "POST", f"{url}/v1/chat/completions", json=body, headers=self.target.headers
-        ) as response:
-            with answer_begun():
-                await response.aread()
-        if response.status_code != 200:
-            return _Reply(response.status_code, error=response.text[:300])
-        try:
-            payload = response.json()
-            text = payload["choices"][0]["message"]["content"] or ""
-        except (ValueError, KeyError, IndexError, TypeError) as exc:
-            return _Reply(response.status_code, error=f"unreadable response: {exc!r}")
-        usage = payload.get("usage") or {}
-        return _Reply(200, text, usage.get("prompt_tokens"), usage.get("completion_tokens"))
-
-    async def stream_chat(self, url: str, body: dict[str, Any]) -> _Reply:
-        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-        start = time.monotonic()
-        reply = _Reply(0)
-        parts: list[str] = []
-        async with self.client.stream(
-            "POST", f"{url}/v1/chat/completions", json=body, headers=self.target.headers
-        ) as response:
-            reply.status = response.status_code
-            with answer_begun():
-                if response.status_code != 200:
-                    reply.error = (await response.aread()).decode(errors="replace")[:300]
-                    return reply
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[len("data:") :].strip()
-                    if data == "[DONE]":
-                        break
-                    read_stream_chunk(json.loads(data), reply, parts, time.monotonic() - start)
-        reply.text = "".join(parts)
-        return reply
+    def count_retry(self) -> None:
+        self.unanswered_retries += 1
 
     async def release(self, program_id: str) -> None:
         if not self.target.program_ids or program_id not in self.open_programs:
@@ -384,32 +318,6 @@ class ClosedLoop:
             response.raise_for_status()
         except httpx.HTTPError:
             self.release_failures += 1
-
-
-@contextlib.contextmanager
-def answer_begun() -> Iterator[None]:
-    """Reading an answer whose status line came: a transport error now is an AnswerCut."""
-    try:
-        yield
-    except AnswerCut:
-        raise
-    except httpx.TransportError as exc:
-        raise AnswerCut(f"{type(exc).__name__}: {exc}") from exc
-
-
-def read_stream_chunk(chunk: dict[str, Any], reply: _Reply, parts: list[str], elapsed_s: float) -> None:
-    if "error" in chunk:
-        reply.error = str(chunk["error"])[:300]
-    for choice in chunk.get("choices") or []:
-        content = (choice.get("delta") or {}).get("content")
-        if content:
-            if reply.ttft_s is None:
-                reply.ttft_s = elapsed_s
-            parts.append(content)
-    usage = chunk.get("usage")
-    if usage:
-        reply.prompt_tokens = usage.get("prompt_tokens")
-        reply.completion_tokens = usage.get("completion_tokens")
 
 
 def window_end(spec: LoadSpec, records: Sequence[StepRecord], wall_s: float) -> float:

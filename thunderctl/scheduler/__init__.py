@@ -1,6 +1,6 @@
 """Program-aware scheduling: the pure policy and the state it keeps."""
 
-from thunderctl.scheduler.config import Decay, SchedulerConfig
+from thunderctl.scheduler.config import Decay, PauseOrder, SchedulerConfig
 from thunderctl.scheduler.events import EventKind, ProgramEvent
 from thunderctl.scheduler.policy import Scheduler
 from thunderctl.scheduler.program import Backend, Phase, Program, Status
@@ -8,6 +8,7 @@ from thunderctl.scheduler.program import Backend, Phase, Program, Status
 __all__ = [
     "Backend",
     "Decay",
+    "PauseOrder",
     "EventKind",
     "Phase",
     "Program",

@@ -13,6 +13,11 @@ class Decay(StrEnum):
     LINEAR = "linear"
 
 
+class PauseOrder(StrEnum):
+    SHORTEST = "shortest"  # the reference: the smallest ACTING program first
+    LONGEST_IN_TOOL = "longest-in-tool"  # the one whose KV the engine's LRU evicts first; ties shortest first
+
+
 class SchedulerConfig(BaseModel):
     """Knobs of the policy; fractions are of a backend's KV capacity."""
 
@@ -20,7 +25,7 @@ class SchedulerConfig(BaseModel):
 
     tick_interval_s: float = Field(5.0, gt=0)
     pause_threshold: float = Field(0.95, gt=0, le=1.5)
-    pause_target: float = Field(0.85, gt=0, le=1.5)
+    pause_target: float = Field(0.90, gt=0, le=1.5)
     resume_threshold: float = Field(0.90, gt=0, le=1.5)
     buffer_tokens: int = Field(256, ge=0, description="decode headroom charged per program")
     resume_timeout_s: float = Field(600.0, gt=0)
@@ -51,12 +56,21 @@ class SchedulerConfig(BaseModel):
     tool_time_window: int = Field(256, ge=1, description="recent tool times kept per program, tool kind and cluster")
     tool_time_min_samples: int = Field(8, ge=1, description="tool times longer than the elapsed one to trust a key")
     resume_aging_tokens_per_s: float | None = Field(
-        250.0,
+        150.0,
         gt=0,
         description="a waiting program's place: when it began waiting + its tokens / this; "
         "None: shortest first, new programs last (the reference order, unbounded waits)",
     )
     new_program_delay_s: float = Field(60.0, ge=0, description="how far behind paused programs a new one queues")
+    pause_order: PauseOrder = Field(
+        PauseOrder.LONGEST_IN_TOOL, description="which ACTING programs an overfull backend pauses first"
+    )
+    wait_bound_s: float | None = Field(
+        400.0,
+        gt=0,
+        description="a program that waited this long gets room at once: ACTING programs pause for it "
+        "(pause_order), unless resume_timeout_s comes first; None: only the forced resume bounds a wait",
+    )
     stall_timeout_s: float = Field(
         30.0, gt=0, description="a worker with requests in flight and no progress for this long is taken out as stalled"
     )

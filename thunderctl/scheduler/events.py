@@ -37,3 +37,4 @@ class Counters:
     tick_failures: int = 0
     steps: int = 0  # responses with usage: the throughput the admission law seeks
     priced_pauses: int = 0  # ACTING programs paused because their KV cost more to keep than to drop
+    bound_pauses: int = 0  # ACTING programs paused to make room for a program at its wait bound

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import bisect
 import logging
 import math
 import time
@@ -13,6 +12,7 @@ from thunderctl.scheduler.admission import AdmissionTuner
 from thunderctl.scheduler.config import Decay, SchedulerConfig
 from thunderctl.scheduler.events import Counters, EventKind, Listener, ProgramEvent
 from thunderctl.scheduler.ledger import Ledger, Load
+from thunderctl.scheduler.ordering import WaitingQueue, acting_decay, pause_key
 from thunderctl.scheduler.program import Backend, Phase, Program, Status
 from thunderctl.scheduler.retention import PrefillRate, RetentionLaw, ToolTimes
 
@@ -34,9 +34,7 @@ class Scheduler:
         self.programs: dict[str, Program] = {}
         self.backends: dict[str, Backend] = {}
         self._ledgers: dict[str, Ledger] = {}
-        # Paused programs whose request waits, kept in resume order: a waiting program's
-        # order key does not change until it resumes, so insertion keeps the list sorted.
-        self._waiting: list[tuple[tuple[int, float, float], str]] = []
+        self._waiting = WaitingQueue(self.config)
         cfg = self.config
         self.retention = RetentionLaw(
             cfg.retention_price_scale, cfg.tool_time_min_samples,
@@ -81,7 +79,7 @@ class Scheduler:
         self._pause(program)
         program.phase = Phase.REASONING
         assert program.paused_at is not None, "_pause stamps it"
-        self._enqueue(program, program.paused_at)
+        self._waiting.add(program, program.paused_at)
         self._resume_waiting()
 
     # ---- what the gateway reports ---------------------------------------------------------
@@ -115,7 +113,7 @@ class Scheduler:
         program.last_activity = now
         if program.status is Status.ACTIVE:
             return program.backend
-        self._enqueue(program, waiting_since)
+        self._waiting.add(program, waiting_since)
         self._resume_waiting()
         if program.status is not Status.ACTIVE:
             self._waited = True
@@ -191,7 +189,8 @@ class Scheduler:
                 log.info("admission: %s -> %s (workers busy %.0f%%)", before, self.tuner.label, 100 * utilization)
 
     def tick(self) -> None:
-        """Expire idle programs, then resume, then pause (so nothing resumes the tick it paused).
+        """Expire idle programs, then resume (and make room for waits at their bound), then pause
+        (so nothing resumes the tick it paused).
 
         A tick that raises fails open: every paused program is let go, so a policy bug costs
         cache hits, never a stuck agent.
@@ -199,6 +198,7 @@ class Scheduler:
         try:
             self._expire_idle()
             self._resume()
+            self._make_room_for_overdue()
             self._pause_overfull()
             self._pause_priced()
         except Exception:
@@ -218,23 +218,14 @@ class Scheduler:
 
     def resume_queue(self) -> list[Program]:
         """Paused programs in the order they will resume."""
-        return sorted(self.paused(), key=self._resume_order)
+        return sorted(self.paused(), key=self._waiting.key)
 
     # ---- policy ---------------------------------------------------------------------------
 
     def _weight(self, program: Program, physical: bool) -> float:
         if physical or program.phase is Phase.REASONING:
             return 1.0
-        cfg = self.config
-        idle = max(self.clock() - program.acting_since, 0.0)
-        match cfg.acting_decay:
-            case Decay.EXP:
-                decay = math.pow(2.0, -idle / cfg.acting_decay_tau_s)
-            case Decay.LINEAR:
-                decay = max(0.0, 1.0 - idle / cfg.acting_decay_tau_s)
-            case Decay.OFF:
-                decay = 1.0
-        return self.acting_weight * decay
+        return self.acting_weight * acting_decay(self.config, max(self.clock() - program.acting_since, 0.0))
 
     def _load(self, backend: Backend, physical: bool) -> Load:
         if physical or self.config.acting_decay is Decay.OFF:
@@ -252,18 +243,6 @@ class Scheduler:
             if not in_flight and program.waiting_since is None and program.last_activity < deadline:
                 self._terminate(program, EventKind.EXPIRED)
                 self.counters.expired += 1
-
-    def _resume_order(self, program: Program) -> tuple[int, float, float]:
-        cfg = self.config
-        if program.waiting_since is None:
-            return 1, program.tokens, program.paused_at or 0.0
-        if cfg.resume_aging_tokens_per_s is None:
-            return 0, float(program.is_new), program.tokens
-        # Shorter first, but aged: a program is behind none that began waiting more than
-        # tokens / rate (+ the delay of a new program) after it. The key is fixed while it
-        # waits, so the waiting list stays sorted by insertion.
-        place = program.waiting_since + program.tokens / cfg.resume_aging_tokens_per_s
-        return 0, place + cfg.new_program_delay_s * program.is_new, program.tokens
 
     def _resume_waiting(self) -> None:
         """The event-driven resume: only programs whose request waits, nobody forced."""
@@ -289,7 +268,7 @@ class Scheduler:
     def _resume_waiting_programs(self, targets: list[Backend], force_overdue: bool) -> None:
         # Lazily: admission stops at the first program that does not fit, and a response
         # triggers this pass, so it must not cost a walk over a long queue.
-        waiting: Iterable[Program] = (self.programs[program_id] for _, program_id in self._waiting)
+        waiting: Iterable[Program] = (self.programs[program_id] for program_id in self._waiting)
         loads = {b.id: self._load(b, physical=False) for b in targets}
         if self.tuner.gate_open:
             for program in list(waiting):
@@ -363,7 +342,7 @@ class Scheduler:
         program.backend = backend.id
         program.status = Status.ACTIVE
         self._ledgers[backend.id].add(program, self.config.buffer_tokens)
-        self._dequeue(program)
+        self._waiting.remove(program)
         if program.paused_at is not None:
             program.paused_total_s += now - program.paused_at
         program.paused_at = None
@@ -385,28 +364,60 @@ class Scheduler:
             if load.tokens <= backend.capacity * cfg.pause_threshold:
                 continue
             target = backend.capacity * cfg.pause_target
-            members = sorted((self.programs[i] for i in backend.programs), key=lambda p: (p.tokens, p.id))
-            for program in members:
-                if program.phase is Phase.ACTING:
-                    load.remove(program, 1.0, cfg.buffer_tokens)
-                    self._pause(program)
-                    if load.tokens <= target:
-                        break
+            for program in self._acting_in_pause_order(backend):
+                load.remove(program, 1.0, cfg.buffer_tokens)
+                self._pause(program)
+                if load.tokens <= target:
+                    break
             else:
                 # Nothing ACTING is left: the shortest decodes pause once their response is out.
-                for program in members:
+                for program in sorted((self.programs[i] for i in backend.programs), key=lambda p: (p.tokens, p.id)):
                     if load.tokens <= target:
                         break
                     if program.phase is Phase.REASONING and program.status is Status.ACTIVE:
                         program.pause_at_boundary = True
                         load.remove(program, 1.0, cfg.buffer_tokens)
 
+    def _acting_in_pause_order(self, backend: Backend) -> list[Program]:
+        acting = [p for i in backend.programs if (p := self.programs[i]).phase is Phase.ACTING]
+        return sorted(acting, key=pause_key(self.config.pause_order))
+
+    def _make_room_for_overdue(self) -> None:
+        """A program that has waited `wait_bound_s` is admitted now onto the backend with the most
+        headroom, ACTING programs there pausing for it in pause order: rotation where the cache
+        is far smaller than the working set, so that no wait runs into the forced resume (which
+        overbooks the cache) while others are admitted."""
+        cfg = self.config
+        if cfg.wait_bound_s is None or not self._waiting or self.tuner.gate_open:
+            return
+        targets = [b for b in self.backends.values() if b.schedulable and b.capacity]
+        deadline = self.clock() - cfg.wait_bound_s
+        overdue = [
+            program
+            for program_id in self._waiting
+            if (program := self.programs[program_id]).waiting_since is not None and program.waiting_since <= deadline
+        ]
+        for program in overdue:
+            if not targets:
+                return
+            loads = {b.id: self._load(b, physical=True) for b in targets}
+            backend = max(targets, key=lambda b: self._headroom(b, loads[b.id]))
+            load = loads[backend.id]
+            for member in self._acting_in_pause_order(backend):
+                if load.need(program, 1.0, cfg.buffer_tokens) <= self._headroom(backend, load):
+                    break
+                load.remove(member, 1.0, cfg.buffer_tokens)
+                self._pause(member)
+                self.counters.bound_pauses += 1
+            if load.need(program, 1.0, cfg.buffer_tokens) <= self._headroom(backend, load):
+                self._place(program, backend, load)
+
     def _pause_priced(self) -> None:
         """While requests wait, pause the ACTING programs whose KV costs more to hold than to
         recompute (retention.py); the room goes to the queue at once."""
         if not (self.config.retention and self._waiting) or self.tuner.gate_open:
             return
-        demand = sum(self.programs[i].tokens + self.config.buffer_tokens for _, i in self._waiting)
+        demand = sum(self.programs[i].tokens + self.config.buffer_tokens for i in self._waiting)
         held = [
             (self.programs[i], backend.capacity)
             for backend in self.backends.values()
@@ -429,16 +440,6 @@ class Scheduler:
         self.counters.pauses += 1
         self._emit(EventKind.PAUSED, program)
 
-    def _enqueue(self, program: Program, since: float) -> None:
-        if program.waiting_since is None:
-            program.waiting_since = since
-            bisect.insort(self._waiting, (self._resume_order(program), program.id))
-
-    def _dequeue(self, program: Program) -> None:
-        if program.waiting_since is not None:
-            self._waiting.remove((self._resume_order(program), program.id))
-            program.waiting_since = None
-
     def _detach(self, program: Program) -> None:
         if program.status is Status.ACTIVE and program.backend in self.backends:
             self.backends[program.backend].programs.discard(program.id)
@@ -455,19 +456,19 @@ class Scheduler:
         if ledger is not None:
             ledger.remove(program, self.config.buffer_tokens)
         waiting_since = program.waiting_since
-        self._dequeue(program)
+        self._waiting.remove(program)
         try:
             yield
         finally:
             if ledger is not None:
                 ledger.add(program, self.config.buffer_tokens)
             if waiting_since is not None:
-                self._enqueue(program, waiting_since)
+                self._waiting.add(program, waiting_since)
 
     def _terminate(self, program: Program, kind: EventKind) -> None:
         self.retention.on_end(program)
         self._detach(program)
-        self._dequeue(program)
+        self._waiting.remove(program)
         program.status = Status.TERMINATED
         del self.programs[program.id]
         self._emit(kind, program)

@@ -60,13 +60,19 @@ class Router(Protocol):
 class StepRecord:
     program_index: int
     step: int
-    start_s: float
+    start_s: float  # the agent sent the request
     end_s: float
     worker: str
+    admitted_s: float  # the request reached its worker (later than start_s when it waited for admission)
+    prompt_tokens: int
 
     @property
     def latency_s(self) -> float:
         return self.end_s - self.start_s
+
+    @property
+    def admission_wait_s(self) -> float:
+        return self.admitted_s - self.start_s
 
 
 def aged_start_fraction(seed: int, index: int) -> float:
@@ -139,17 +145,28 @@ class ClosedLoop:
         start = self.clock.now
 
         def submit(worker: Worker) -> None:
+            admitted = self.clock.now
             request = Request(
                 run.stream, step.prompt_tokens, max(1, step.completion_tokens), arrival_s=start,
-                on_finish=lambda finished: self._done(run, worker, finished),
+                on_finish=lambda finished: self._done(run, worker, finished, admitted),
             )  # fmt: skip
             worker.submit(request)
 
         self.router.send(run.program_id, step.prompt_tokens, self.workload.system_prompt_tokens, submit)
 
-    def _done(self, run: _Run, worker: Worker, request: Request) -> None:
+    def _done(self, run: _Run, worker: Worker, request: Request, admitted_s: float) -> None:
         step = run.steps[run.next_step]
-        self.records.append(StepRecord(run.index, run.next_step, request.arrival_s, self.clock.now, worker.id))
+        self.records.append(
+            StepRecord(
+                run.index,
+                run.next_step,
+                request.arrival_s,
+                self.clock.now,
+                worker.id,
+                admitted_s,
+                request.prompt_tokens,
+            )
+        )
         self.router.done(run.program_id, worker, request.prompt_tokens, request.max_tokens)
         run.next_step += 1
         if run.next_step < len(run.steps):

@@ -14,13 +14,14 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
-from thunderctl.scheduler import SchedulerConfig
+from thunderctl.scheduler import PauseOrder, SchedulerConfig
 from thunderctl.sim.agents import ClosedLoop, Router, StepRecord, Workload
 from thunderctl.sim.clock import VirtualClock
 from thunderctl.sim.cost import Preset
 from thunderctl.sim.engine import Engine, EngineCounters
 from thunderctl.sim.kv import HostTier
 from thunderctl.sim.routing import LeastLoadedRouter, PolicyRouter, StickyRouter
+from thunderctl.sim.waits import percentile, program_fairness, waits_by_class
 from thunderctl.sim.worker import Worker
 
 GIB = 2**30
@@ -88,7 +89,8 @@ class ArmResult:
         return [r for r in self.records if r.start_s >= warmup_s and r.end_s <= end]
 
     def summary(self, warmup_s: float) -> dict[str, Any]:
-        latencies = [r.latency_s for r in self.steady(warmup_s)]
+        steady = self.steady(warmup_s)
+        latencies = [r.latency_s for r in steady]
         w = self.window
         return {
             "steps_per_min": 60.0 * len(latencies) / self.window_s,
@@ -108,17 +110,11 @@ class ArmResult:
             "engine_steps": w.steps,
             "engine_busy": w.busy_s / self.window_s / self.workers,
             "kv_imbalance": imbalance(self.occupancy),
+            "admission_waits": waits_by_class(steady),
+            "fairness": program_fairness(steady),
             **self.scheduler_counters,
             "occupancy": [[s.t_s, list(s.usage)] for s in self.occupancy],
         }
-
-
-def percentile(values: list[float], q: int) -> float | None:
-    if not values:
-        return None
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
 def imbalance(samples: list[OccupancySample], threshold: float = 0.2) -> dict[str, float] | None:
@@ -155,7 +151,10 @@ def build_router(
         case ArmName.LEAST_LOADED:
             return LeastLoadedRouter(workers), None
         case ArmName.REFERENCE:
-            reference = SchedulerConfig(adaptive=False, retention=False, resume_aging_tokens_per_s=None)
+            reference = SchedulerConfig(
+                adaptive=False, retention=False, resume_aging_tokens_per_s=None, pause_target=0.85,
+                pause_order=PauseOrder.SHORTEST, wait_bound_s=None,
+            )  # fmt: skip
             router = PolicyRouter(workers, clock, reference)
             return router, router
         case ArmName.THUNDERCTL:
@@ -195,7 +194,7 @@ def run_arm(arm: ArmName, spec: SimSpec, progress: Callable[[float], None] | Non
         c = policy.scheduler.counters
         return {
             "pauses": c.pauses, "resumes": c.resumes, "forced_resumes": c.forced_resumes,
-            "priced_pauses": c.priced_pauses,
+            "priced_pauses": c.priced_pauses, "bound_pauses": c.bound_pauses,
         }  # fmt: skip
 
     def sample() -> None:

@@ -1,0 +1,114 @@
+"""One agent request over HTTP: a chat completion (streamed or not), what its answer gave, and resending one that got no byte."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import httpx
+
+T = TypeVar("T")
+# A request that got no byte of its answer is sent again this often (while `retry_unanswered_s` lasts).
+UNANSWERED_RETRY_INTERVAL_S = 0.25
+# How a request can end with no byte of its answer: refused, or its connection closed before the answer.
+UNANSWERED_ERRORS = (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+
+
+class AnswerCut(httpx.TransportError):
+    """The connection ended after the answer had begun: the server acted on the request, so it is
+    never sent again."""
+
+
+@dataclass
+class Reply:
+    """What one request's answer gave (status, text, usage, time to first token), or why it failed."""
+
+    status: int
+    text: str = ""
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    ttft_s: float | None = None
+    error: str | None = None
+
+
+async def resend_unanswered(send: Callable[[], Awaitable[T]], for_s: float, on_resend: Callable[[], None]) -> T:
+    """`send()`, sent again every UNANSWERED_RETRY_INTERVAL_S for up to `for_s` while it gets no byte of its answer."""
+    give_up_at = time.monotonic() + for_s
+    while True:
+        try:
+            return await send()
+        except AnswerCut:
+            raise
+        except UNANSWERED_ERRORS:
+            if time.monotonic() + UNANSWERED_RETRY_INTERVAL_S > give_up_at:
+                raise
+            on_resend()
+            await asyncio.sleep(UNANSWERED_RETRY_INTERVAL_S)
+
+
+async def chat(client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str]) -> Reply:
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as response:
+        with answer_begun():
+            await response.aread()
+    if response.status_code != 200:
+        return Reply(response.status_code, error=response.text[:300])
+    try:
+        payload = response.json()
+        text = payload["choices"][0]["message"]["content"] or ""
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        return Reply(response.status_code, error=f"unreadable response: {exc!r}")
+    usage = payload.get("usage") or {}
+    return Reply(200, text, usage.get("prompt_tokens"), usage.get("completion_tokens"))
+
+
+async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str]) -> Reply:
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.monotonic()
+    reply = Reply(0)
+    parts: list[str] = []
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as response:
+        reply.status = response.status_code
+        with answer_begun():
+            if response.status_code != 200:
+                reply.error = (await response.aread()).decode(errors="replace")[:300]
+                return reply
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:") :].strip()
+                if data == "[DONE]":
+                    break
+                read_stream_chunk(json.loads(data), reply, parts, time.monotonic() - start)
+    reply.text = "".join(parts)
+    return reply
+
+
+@contextlib.contextmanager
+def answer_begun() -> Iterator[None]:
+    """Reading an answer whose status line came: a transport error now is an AnswerCut."""
+    try:
+        yield
+    except AnswerCut:
+        raise
+    except httpx.TransportError as exc:
+        raise AnswerCut(f"{type(exc).__name__}: {exc}") from exc
+
+
+def read_stream_chunk(chunk: dict[str, Any], reply: Reply, parts: list[str], elapsed_s: float) -> None:
+    if "error" in chunk:
+        reply.error = str(chunk["error"])[:300]
+    for choice in chunk.get("choices") or []:
+        content = (choice.get("delta") or {}).get("content")
+        if content:
+            if reply.ttft_s is None:
+                reply.ttft_s = elapsed_s
+            parts.append(content)
+    usage = chunk.get("usage")
+    if usage:
+        reply.prompt_tokens = usage.get("prompt_tokens")
+        reply.completion_tokens = usage.get("completion_tokens")

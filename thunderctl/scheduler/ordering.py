@@ -1,0 +1,75 @@
+"""The orders the policy walks programs in (who resumes first, who pauses first), its waiting queue, and an ACTING reservation's decay."""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import math
+from collections.abc import Callable, Iterator
+
+from thunderctl.scheduler.config import Decay, PauseOrder, SchedulerConfig
+from thunderctl.scheduler.program import Program
+
+ResumeKey = tuple[int, float, float]
+
+
+def acting_decay(config: SchedulerConfig, idle_s: float) -> float:
+    """The share of an ACTING program's reservation still charged `idle_s` into its tool."""
+    match config.acting_decay:
+        case Decay.EXP:
+            return math.pow(2.0, -idle_s / config.acting_decay_tau_s)
+        case Decay.LINEAR:
+            return max(0.0, 1.0 - idle_s / config.acting_decay_tau_s)
+        case Decay.OFF:
+            return 1.0
+
+
+def resume_key(config: SchedulerConfig, program: Program) -> ResumeKey:
+    """Programs whose request waits first, then the rest shortest first."""
+    if program.waiting_since is None:
+        return 1, program.tokens, program.paused_at or 0.0
+    if config.resume_aging_tokens_per_s is None:
+        return 0, float(program.is_new), program.tokens
+    # Shorter first, but aged: a program is behind none that began waiting more than
+    # tokens / rate (+ the delay of a new program) after it. The key is fixed while it
+    # waits, so the waiting list stays sorted by insertion.
+    place = program.waiting_since + program.tokens / config.resume_aging_tokens_per_s
+    return 0, place + config.new_program_delay_s * program.is_new, program.tokens
+
+
+def pause_key(order: PauseOrder) -> Callable[[Program], tuple[float, int, str]]:
+    """The sort key of ACTING programs, the first to pause first.
+
+    Longest in its tool first: its KV was freed to the engine's cache earliest, so the
+    engine's LRU evicts it first anyway (pausing it keeps the scheduler's charge and the
+    engine's cache in step), and under the tool times' heavy tail it is the one expected
+    back last. Ties (responses at the same instant) go shortest first, as the reference."""
+    if order is PauseOrder.SHORTEST:
+        return lambda p: (0.0, p.tokens, p.id)
+    return lambda p: (p.acting_since, p.tokens, p.id)
+
+
+class WaitingQueue:
+    """The paused programs whose request waits, in resume order (their ids).
+
+    A waiting program's key does not change until it resumes, so insertion keeps it sorted."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.key = functools.partial(resume_key, config)
+        self._entries: list[tuple[ResumeKey, str]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._entries)
+
+    def __iter__(self) -> Iterator[str]:
+        return (program_id for _, program_id in self._entries)
+
+    def add(self, program: Program, since: float) -> None:
+        if program.waiting_since is None:
+            program.waiting_since = since
+            bisect.insort(self._entries, (self.key(program), program.id))
+
+    def remove(self, program: Program) -> None:
+        if program.waiting_since is not None:
+            self._entries.remove((self.key(program), program.id))
+            program.waiting_since = None
