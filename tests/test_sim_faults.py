@@ -188,9 +188,9 @@ def test_the_dead_worker_is_started_again_rejoins_and_up_restarts_it_when_backof
     assert cluster.worker(worker_id).restarts == 1
     up = cluster.cli("up", "-f", str(cluster.profile))
     assert f"restarted {worker_id} (its process had exited)" in up.stdout
-    status = cluster.status()
-    assert [w.state for w in status.workers] == ["ready"] * WORKERS
-    assert next(w for w in status.workers if w.id == worker_id).restarts == 2
+    # The gateway sees it healthy at its next metrics poll (every 2 s) after `up` has waited for its /health.
+    wait_for(lambda: [w.state for w in cluster.status().workers] == ["ready"] * WORKERS, 10, "every worker ready")
+    assert cluster.worker(worker_id).restarts == 2
 
 
 def test_a_daemon_killed_and_brought_up_again_relearns_its_programs_and_leaks_nothing(cluster: SimCluster) -> None:
