@@ -61,3 +61,4 @@ def test_a_request_cut_mid_answer_fails_and_is_not_sent_again(start_sim) -> None
     (result,) = results
     assert result.steps_failed == 1 and result.unanswered_retries == 0
     assert result.records[0].error.startswith("AnswerCut: ")
+    assert result.summary()["step_errors"] == {result.records[0].error[:160]: 1}  # what the report says failed

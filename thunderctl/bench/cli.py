@@ -16,6 +16,7 @@ from typing import Annotated
 import httpx
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from thunderctl.bench.closed_loop import LoadSpec, Routing, Target
 from thunderctl.bench.importers import import_runs
@@ -308,6 +309,8 @@ def swe_lite(
     for name, arm in report["arms"].items():
         if arm["sandboxes"] is not None:
             console.print(sandbox_line(name, arm["sandboxes"]))
+        for error, count in arm["step_errors"].items():
+            console.print(f"[yellow]{name}: {count} step(s) failed:[/] {escape(error)}")
     write_outputs(report, out, plot, console)
     if line := verdict(report):
         console.print(line)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import math
@@ -180,6 +181,11 @@ class LoadResult:
     @property
     def preemptions(self) -> int:
         return self.engines.preemptions
+
+    @property
+    def step_errors(self) -> dict[str, int]:
+        """Why steps failed: each error (its first 160 characters) and how many steps it failed."""
+        return dict(collections.Counter(r.error[:160] for r in self.records if r.error).most_common())
 
     def summary(self) -> dict[str, Any]:
         """The headline figures, JSON-ready: the scalar fields, the engines' counters as
