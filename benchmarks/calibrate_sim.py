@@ -252,25 +252,40 @@ def describe_row(row: dict[str, Any]) -> str:
     )
 
 
+def steps_against(real: dict[str, Any], other: dict[str, Any]) -> str:
+    """Another side's steps/min, with its ratio to the real engine's."""
+    return f"{fmt(other['steps_per_min'], digits=1)} ({fmt(ratio(real['steps_per_min'], other['steps_per_min']), 'x')})"
+
+
+def hit_rate_beside(real: dict[str, Any], hit_rate: float | None) -> str:
+    """Another side's hit rate, with its difference from the real engine's."""
+    return f"{fmt(hit_rate)} ({fmt(difference(real['prefix_cache_hit_rate'], hit_rate))})"
+
+
+def markdown_table(header: tuple[str, ...], cell_rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in cell_rows])
+
+
 def sim_engine_markdown(rows: list[dict[str, Any]]) -> str:
     """Real vLLM-CPU against the simulated engine served over HTTP and the virtual-time simulator."""
     header = ("cache", "programs", "arm", "steps/min real", "sim engine (÷ real)", "virtual sim (÷ real)",
               "hit rate real", "sim engine (− real)", "virtual sim (− real)", "p50 real", "sim engine", "load 1 min")  # fmt: skip
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    cell_rows = []
     for row in sorted((row for row in rows if "sim_engine" in row), key=row_key):
         real, served, sim = row["real"], row["sim_engine"], row["sim"]
         cells = [
             f"{row['kv_tokens']:,}", str(row["concurrency"]), row["arm"], fmt(real["steps_per_min"], digits=1),
-            f"{fmt(served['steps_per_min'], digits=1)} ({fmt(ratio(real['steps_per_min'], served['steps_per_min']), 'x')})",
-            f"{fmt(sim['steps_per_min'], digits=1)} ({fmt(ratio(real['steps_per_min'], sim['steps_per_min']), 'x')})",
+            steps_against(real, served),
+            steps_against(real, sim),
             fmt(real["prefix_cache_hit_rate"]),
-            f"{fmt(served['prefix_cache_hit_rate'])} ({fmt(difference(real['prefix_cache_hit_rate'], served['prefix_cache_hit_rate']))})",
-            f"{fmt(sim['hit_rate'])} ({fmt(difference(real['prefix_cache_hit_rate'], sim['hit_rate']))})",
+            hit_rate_beside(real, served['prefix_cache_hit_rate']),
+            hit_rate_beside(real, sim['hit_rate']),
             fmt(real["p50_s"], " s"), fmt(served["p50_s"], " s"),
             f"{row['load_before'][0]:.1f} → {row['load_after'][0]:.1f}",
         ]  # fmt: skip
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        cell_rows.append(cells)
+    return markdown_table(header, cell_rows)
 
 
 def table(rows: list[dict[str, Any]]) -> Table:
@@ -301,24 +316,24 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         "sim (− real)", "steady sim (− real)", "preemptions real", "sim", "steady sim, per real window",
         "p50 real", "sim", "steady sim", "load 1 min",
     )  # fmt: skip
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    cell_rows = []
     for row in sorted(rows, key=row_key):
         real, sim, steady = row["real"], row["sim"], row["sim_steady"]
         steady_window = steady["duration_s"] - steady["warmup_s"]
         window = row["duration_s"] - row["warmup_s"]
         cells = [
             f"{row['kv_tokens']:,}", str(row["concurrency"]), row["arm"], fmt(real["steps_per_min"], digits=1),
-            f"{fmt(sim['steps_per_min'], digits=1)} ({fmt(ratio(real['steps_per_min'], sim['steps_per_min']), 'x')})",
-            f"{fmt(steady['steps_per_min'], digits=1)} ({fmt(ratio(real['steps_per_min'], steady['steps_per_min']), 'x')})",
+            steps_against(real, sim),
+            steps_against(real, steady),
             fmt(real["prefix_cache_hit_rate"]),
-            f"{fmt(sim['hit_rate'])} ({fmt(difference(real['prefix_cache_hit_rate'], sim['hit_rate']))})",
-            f"{fmt(steady['hit_rate'])} ({fmt(difference(real['prefix_cache_hit_rate'], steady['hit_rate']))})",
+            hit_rate_beside(real, sim['hit_rate']),
+            hit_rate_beside(real, steady['hit_rate']),
             str(real["preemptions"]), str(sim["preemptions"]), f"{steady['preemptions'] * window / steady_window:.0f}",
             fmt(real["p50_s"], " s"), fmt(sim["p50_s"], " s"), fmt(steady["p50_s"], " s"),
             f"{row['load_before'][0]:.1f} → {row['load_after'][0]:.1f}",
         ]  # fmt: skip
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        cell_rows.append(cells)
+    return markdown_table(header, cell_rows)
 
 
 def main(argv: list[str] | None = None) -> None:
