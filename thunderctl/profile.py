@@ -63,6 +63,10 @@ class EngineSpec(Strict):
     kv_offload_gib: float | None = Field(
         None, gt=0, description="a host KV tier per worker: --kv-offloading-backend native --kv-offloading-size"
     )
+    kv_bytes_per_token: int | None = Field(
+        None, gt=0, description="KV bytes a token takes over a worker's GPUs, to count the host tier in tokens "
+        "(default: from the model's config.json, where model.path is a local directory)",
+    )  # fmt: skip
     restart: RestartPolicy = RestartPolicy()
 
     @model_validator(mode="after")

@@ -13,6 +13,7 @@ import uvicorn
 from starlette.types import Receive, Scope, Send
 
 from thunderctl import aio
+from thunderctl.cluster.host_kv import counted_host_kv_tokens
 from thunderctl.cluster.lifecycle import revive_worker
 from thunderctl.cluster.plan import plan_workers
 from thunderctl.cluster.state import ClusterState, WorkerRecord
@@ -58,7 +59,10 @@ class Daemon:
     def __init__(self, state: ClusterState) -> None:
         self.state = state
         self.profile = load_profile(Path(state.profile_path))
-        upstreams = [Upstream(w.id, w.url, stopped=w.stopped) for w in state.workers]
+        upstreams = [
+            Upstream(w.id, w.url, stopped=w.stopped, host_kv_tokens=counted_host_kv_tokens(self.profile, w.node))
+            for w in state.workers
+        ]
         self.worker_key = read_worker_key(state.dir)
         self.gateway = Gateway(
             upstreams, self.profile.scheduler, worker_key=self.worker_key,

@@ -53,6 +53,12 @@ class SchedulerConfig(BaseModel):
     prefill_tokens_per_s: float = Field(
         10_000.0, gt=0, description="re-prefill rate until the engines' own is measured (uncached tokens / TTFT)"
     )
+    host_transfer_tokens_per_s: float = Field(
+        500_000.0,
+        gt=0,
+        description="KV tokens per second a host tier loads back to the GPU (PCIe ≈ 63 GB/s per GPU "
+        "÷ KV bytes per token per GPU): what a paused program's return costs on a backend with one",
+    )
     tool_time_window: int = Field(256, ge=1, description="recent tool times kept per program, tool kind and cluster")
     tool_time_min_samples: int = Field(8, ge=1, description="tool times longer than the elapsed one to trust a key")
     resume_aging_tokens_per_s: float | None = Field(

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 from thunderctl.scheduler.admission import AdmissionTuner
+from thunderctl.scheduler.capacity import decode_fits, gpu_binds, gpu_room, headroom
 from thunderctl.scheduler.config import Decay, SchedulerConfig
 from thunderctl.scheduler.events import Counters, EventKind, Listener, ProgramEvent
 from thunderctl.scheduler.ledger import Ledger, Load
@@ -39,6 +39,7 @@ class Scheduler:
         self.retention = RetentionLaw(
             cfg.retention_price_scale, cfg.tool_time_min_samples,
             ToolTimes(cfg.tool_time_window, cfg.tool_time_min_samples), PrefillRate(cfg.prefill_tokens_per_s),
+            cfg.host_transfer_tokens_per_s,
         )  # fmt: skip
         self.counters = Counters()
         self.tuner = AdmissionTuner(self.config)
@@ -47,10 +48,11 @@ class Scheduler:
 
     # ---- backends -------------------------------------------------------------------------
 
-    def add_backend(self, backend_id: str, capacity: int | None) -> Backend:
+    def add_backend(self, backend_id: str, capacity: int | None, host_capacity: int = 0) -> Backend:
+        """A backend of `capacity` GPU KV tokens, and `host_capacity` more in a host tier."""
         backend = self.backends.setdefault(backend_id, Backend(backend_id, capacity))
         self._ledgers.setdefault(backend_id, Ledger())
-        backend.capacity = capacity
+        backend.capacity, backend.host_capacity = capacity, host_capacity
         return backend
 
     def set_schedulable(self, backend_id: str, schedulable: bool) -> None:
@@ -112,7 +114,11 @@ class Scheduler:
             program.phase = Phase.REASONING
         program.last_activity = now
         if program.status is Status.ACTIVE:
-            return program.backend
+            if self._decode_fits(program):
+                return program.backend
+            # Its KV waits in the host tier; it resumes, by a transfer, as GPU room frees.
+            self._pause(program)
+            self.counters.gpu_waits += 1
         self._waiting.add(program, waiting_since)
         self._resume_waiting()
         if program.status is not Status.ACTIVE:
@@ -316,9 +322,14 @@ class Scheduler:
         return chosen
 
     def _headroom(self, backend: Backend, load: Load) -> float:
-        if backend.capacity is None:
-            return math.inf
-        return backend.capacity * self.config.resume_threshold - load.tokens
+        return headroom(backend, load, self.config.resume_threshold)
+
+    def _decode_fits(self, program: Program) -> bool:
+        backend = self.backends.get(program.backend or "")
+        if backend is None or self.tuner.gate_open:  # the open gate: the engine admits by its own cache
+            return True
+        cfg = self.config
+        return decode_fits(backend, self._ledgers[backend.id], program, cfg.buffer_tokens, cfg.pause_threshold)
 
     def _is_idle(self, backend: Backend) -> bool:
         return not backend.programs
@@ -330,6 +341,9 @@ class Scheduler:
             # would wait for its forced resume while the engine sits empty.
             return self._is_idle(backend) or need <= self._headroom(backend, loads[backend.id])
 
+        home = self.backends.get(program.backend or "")
+        if home is not None and home.host_capacity and home in targets:
+            targets = [home]  # its KV waits in that host tier: back by a transfer there, by a prefill elsewhere
         fitting = [b for b in targets if fits(b)]
         if not fitting:
             return None
@@ -361,9 +375,9 @@ class Scheduler:
             if backend.capacity is None:
                 continue
             load = self._load(backend, physical=True)
-            if load.tokens <= backend.capacity * cfg.pause_threshold:
+            if load.tokens <= backend.kv_capacity * cfg.pause_threshold:
                 continue
-            target = backend.capacity * cfg.pause_target
+            target = backend.kv_capacity * cfg.pause_target
             for program in self._acting_in_pause_order(backend):
                 load.remove(program, 1.0, cfg.buffer_tokens)
                 self._pause(program)
@@ -403,6 +417,8 @@ class Scheduler:
             loads = {b.id: self._load(b, physical=True) for b in targets}
             backend = max(targets, key=lambda b: self._headroom(b, loads[b.id]))
             load = loads[backend.id]
+            if load.need(program, 1.0, cfg.buffer_tokens) > gpu_room(backend, load, cfg.resume_threshold):
+                continue  # what decodes fills the GPU: pausing ACTING programs frees none of it
             for member in self._acting_in_pause_order(backend):
                 if load.need(program, 1.0, cfg.buffer_tokens) <= self._headroom(backend, load):
                     break
@@ -419,9 +435,10 @@ class Scheduler:
             return
         demand = sum(self.programs[i].tokens + self.config.buffer_tokens for i in self._waiting)
         held = [
-            (self.programs[i], backend.capacity)
+            (self.programs[i], backend)
             for backend in self.backends.values()
             if backend.capacity
+            and not gpu_binds(backend, self._load(backend, physical=False), self.config.resume_threshold)
             for i in backend.programs
             if self.programs[i].phase is Phase.ACTING
         ]
