@@ -18,6 +18,11 @@ class PauseOrder(StrEnum):
     LONGEST_IN_TOOL = "longest-in-tool"  # the one whose KV the engine's LRU evicts first; ties shortest first
 
 
+class PlacementRule(StrEnum):
+    ROOMIEST = "roomiest"  # the reference: the backend with the most headroom that fits
+    AFFINITY = "affinity"  # where its KV is (last backend, else its hash home) while nobody else waits
+
+
 class SchedulerConfig(BaseModel):
     """Knobs of the policy; fractions are of a backend's KV capacity."""
 
@@ -70,6 +75,9 @@ class SchedulerConfig(BaseModel):
     new_program_delay_s: float = Field(60.0, ge=0, description="how far behind paused programs a new one queues")
     pause_order: PauseOrder = Field(
         PauseOrder.LONGEST_IN_TOOL, description="which ACTING programs an overfull backend pauses first"
+    )
+    placement: PlacementRule = Field(
+        PlacementRule.AFFINITY, description="which backend a program that fits on several is placed on"
     )
     wait_bound_s: float | None = Field(
         400.0,

@@ -13,6 +13,7 @@ from thunderctl.scheduler.config import Decay, SchedulerConfig
 from thunderctl.scheduler.events import Counters, EventKind, Listener, ProgramEvent
 from thunderctl.scheduler.ledger import Ledger, Load
 from thunderctl.scheduler.ordering import WaitingQueue, acting_decay, pause_key
+from thunderctl.scheduler.placement import choose
 from thunderctl.scheduler.program import Backend, Phase, Program, Status
 from thunderctl.scheduler.retention import PrefillRate, RetentionLaw, ToolTimes
 
@@ -285,9 +286,12 @@ class Scheduler:
         self._place_all(self._admit_in_order(waiting, targets, loads), targets, loads)
 
     def _place_all(self, chosen: list[Program], targets: list[Backend], loads: dict[str, Load]) -> None:
-        # Best fit decreasing: the largest chosen program first, onto the most headroom.
+        # The largest chosen program first. While others wait the room decides who is admitted:
+        # best fit decreasing, onto the most headroom (placement.py).
+        left_waiting = len(self._waiting) > sum(p.waiting_since is not None for p in chosen)
+        contended = left_waiting or not all(any(self._fits(p, b, loads[b.id]) for b in targets) for p in chosen)
         for program in sorted(chosen, key=lambda p: p.tokens, reverse=True):
-            backend = self._roomiest_fit(program, targets, loads)
+            backend = self._fit(program, targets, loads, contended)
             if backend is not None:
                 self._place(program, backend, loads[backend.id])
 
@@ -334,20 +338,23 @@ class Scheduler:
     def _is_idle(self, backend: Backend) -> bool:
         return not backend.programs
 
-    def _roomiest_fit(self, program: Program, targets: list[Backend], loads: dict[str, Load]) -> Backend | None:
-        def fits(backend: Backend) -> bool:
-            need = loads[backend.id].need(program, 1.0, self.config.buffer_tokens)
-            # An idle backend takes any program: otherwise one larger than the resume band
-            # would wait for its forced resume while the engine sits empty.
-            return self._is_idle(backend) or need <= self._headroom(backend, loads[backend.id])
+    def _fits(self, program: Program, backend: Backend, load: Load) -> bool:
+        # An idle backend takes any program: otherwise one larger than the resume band
+        # would wait for its forced resume while the engine sits empty.
+        need = load.need(program, 1.0, self.config.buffer_tokens)
+        return self._is_idle(backend) or need <= self._headroom(backend, load)
 
+    def _fit(self, program: Program, targets: list[Backend], loads: dict[str, Load], contended: bool) -> Backend | None:
         home = self.backends.get(program.backend or "")
         if home is not None and home.host_capacity and home in targets:
             targets = [home]  # its KV waits in that host tier: back by a transfer there, by a prefill elsewhere
-        fitting = [b for b in targets if fits(b)]
+        fitting = [b for b in targets if self._fits(program, b, loads[b.id])]
         if not fitting:
             return None
-        return max(fitting, key=lambda b: self._headroom(b, loads[b.id]))
+        return choose(
+            self.config.placement, program, fitting, list(self.backends),
+            headroom=lambda b: self._headroom(b, loads[b.id]), contended=contended,
+        )  # fmt: skip
 
     def _place(self, program: Program, backend: Backend, load: Load, forced: bool = False) -> None:
         now = self.clock()

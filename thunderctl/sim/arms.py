@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
-from thunderctl.scheduler import PauseOrder, SchedulerConfig
+from thunderctl.scheduler import PauseOrder, PlacementRule, SchedulerConfig
 from thunderctl.sim.agents import ClosedLoop, Router, StepRecord, Workload
 from thunderctl.sim.clock import VirtualClock
 from thunderctl.sim.cost import Preset
@@ -153,7 +153,7 @@ def build_router(
         case ArmName.REFERENCE:
             reference = SchedulerConfig(
                 adaptive=False, retention=False, resume_aging_tokens_per_s=None, pause_target=0.85,
-                pause_order=PauseOrder.SHORTEST, wait_bound_s=None,
+                pause_order=PauseOrder.SHORTEST, wait_bound_s=None, placement=PlacementRule.ROOMIEST,
             )  # fmt: skip
             router = PolicyRouter(workers, clock, reference)
             return router, router
