@@ -1,5 +1,6 @@
-"""The load generator's retry rule, on a real simulated worker: a request that got no byte of its answer
-is sent again (`retry_unanswered_s`), one cut mid-answer fails."""
+"""The load generator's retry rules: a request that got no byte of its answer is sent again
+(`retry_unanswered_s`), one cut mid-answer fails (on a real simulated worker); an idempotent release
+is sent again while it gets no answer (`release_retry_s`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ import threading
 import time
 from pathlib import Path
 
-from thunderctl.bench.closed_loop import LoadSpec, Target, run_load
+import httpx
+import pytest
+
+from thunderctl.bench.closed_loop import ClosedLoop, LoadSpec, Target, run_load
+from thunderctl.bench.requests import AnswerCut, resend_unanswered
 from thunderctl.bench.results import LoadResult
 from thunderctl.bench.shapes import AgentShape, Uniform
 from thunderctl.engines.sim_process import sim_command
@@ -62,3 +67,58 @@ def test_a_request_cut_mid_answer_fails_and_is_not_sent_again(start_sim) -> None
     assert result.steps_failed == 1 and result.unanswered_retries == 0
     assert result.records[0].error.startswith("AnswerCut: ")
     assert result.summary()["step_errors"] == {result.records[0].error[:160]: 1}  # what the report says failed
+
+
+def closed_loop_on(handler, spec: LoadSpec) -> ClosedLoop:
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    return ClosedLoop(client, Target.gateway("http://gateway"), spec, salt="s", tokens_per_word=1.0)
+
+
+def test_a_release_that_gets_no_answer_is_sent_again_until_the_gateway_answers() -> None:
+    calls: list[str] = []
+
+    def gateway(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        if len(calls) <= 2:
+            raise httpx.ConnectTimeout("the gateway is slow to accept", request=request)
+        return httpx.Response(200, json={"released": True})
+
+    loop = closed_loop_on(gateway, LoadSpec(concurrency=1, programs=1, release_retry_s=30))
+    loop.open_programs.add("p-1")
+    asyncio.run(loop.release("p-1"))
+    assert calls == ["/programs/release"] * 3
+    assert loop.release_failures == [] and loop.unanswered_retries == 2
+    assert [r.error for r in loop.resends] == ["ConnectTimeout: the gateway is slow to accept"] * 2
+
+
+def test_a_release_still_unanswered_at_its_limit_fails_with_its_reason() -> None:
+    def gateway(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadError("connection reset", request=request)
+
+    loop = closed_loop_on(gateway, LoadSpec(concurrency=1, programs=1, release_retry_s=0.6))
+    loop.open_programs.add("p-2")
+    asyncio.run(loop.release("p-2"))
+    (failure,) = loop.release_failures
+    assert (failure.program_id, failure.error) == ("p-2", "ReadError: connection reset")
+    assert loop.unanswered_retries >= 1
+
+
+def test_a_request_not_connected_in_time_is_sent_again_but_one_cut_mid_answer_is_not() -> None:
+    sent: list[int] = []
+
+    async def connects_late() -> str:
+        sent.append(1)
+        if len(sent) < 3:
+            raise httpx.ConnectTimeout("no connection in 10 s")
+        return "answered"
+
+    resent: list[Exception] = []
+    assert asyncio.run(resend_unanswered(connects_late, 30, resent.append)) == "answered"
+    assert [type(e) for e in resent] == [httpx.ConnectTimeout] * 2
+
+    async def cut() -> str:
+        raise AnswerCut("ReadError: reset after the status line")
+
+    with pytest.raises(AnswerCut):
+        asyncio.run(resend_unanswered(cut, 30, resent.append))
+    assert len(resent) == 2

@@ -15,8 +15,16 @@ import httpx
 T = TypeVar("T")
 # A request that got no byte of its answer is sent again this often (while `retry_unanswered_s` lasts).
 UNANSWERED_RETRY_INTERVAL_S = 0.25
-# How a request can end with no byte of its answer: refused, or its connection closed before the answer.
-UNANSWERED_ERRORS = (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+# How a request can end with no byte of its answer: refused, not connected in time, no pooled connection
+# free in time, or its connection closed before the answer (the OpenAI SDK retries all of these).
+UNANSWERED_ERRORS: tuple[type[httpx.TransportError], ...] = (
+    httpx.ConnectError,
+    httpx.ConnectTimeout,
+    httpx.PoolTimeout,
+    httpx.ReadError,
+    httpx.WriteError,
+    httpx.RemoteProtocolError,
+)
 
 
 class AnswerCut(httpx.TransportError):
@@ -36,18 +44,24 @@ class Reply:
     error: str | None = None
 
 
-async def resend_unanswered(send: Callable[[], Awaitable[T]], for_s: float, on_resend: Callable[[], None]) -> T:
-    """`send()`, sent again every UNANSWERED_RETRY_INTERVAL_S for up to `for_s` while it gets no byte of its answer."""
+async def resend_unanswered(
+    send: Callable[[], Awaitable[T]],
+    for_s: float,
+    on_resend: Callable[[Exception], None],
+    retry_on: tuple[type[Exception], ...] = UNANSWERED_ERRORS,
+) -> T:
+    """`send()`, sent again every UNANSWERED_RETRY_INTERVAL_S for up to `for_s` while it fails with one of
+    `retry_on` (by default: got no byte of its answer); `on_resend` is told each error that was retried."""
     give_up_at = time.monotonic() + for_s
     while True:
         try:
             return await send()
         except AnswerCut:
             raise
-        except UNANSWERED_ERRORS:
+        except retry_on as exc:
             if time.monotonic() + UNANSWERED_RETRY_INTERVAL_S > give_up_at:
                 raise
-            on_resend()
+            on_resend(exc)
             await asyncio.sleep(UNANSWERED_RETRY_INTERVAL_S)
 
 
@@ -96,7 +110,12 @@ def answer_begun() -> Iterator[None]:
     except AnswerCut:
         raise
     except httpx.TransportError as exc:
-        raise AnswerCut(f"{type(exc).__name__}: {exc}") from exc
+        raise AnswerCut(error_text(exc)) from exc
+
+
+def error_text(exc: BaseException) -> str:
+    """How a failed request or release is reported: the exception's type, then its message."""
+    return f"{type(exc).__name__}: {exc}"
 
 
 def read_stream_chunk(chunk: dict[str, Any], reply: Reply, parts: list[str], elapsed_s: float) -> None:
