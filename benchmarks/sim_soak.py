@@ -55,6 +55,13 @@ def parse_args() -> argparse.Namespace:
         metavar="S",
         help="send a request that got no byte of its answer again for up to S seconds (0: fail it at once)",
     )
+    parser.add_argument(
+        "--client-keepalive",
+        type=float,
+        default=defaults.client_keepalive_s,
+        metavar="S",
+        help="seconds the agents' client keeps an idle connection to the gateway",
+    )
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
     parser.add_argument("--keep", type=Path, help="keep the cluster's state and logs (daemon.log) in this directory")
     return parser.parse_args()
@@ -111,6 +118,7 @@ def main() -> int:
         seed=args.seed,
         shape=replace(SOAK_SHAPE, tool_seconds=Uniform(*args.tool_s)),
         retry_unanswered_s=args.retry_unanswered,
+        client_keepalive_s=args.client_keepalive,
     )
     if args.keep:
         args.keep.mkdir(parents=True, exist_ok=True)

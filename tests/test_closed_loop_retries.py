@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from thunderctl.bench import requests
 from thunderctl.bench.closed_loop import ClosedLoop, LoadSpec, Target, run_load
 from thunderctl.bench.requests import AnswerCut, resend_unanswered
 from thunderctl.bench.results import LoadResult
@@ -122,3 +123,28 @@ def test_a_request_not_connected_in_time_is_sent_again_but_one_cut_mid_answer_is
     with pytest.raises(AnswerCut):
         asyncio.run(resend_unanswered(cut, 30, resent.append))
     assert len(resent) == 2
+
+
+def test_resends_back_off_doubling_to_a_cap_so_a_crowd_does_not_come_back_at_once(monkeypatch) -> None:
+    waits: list[float] = []
+
+    async def recorded_sleep(seconds: float) -> None:
+        waits.append(seconds)
+
+    monkeypatch.setattr(requests.asyncio, "sleep", recorded_sleep)
+    attempts = iter(range(7))
+
+    async def refused_six_times() -> str:
+        if next(attempts) < 6:
+            raise httpx.ConnectError("refused")
+        return "answered"
+
+    assert asyncio.run(resend_unanswered(refused_six_times, 60, lambda _: None)) == "answered"
+    steps = [min(requests.UNANSWERED_RETRY_INTERVAL_S * 2**i, requests.UNANSWERED_RETRY_MAX_S) for i in range(6)]
+    assert len(waits) == 6 and all(step / 2 <= wait <= step for wait, step in zip(waits, steps))
+    assert steps[-1] == requests.UNANSWERED_RETRY_MAX_S
+
+
+def test_a_client_that_keeps_no_idle_connection_is_refused_with_the_reason() -> None:
+    with pytest.raises(ValueError, match="keepalive_s"):
+        LoadSpec(concurrency=1, programs=1, keepalive_s=0)

@@ -80,6 +80,9 @@ class LoadSpec:
     # A release is idempotent: one that failed in transport (refused, timed out, cut) is sent again
     # for up to this long before it counts as failed (the gateway would hold the program).
     release_retry_s: float = 60.0
+    # How long the client keeps an idle connection for the next request (httpx's default: 5 s). A
+    # server must keep it longer, or a request sent as the server closes it fails.
+    keepalive_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -88,6 +91,8 @@ class LoadSpec:
             raise ValueError("LoadSpec needs programs, duration_s or both")
         if self.time_scale < 0:
             raise ValueError("time_scale must not be negative")
+        if self.keepalive_s <= 0:
+            raise ValueError("keepalive_s must be positive (seconds an idle connection is kept)")
 
 
 class Routing(StrEnum):
@@ -379,7 +384,11 @@ async def run_load(
     `tools`: run tool steps in the cluster's sandboxes instead of sleeping them.
     """
     salt = spec.salt or secrets.token_hex(4)
-    limits = httpx.Limits(max_connections=spec.concurrency + 8, max_keepalive_connections=spec.concurrency + 8)
+    limits = httpx.Limits(
+        max_connections=spec.concurrency + 8,
+        max_keepalive_connections=spec.concurrency + 8,
+        keepalive_expiry=spec.keepalive_s,
+    )
     timeout = httpx.Timeout(spec.request_timeout_s, connect=10.0)
     samples: list[CounterSample] = []
     # trust_env=False: a proxy from the environment must never see loopback benchmark traffic.

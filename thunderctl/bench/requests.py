@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -13,8 +14,11 @@ from typing import Any, TypeVar
 import httpx
 
 T = TypeVar("T")
-# A request that got no byte of its answer is sent again this often (while `retry_unanswered_s` lasts).
+# A request that got no byte of its answer is sent again after this wait, doubled after each try up to
+# the cap (while `retry_unanswered_s` lasts), each wait drawn from its upper half: thousands of agents
+# that lost their connections at once do not all come back at once (the OpenAI SDK backs off alike).
 UNANSWERED_RETRY_INTERVAL_S = 0.25
+UNANSWERED_RETRY_MAX_S = 2.0
 # How a request can end with no byte of its answer: refused, not connected in time, no pooled connection
 # free in time, or its connection closed before the answer (the OpenAI SDK retries all of these).
 UNANSWERED_ERRORS: tuple[type[httpx.TransportError], ...] = (
@@ -53,16 +57,19 @@ async def resend_unanswered(
     """`send()`, sent again every UNANSWERED_RETRY_INTERVAL_S for up to `for_s` while it fails with one of
     `retry_on` (by default: got no byte of its answer); `on_resend` is told each error that was retried."""
     give_up_at = time.monotonic() + for_s
+    backoff = UNANSWERED_RETRY_INTERVAL_S
     while True:
         try:
             return await send()
         except AnswerCut:
             raise
         except retry_on as exc:
-            if time.monotonic() + UNANSWERED_RETRY_INTERVAL_S > give_up_at:
+            wait = random.uniform(backoff / 2, backoff)
+            if time.monotonic() + wait > give_up_at:
                 raise
             on_resend(exc)
-            await asyncio.sleep(UNANSWERED_RETRY_INTERVAL_S)
+            await asyncio.sleep(wait)
+            backoff = min(2 * backoff, UNANSWERED_RETRY_MAX_S)
 
 
 async def chat(client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str]) -> Reply:

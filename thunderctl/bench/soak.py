@@ -31,6 +31,7 @@ from thunderctl.bench.closed_loop import LoadSpec, Target, run_load
 from thunderctl.bench.results import LoadResult, percentile
 from thunderctl.bench.shapes import AgentShape, Uniform
 from thunderctl.daemon.status import ClusterStatus
+from thunderctl.gateway.gateway import AGENT_KEEPALIVE_S
 from thunderctl.gateway.timings import (
     ADMISSION_WAIT_SECONDS,
     LOOP_LAG_SECONDS,
@@ -82,6 +83,11 @@ class SoakSpec:
     # An agent's client sends again a request that got no byte of its answer (LoadSpec.retry_unanswered_s);
     # each resend is reported by its error. 0: the first such error fails the request.
     retry_unanswered_s: float = 60.0
+    # Agents' idle connections are kept through their tool calls (5-25 s), as the gateway keeps them
+    # (AGENT_KEEPALIVE_S) and for less than it does, so that the client closes one first. With httpx's
+    # 5 s nearly every step connected anew, and 2,048 programs' connects are what a starved load
+    # generator's event loop timed out on.
+    client_keepalive_s: float = AGENT_KEEPALIVE_S / 2
 
 
 @dataclass(frozen=True)
@@ -245,6 +251,7 @@ def load_with_rss(
             time_scale=spec.tool_time_scale,
             request_timeout_s=1800.0,
             retry_unanswered_s=spec.retry_unanswered_s,
+            keepalive_s=spec.client_keepalive_s,
             sample_interval_s=spec.duration_s,
         )
         for shard, size in enumerate(sizes)
