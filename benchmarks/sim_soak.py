@@ -63,7 +63,9 @@ def parse_args() -> argparse.Namespace:
         help="seconds the agents' client keeps an idle connection to the gateway",
     )
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
-    parser.add_argument("--keep", type=Path, help="keep the cluster's state and logs (daemon.log) in this directory")
+    parser.add_argument(
+        "--keep", type=Path, help="keep the profile and the daemon's log (daemon.log) in this directory"
+    )
     return parser.parse_args()
 
 

@@ -5,6 +5,7 @@ is sent again while it gets no answer (`release_retry_s`)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import threading
@@ -148,3 +149,39 @@ def test_resends_back_off_doubling_to_a_cap_so_a_crowd_does_not_come_back_at_onc
 def test_a_client_that_keeps_no_idle_connection_is_refused_with_the_reason() -> None:
     with pytest.raises(ValueError, match="keepalive_s"):
         LoadSpec(concurrency=1, programs=1, keepalive_s=0)
+
+
+def test_a_release_cut_off_by_the_deadline_is_sent_again_at_the_end() -> None:
+    answered: list[str] = []  # programs whose release the gateway finished answering
+    asked: list[str] = []
+
+    async def gateway(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/programs/release":
+            program_id = json.loads(request.content)["program_id"]
+            await asyncio.sleep(0.4)  # the third ends at 1.2 s: the deadline (1 s) cancels it with the slot
+            answered.append(program_id)
+            return httpx.Response(200, json={"program_id": program_id, "released": True})
+        asked.append(json.loads(request.content)["program_id"])
+        answer = {"choices": [{"message": {"content": "done"}}], "usage": {"prompt_tokens": 5, "completion_tokens": 1}}
+        return httpx.Response(200, json=answer)
+
+    # One-step programs answered at once, no tool time: the slot spends its time releasing.
+    loop = closed_loop_on(gateway, LoadSpec(concurrency=1, duration_s=1.0, shape=ONE_STEP))
+    loop.start_clock()
+    asyncio.run(loop.execute())
+    assert len(asked) >= 2 and set(answered) == set(asked)
+    assert loop.open_programs == set() and loop.release_failures == []
+
+
+def test_a_request_whose_one_attempt_outlasts_the_resend_time_is_still_sent_again() -> None:
+    attempts: list[int] = []
+
+    async def slow_then_answered() -> str:
+        attempts.append(1)
+        if len(attempts) == 1:
+            await asyncio.sleep(0.5)  # longer than the resend time: a connect noticed late
+            raise httpx.ConnectTimeout("no connection in time")
+        return "answered"
+
+    assert asyncio.run(resend_unanswered(slow_then_answered, 0.3, lambda _: None)) == "answered"
+    assert len(attempts) == 2

@@ -21,4 +21,6 @@ def test_hundreds_of_programs_fail_nothing_and_leave_nothing(tmp_path: Path) -> 
     assert result.admissions >= result.steps_ok  # every request of a program went through admission
     assert result.ticks >= spec.duration_s / spec.tick_interval_s / 2
     assert result.tick_p99_s is not None and result.admission_wait_p99_s is not None
+    assert result.daemon_loop_lag_p99_s is not None and result.load_loop_lag_p99_s is not None
+    assert result.failures == [] and result.release_errors == {} and result.left_why == {}
     assert result.daemon_rss_end_mib > 0

@@ -327,7 +327,6 @@ class ClosedLoop:
     async def release(self, program_id: str) -> None:
         if not self.target.program_ids or program_id not in self.open_programs:
             return
-        self.open_programs.discard(program_id)
         url = f"{self.target.urls[0].rstrip('/')}/programs/release"
 
         async def send() -> None:
@@ -338,6 +337,9 @@ class ClosedLoop:
             await resend_unanswered(send, self.spec.release_retry_s, self.count_retry, retry_on=(httpx.TransportError,))
         except httpx.HTTPError as exc:
             self.release_failures.append(ReleaseFailure(program_id, self.now(), error_text(exc)))
+        # Open until answered or given up: a release cut off by the deadline is sent again at the end
+        # (the soak found programs left that had ended just before it, their release cancelled).
+        self.open_programs.discard(program_id)
 
 
 def window_end(spec: LoadSpec, records: Sequence[StepRecord], wall_s: float) -> float:

@@ -54,9 +54,11 @@ async def resend_unanswered(
     on_resend: Callable[[Exception], None],
     retry_on: tuple[type[Exception], ...] = UNANSWERED_ERRORS,
 ) -> T:
-    """`send()`, sent again every UNANSWERED_RETRY_INTERVAL_S for up to `for_s` while it fails with one of
-    `retry_on` (by default: got no byte of its answer); `on_resend` is told each error that was retried."""
-    give_up_at = time.monotonic() + for_s
+    """`send()`, sent again (backing off) for up to `for_s` after its first error while it fails with one of
+    `retry_on` (by default: got no byte of its answer); `on_resend` is told each error that was retried.
+    The time counts from the first error, not the first send: on a loop running late one attempt alone
+    can take longer than `for_s`, and it is then sent again all the same."""
+    give_up_at: float | None = None
     backoff = UNANSWERED_RETRY_INTERVAL_S
     while True:
         try:
@@ -64,6 +66,7 @@ async def resend_unanswered(
         except AnswerCut:
             raise
         except retry_on as exc:
+            give_up_at = give_up_at or time.monotonic() + for_s
             wait = random.uniform(backoff / 2, backoff)
             if time.monotonic() + wait > give_up_at:
                 raise

@@ -14,6 +14,7 @@ import collections
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import time
@@ -327,6 +328,8 @@ def run_soak(spec: SoakSpec, workdir: Path) -> SoakResult:
         rss_end = daemon.memory_info().rss / MIB
         cpu = daemon.cpu_times()
     finally:
+        # `down` removes the state directory; the daemon's log stays in `workdir` for a look afterwards.
+        shutil.copyfile(cluster.state_path.with_name("daemon.log"), workdir / "daemon.log")
         cluster.cli("down", "--cluster", cluster.name)
     wall_s = max(r.wall_s for r in results)
     steps_ok = sum(r.steps_ok for r in results)
