@@ -7,7 +7,7 @@ import contextlib
 import json
 import random
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -101,15 +101,28 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any],
             if response.status_code != 200:
                 reply.error = (await response.aread()).decode(errors="replace")[:300]
                 return reply
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
+            async for line in sse_lines(response):
+                if not line.startswith(b"data:"):
                     continue
-                data = line[len("data:") :].strip()
-                if data == "[DONE]":
+                data = line[len(b"data:") :].strip()
+                if data == b"[DONE]":
                     break
                 read_stream_chunk(json.loads(data), reply, parts, time.monotonic() - start)
     reply.text = "".join(parts)
     return reply
+
+
+async def sse_lines(response: httpx.Response) -> AsyncIterator[bytes]:
+    """An event stream's lines. Not httpx's `aiter_lines`: it also splits at U+2028, U+0085 and
+    the like, which JSON leaves unescaped inside strings, so a chunk whose text holds one would be
+    cut in two (a random token of the tiny model did that)."""
+    pending = b""
+    async for data in response.aiter_bytes():
+        *lines, pending = (pending + data).split(b"\n")
+        for line in lines:
+            yield line.removesuffix(b"\r")
+    if pending:
+        yield pending
 
 
 @contextlib.contextmanager
