@@ -23,7 +23,7 @@ from thunderctl.daemon.control import build_control_app
 from thunderctl.daemon.supervisor import RestartPlanner
 from thunderctl.gateway import Gateway, Upstream, build_app
 from thunderctl.gateway.answers import resume_priority
-from thunderctl.gateway.gateway import AGENT_KEEPALIVE_S
+from thunderctl.gateway.server import server_config
 from thunderctl.jsonapi import BodyLimits
 from thunderctl.processes import process_alive
 from thunderctl.profile import ProfileError, load_profile
@@ -193,10 +193,7 @@ class Daemon:
         self._spawn(self._supervise_workers())
         gateway = self.profile.gateway
         sockets = [bind_tcp(gateway.host, gateway.port), bind_control_socket(self.state.socket_path)]
-        config = uvicorn.Config(
-            self.app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=AGENT_KEEPALIVE_S
-        )
-        self.server = uvicorn.Server(config)
+        self.server = uvicorn.Server(server_config(self.app, backlog=gateway.backlog))
         try:
             await self.server.serve(sockets=sockets)
         finally:

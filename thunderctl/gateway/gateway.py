@@ -28,7 +28,7 @@ from thunderctl.gateway.recorder import TraceRecorder
 from thunderctl.gateway.requests import PromptShape, TokenEstimator
 from thunderctl.gateway.sse import StreamRelay
 from thunderctl.gateway.stalls import StallWatch, UnansweredRequests, WorkerStalled
-from thunderctl.gateway.timings import GatewayTimings
+from thunderctl.gateway.timings import GatewayTimings, watch_loop_lag
 from thunderctl.gateway.transport import AiohttpTransport
 from thunderctl.jsonapi import bearer_headers
 from thunderctl.scheduler import EventKind, ProgramEvent, Scheduler, SchedulerConfig
@@ -170,6 +170,7 @@ class Gateway:
         self._tasks = [
             asyncio.create_task(self._tick_loop(), name="scheduler-tick"),
             asyncio.create_task(self._metrics_loop(), name="metrics-poll"),
+            asyncio.create_task(watch_loop_lag(self.timings.loop_lag.observe), name="loop-lag"),
         ]
         return warnings
 
