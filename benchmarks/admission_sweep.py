@@ -8,7 +8,7 @@ no-recompute limit, at each concurrency, in one run.
 The report ends with the overhead figures of benchmarks/overhead.py: what the gateway adds
 per request against an instant backend, and the tick's cost at 10,000 programs x 64 backends.
 
-Engine A has the cache under test; the `direct`, `reference` (`serve --no-adaptive --no-retention --resume-aging 0`) and
+Engine A has the cache under test; the `direct`, `reference` (`serve --no-adaptive --no-retention --resume-aging 0 --placement roomiest`) and
 `adaptive` arms share it, interleaved in slices so machine drift falls on all three. Engine B
 has a cache four times larger than anything the load can fill (`--limit-kv-blocks`): the
 `limit` arm, straight to it, is the same load with no recompute. Each slice has its own salt.
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
             [engines[0].url], ["--tick-interval", str(args.tick_interval), *extra], args.log_dir / f"{name}.log"
         )
         for name, extra in (
-            ("reference", ["--no-adaptive", "--no-retention", "--resume-aging", "0"]),
+            ("reference", ["--no-adaptive", "--no-retention", "--resume-aging", "0", "--placement", "roomiest"]),
             ("adaptive", ["--adapt-window", str(args.adapt_window), "--verbose"]),
         )
     }

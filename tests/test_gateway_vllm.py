@@ -178,7 +178,7 @@ def test_more_programs_than_fit_are_paused_not_failed_and_keep_their_cache(vllm_
     engine = vllm_pair[0]
     # The reference policy: cache retention is what this test is about (the adaptive law and
     # priced retention trade it for throughput on this cheap-recompute engine; docs/admission.md).
-    reference = ("--no-adaptive", "--no-retention", "--resume-aging", "0")
+    reference = ("--no-adaptive", "--no-retention", "--resume-aging", "0", "--placement", "roomiest")
     gateway = start_gateway([engine.url], "--tick-interval", "0.2", "--buffer-tokens", "64", *reference)
     shape = AgentShape(
         system_prompt_tokens=150,

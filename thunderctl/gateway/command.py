@@ -21,7 +21,7 @@ from thunderctl.gateway.auth import API_KEY_ENV, GatewayAuth, exposure_problem
 from thunderctl.gateway.recorder import TraceRecorder
 from thunderctl.jsonapi import DEFAULT_MAX_BODY_BYTES, BodyLimits
 from thunderctl.processes import pick_free_port
-from thunderctl.scheduler import Decay, SchedulerConfig
+from thunderctl.scheduler import Decay, PlacementRule, SchedulerConfig
 from thunderctl.terminal import err, fail, out
 
 DEFAULTS = SchedulerConfig()  # what `serve` runs with when given no option: the profile's defaults too
@@ -77,6 +77,13 @@ def serve(
             help="Tokens/s that age a waiting program's place in the resume order (0: shortest first, unbounded waits).",
         ),
     ] = DEFAULTS.resume_aging_tokens_per_s or 0.0,
+    placement: Annotated[
+        PlacementRule,
+        typer.Option(
+            help="Where a program goes when it fits on several backends: affinity (its last backend, else its "
+            "hash home, while nobody else waits) or roomiest (the most headroom: the reference)."
+        ),
+    ] = DEFAULTS.placement,
     stall_timeout: Annotated[
         float, typer.Option(help="A worker with requests in flight and no progress this long is taken out as stalled.")
     ] = DEFAULTS.stall_timeout_s,
@@ -131,6 +138,7 @@ def serve(
             adapt_window_s=adapt_window,
             retention=retention,
             resume_aging_tokens_per_s=resume_aging or None,
+            placement=placement,
             stall_timeout_s=stall_timeout,
         )
     except ValidationError as exc:
