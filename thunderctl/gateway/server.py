@@ -53,9 +53,9 @@ async def serve_gateway(
     limits: BodyLimits = BodyLimits(),
 ) -> None:
     """Check the backends, then serve until interrupted; the gateway's loops stop with it."""
-    warnings = await gateway.start()
-    server = uvicorn.Server(server_config(build_app(gateway, auth=auth, limits=limits), host=host, port=port))
     try:
+        warnings = await gateway.start()  # a backend that does not answer raises here: close the client all the same
+        server = uvicorn.Server(server_config(build_app(gateway, auth=auth, limits=limits), host=host, port=port))
         on_ready(warnings)
         await server.serve()
     finally:
