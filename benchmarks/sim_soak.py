@@ -24,7 +24,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from thunderctl.bench.shapes import Uniform
-from thunderctl.bench.soak import SOAK_SHAPE, SoakResult, SoakSpec, run_soak
+from thunderctl.bench.soak import SOAK_SHAPE, ErrorGroup, SoakResult, SoakSpec, run_soak
 
 
 def parse_args() -> argparse.Namespace:
@@ -48,7 +48,24 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tick-interval", type=float, default=defaults.tick_interval_s)
     parser.add_argument("--stream", action="store_true", help="stream the answers (more work for the gateway)")
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument(
+        "--retry-unanswered",
+        type=float,
+        default=defaults.retry_unanswered_s,
+        metavar="S",
+        help="send a request that got no byte of its answer again for up to S seconds (0: fail it at once)",
+    )
+    parser.add_argument(
+        "--client-keepalive",
+        type=float,
+        default=defaults.client_keepalive_s,
+        metavar="S",
+        help="seconds the agents' client keeps an idle connection to the gateway",
+    )
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
+    parser.add_argument(
+        "--keep", type=Path, help="keep the profile and the daemon's log (daemon.log) in this directory"
+    )
     return parser.parse_args()
 
 
@@ -56,19 +73,32 @@ def summary(result: SoakResult) -> str:
     def seconds(value: float | None) -> str:
         return "-" if value is None else f"{value * 1000:.1f} ms" if value < 1 else f"{value:.2f} s"
 
+    def groups(title: str, found: list[ErrorGroup]) -> list[str]:
+        return [
+            f"  {title}: {g.count} x {g.error} (from {g.first_s:.0f} s to {g.last_s:.0f} s into the run)" for g in found
+        ]
+
     hit = "-" if result.hit_rate is None else f"{result.hit_rate:.2f}"
+    overflows = "-" if result.listen_overflows is None else f"{result.listen_overflows:,}"
     return "\n".join(
         [
             f"programs {result.spec['programs']} on {result.spec['workers']} workers for {result.spec['duration_s']:g} s "
             f"(wall {result.wall_s:.0f} s)",
             f"requests: {result.steps_ok:,} ok, {result.steps_failed} failed, {result.steps_cancelled} cut off at the end; "
             f"{result.steps_per_min:,.0f} steps/min; hit rate {hit}; preemptions {result.preemptions}",
+            *groups("failed", result.failures),
+            *groups("sent again", result.resends),
             f"programs: {result.programs_started:,} started, {result.programs_completed:,} completed, "
             f"{result.programs_left} left in the gateway after release ({result.release_failures} releases failed)",
+            *(f"  release failed: {n} x {error}" for error, n in result.release_errors.items()),
+            *(f"  left: {n} x {why}" for why, n in result.left_why.items()),
             f"scheduler: {result.pauses:,.0f} pauses, {result.resumes:,.0f} resumes; tick p99 {seconds(result.tick_p99_s)} "
             f"over {result.ticks} ticks",
             f"admission wait: p50 {seconds(result.admission_wait_p50_s)}, p99 {seconds(result.admission_wait_p99_s)} "
             f"over {result.admissions:,} requests",
+            f"event loops late: daemon p99 {seconds(result.daemon_loop_lag_p99_s)}, p99.9 "
+            f"{seconds(result.daemon_loop_lag_p999_s)}; load generators p99 {seconds(result.load_loop_lag_p99_s)}, "
+            f"max {seconds(result.load_loop_lag_max_s)}; listen-queue overflows on this host {overflows}",
             f"daemon RSS: {result.daemon_rss_start_mib:.0f} MiB at start, {result.daemon_rss_peak_mib:.0f} MiB peak, "
             f"{result.daemon_rss_end_mib:.0f} MiB at end; {result.daemon_cpu_s:.0f} CPU s",
         ]
@@ -89,9 +119,15 @@ def main() -> int:
         stream=args.stream,
         seed=args.seed,
         shape=replace(SOAK_SHAPE, tool_seconds=Uniform(*args.tool_s)),
+        retry_unanswered_s=args.retry_unanswered,
+        client_keepalive_s=args.client_keepalive,
     )
-    with tempfile.TemporaryDirectory(prefix="thunderctl-soak-") as workdir:
-        result = run_soak(spec, Path(workdir))
+    if args.keep:
+        args.keep.mkdir(parents=True, exist_ok=True)
+        result = run_soak(spec, args.keep)
+    else:
+        with tempfile.TemporaryDirectory(prefix="thunderctl-soak-") as workdir:
+            result = run_soak(spec, Path(workdir))
     print(summary(result))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

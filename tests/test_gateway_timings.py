@@ -10,7 +10,14 @@ import pytest
 from prometheus_client.samples import Sample
 
 from thunderctl.gateway import Gateway, Upstream, build_app
-from thunderctl.gateway.timings import ADMISSION_WAIT_SECONDS, TICK_SECONDS, histogram_quantile, log_buckets
+from thunderctl.gateway.timings import (
+    ADMISSION_WAIT_SECONDS,
+    LOOP_LAG_SECONDS,
+    TICK_SECONDS,
+    histogram_quantile,
+    log_buckets,
+    watch_loop_lag,
+)
 from thunderctl.prometheus import parse_samples
 from thunderctl.scheduler import SchedulerConfig
 
@@ -70,3 +77,34 @@ async def test_each_scheduled_request_and_each_tick_is_timed(fake_backend) -> No
     assert counts[f"{TICK_SECONDS}_count"] >= 1
     wait = histogram_quantile(samples, ADMISSION_WAIT_SECONDS, 0.99)
     assert wait is not None and 0 < wait < 1  # an idle cluster admits at once
+
+
+@pytest.mark.anyio
+async def test_a_blocked_event_loop_is_measured_as_lag() -> None:
+    lags: list[float] = []
+    watch = asyncio.create_task(watch_loop_lag(lags.append, interval_s=0.01))
+    await asyncio.sleep(0.05)
+    time.sleep(0.3)  # blocks the loop, as synchronous work in a handler would
+    await asyncio.sleep(0.05)
+    watch.cancel()
+    assert max(lags) >= 0.25  # the timer due in the blocked spell ran that much late
+
+
+@pytest.mark.anyio
+async def test_the_gateway_reports_its_event_loop_lag(fake_backend) -> None:
+    gateway = Gateway([Upstream("fake", fake_backend().url)], SchedulerConfig(tick_interval_s=0.2))
+    await gateway.start()
+    try:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=build_app(gateway)), base_url="http://gw"
+        ) as client:
+            deadline = time.monotonic() + 30
+            while True:
+                samples = parse_samples((await client.get("/metrics")).text)
+                count = next(s.value for s in samples if s.name == f"{LOOP_LAG_SECONDS}_count")
+                if count >= 3 or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.2)
+    finally:
+        await gateway.stop()
+    assert count >= 3 and histogram_quantile(samples, LOOP_LAG_SECONDS, 0.99) is not None

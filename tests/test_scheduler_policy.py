@@ -214,13 +214,13 @@ def place_on(sched: Scheduler, backend_id: str, program_id: str, size: int) -> N
 @pytest.mark.parametrize(
     ("loads", "waiting", "placement"),
     [
-        # headroom a=800 b=600: big takes a (800 -> 300), then small takes b
-        ({"a": 100, "b": 300}, {"big": 500, "small": 200}, {"big": "a", "small": "b"}),
-        # headroom a=400 b=900: big takes b (900 -> 300), then small takes a
-        ({"a": 500, "b": 0}, {"big": 600, "small": 350}, {"big": "b", "small": "a"}),
+        # headroom a=800 b=600: big takes a (800 -> 300), then small takes b; huge (800) still waits
+        ({"a": 100, "b": 300}, {"big": 500, "small": 200, "huge": 800}, {"big": "a", "small": "b"}),
+        # headroom a=400 b=900: big takes b (900 -> 300), then small takes a; huge still waits
+        ({"a": 500, "b": 0}, {"big": 600, "small": 350, "huge": 800}, {"big": "b", "small": "a"}),
     ],
 )
-def test_resume_places_largest_first_on_most_headroom(loads, waiting, placement) -> None:
+def test_while_others_wait_resume_places_largest_first_on_most_headroom(loads, waiting, placement) -> None:
     sched, _, _ = make({"a": 1000, "b": 1000})
     for backend_id, size in loads.items():
         place_on(sched, backend_id, f"load_{backend_id}", size)
@@ -231,7 +231,8 @@ def test_resume_places_largest_first_on_most_headroom(loads, waiting, placement)
     for backend in sched.backends.values():
         backend.schedulable = True  # both at once, so the tick places them all
     sched.tick()
-    assert {pid: sched.programs[pid].backend for pid in waiting} == placement
+    assert {pid: sched.programs[pid].backend for pid in placement} == placement
+    assert sched.programs["huge"].status is Status.PAUSED
 
 
 def test_paused_program_resumes_on_another_backend_when_its_own_is_full() -> None:

@@ -11,6 +11,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from thunderctl.gateway.auth import API_KEY_ENV, GatewayAuth, exposure_problem
+from thunderctl.gateway.server import AGENT_BACKLOG
 from thunderctl.jsonapi import DEFAULT_MAX_BODY_BYTES
 from thunderctl.sandbox.config import SandboxConfig
 from thunderctl.scheduler import SchedulerConfig
@@ -63,6 +64,10 @@ class EngineSpec(Strict):
     kv_offload_gib: float | None = Field(
         None, gt=0, description="a host KV tier per worker: --kv-offloading-backend native --kv-offloading-size"
     )
+    kv_bytes_per_token: int | None = Field(
+        None, gt=0, description="KV bytes a token takes over a worker's GPUs, to count the host tier in tokens "
+        "(default: from the model's config.json, where model.path is a local directory)",
+    )  # fmt: skip
     restart: RestartPolicy = RestartPolicy()
 
     @model_validator(mode="after")
@@ -139,6 +144,12 @@ class GatewaySpec(Strict):
     metrics_public: bool = Field(False, description="/metrics answers without the key (for a Prometheus scraper)")
     allow_unauthenticated: bool = Field(False, description="serve beyond loopback without a key")
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1024, description="larger request bodies get a 413")
+    backlog: int = Field(
+        AGENT_BACKLOG,
+        ge=64,
+        description="connections queued for the gateway to accept (capped at net.core.somaxconn): "
+        "more than the agents that may connect at once",
+    )
 
     def auth(self, environ: Mapping[str, str] = os.environ) -> GatewayAuth:
         """The key clients must send: the profile's, else the environment's."""

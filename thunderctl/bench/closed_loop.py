@@ -27,8 +27,16 @@ from typing import Any, Protocol, TypeVar
 import httpx
 
 from thunderctl.bench.planning import ProgramPlan, StepPlan, plan_program, system_prompt, word_text
-from thunderctl.bench.requests import Reply, chat, resend_unanswered, stream_chat
-from thunderctl.bench.results import CacheDelta, CounterSample, LoadResult, StepRecord, steady_steps
+from thunderctl.bench.requests import Reply, chat, error_text, resend_unanswered, stream_chat
+from thunderctl.bench.results import (
+    CacheDelta,
+    CounterSample,
+    LoadResult,
+    ReleaseFailure,
+    Resend,
+    StepRecord,
+    steady_steps,
+)
 from thunderctl.bench.sandboxes import SandboxTools
 from thunderctl.bench.shapes import AgentShape, Workload
 from thunderctl.engines.vllm import EngineMetrics, fetch_metrics
@@ -69,6 +77,12 @@ class LoadSpec:
     # client retries connection errors (the OpenAI SDK twice by default). One cut after its answer
     # began is never sent again: it fails. 0: every error fails at once.
     retry_unanswered_s: float = 0.0
+    # A release is idempotent: one that failed in transport (refused, timed out, cut) is sent again
+    # for up to this long before it counts as failed (the gateway would hold the program).
+    release_retry_s: float = 60.0
+    # How long the client keeps an idle connection for the next request (httpx's default: 5 s). A
+    # server must keep it longer, or a request sent as the server closes it fails.
+    keepalive_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -77,6 +91,8 @@ class LoadSpec:
             raise ValueError("LoadSpec needs programs, duration_s or both")
         if self.time_scale < 0:
             raise ValueError("time_scale must not be negative")
+        if self.keepalive_s <= 0:
+            raise ValueError("keepalive_s must be positive (seconds an idle connection is kept)")
 
 
 class Routing(StrEnum):
@@ -168,8 +184,9 @@ class ClosedLoop:
         self.programs_completed = 0
         self.steps_cancelled = 0
         self.steps_cut = 0
-        self.release_failures = 0
+        self.release_failures: list[ReleaseFailure] = []
         self.unanswered_retries = 0
+        self.resends: list[Resend] = []
         self.open_programs: set[str] = set()
         self._t0 = 0.0
         self._next_index = 0
@@ -281,7 +298,7 @@ class ClosedLoop:
                 lambda: (stream_chat if self.spec.stream else chat)(self.client, url, body, self.target.headers)
             )
         except httpx.HTTPError as exc:
-            reply = Reply(status=0, error=f"{type(exc).__name__}: {exc}")
+            reply = Reply(status=0, error=error_text(exc))
         except asyncio.CancelledError:
             self.steps_cancelled += 1
             raise
@@ -303,21 +320,26 @@ class ClosedLoop:
     async def retrying_unanswered(self, send: Callable[[], Awaitable[T]]) -> T:
         return await resend_unanswered(send, self.spec.retry_unanswered_s, self.count_retry)
 
-    def count_retry(self) -> None:
+    def count_retry(self, exc: Exception) -> None:
         self.unanswered_retries += 1
+        self.resends.append(Resend(self.now(), error_text(exc)))
 
     async def release(self, program_id: str) -> None:
         if not self.target.program_ids or program_id not in self.open_programs:
             return
-        self.open_programs.discard(program_id)
-        try:
-            url = f"{self.target.urls[0].rstrip('/')}/programs/release"
-            response = await self.retrying_unanswered(
-                lambda: self.client.post(url, json={"program_id": program_id}, headers=self.target.headers)
-            )
+        url = f"{self.target.urls[0].rstrip('/')}/programs/release"
+
+        async def send() -> None:
+            response = await self.client.post(url, json={"program_id": program_id}, headers=self.target.headers)
             response.raise_for_status()
-        except httpx.HTTPError:
-            self.release_failures += 1
+
+        try:
+            await resend_unanswered(send, self.spec.release_retry_s, self.count_retry, retry_on=(httpx.TransportError,))
+        except httpx.HTTPError as exc:
+            self.release_failures.append(ReleaseFailure(program_id, self.now(), error_text(exc)))
+        # Open until answered or given up: a release cut off by the deadline is sent again at the end
+        # (the soak found programs left that had ended just before it, their release cancelled).
+        self.open_programs.discard(program_id)
 
 
 def window_end(spec: LoadSpec, records: Sequence[StepRecord], wall_s: float) -> float:
@@ -364,7 +386,11 @@ async def run_load(
     `tools`: run tool steps in the cluster's sandboxes instead of sleeping them.
     """
     salt = spec.salt or secrets.token_hex(4)
-    limits = httpx.Limits(max_connections=spec.concurrency + 8, max_keepalive_connections=spec.concurrency + 8)
+    limits = httpx.Limits(
+        max_connections=spec.concurrency + 8,
+        max_keepalive_connections=spec.concurrency + 8,
+        keepalive_expiry=spec.keepalive_s,
+    )
     timeout = httpx.Timeout(spec.request_timeout_s, connect=10.0)
     samples: list[CounterSample] = []
     # trust_env=False: a proxy from the environment must never see loopback benchmark traffic.
@@ -415,12 +441,14 @@ async def run_load(
         programs_started=loop.programs_started,
         programs_completed=loop.programs_completed,
         engines=engines,
-        release_failures=loop.release_failures,
+        release_failures=len(loop.release_failures),
+        release_errors=loop.release_failures,
         records=loop.records,
         steady_ttfts_s=[r.ttft_s for r in steady if r.ttft_s is not None],
         samples=samples,
         steps_cut=loop.steps_cut,
         unanswered_retries=loop.unanswered_retries,
+        resends=loop.resends,
         tool_records=tool_records,
         sandbox_samples=sandbox_samples,
         sandbox_create_failures=create_failures,

@@ -5,18 +5,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import httpx
 
 T = TypeVar("T")
-# A request that got no byte of its answer is sent again this often (while `retry_unanswered_s` lasts).
+# A request that got no byte of its answer is sent again after this wait, doubled after each try up to
+# the cap (while `retry_unanswered_s` lasts), each wait drawn from its upper half: thousands of agents
+# that lost their connections at once do not all come back at once (the OpenAI SDK backs off alike).
 UNANSWERED_RETRY_INTERVAL_S = 0.25
-# How a request can end with no byte of its answer: refused, or its connection closed before the answer.
-UNANSWERED_ERRORS = (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+UNANSWERED_RETRY_MAX_S = 2.0
+# How a request can end with no byte of its answer: refused, not connected in time, no pooled connection
+# free in time, or its connection closed before the answer (the OpenAI SDK retries all of these).
+UNANSWERED_ERRORS: tuple[type[httpx.TransportError], ...] = (
+    httpx.ConnectError,
+    httpx.ConnectTimeout,
+    httpx.PoolTimeout,
+    httpx.ReadError,
+    httpx.WriteError,
+    httpx.RemoteProtocolError,
+)
 
 
 class AnswerCut(httpx.TransportError):
@@ -36,19 +48,31 @@ class Reply:
     error: str | None = None
 
 
-async def resend_unanswered(send: Callable[[], Awaitable[T]], for_s: float, on_resend: Callable[[], None]) -> T:
-    """`send()`, sent again every UNANSWERED_RETRY_INTERVAL_S for up to `for_s` while it gets no byte of its answer."""
-    give_up_at = time.monotonic() + for_s
+async def resend_unanswered(
+    send: Callable[[], Awaitable[T]],
+    for_s: float,
+    on_resend: Callable[[Exception], None],
+    retry_on: tuple[type[Exception], ...] = UNANSWERED_ERRORS,
+) -> T:
+    """`send()`, sent again (backing off) for up to `for_s` after its first error while it fails with one of
+    `retry_on` (by default: got no byte of its answer); `on_resend` is told each error that was retried.
+    The time counts from the first error, not the first send: on a loop running late one attempt alone
+    can take longer than `for_s`, and it is then sent again all the same."""
+    give_up_at: float | None = None
+    backoff = UNANSWERED_RETRY_INTERVAL_S
     while True:
         try:
             return await send()
         except AnswerCut:
             raise
-        except UNANSWERED_ERRORS:
-            if time.monotonic() + UNANSWERED_RETRY_INTERVAL_S > give_up_at:
+        except retry_on as exc:
+            give_up_at = give_up_at or time.monotonic() + for_s
+            wait = random.uniform(backoff / 2, backoff)
+            if time.monotonic() + wait > give_up_at:
                 raise
-            on_resend()
-            await asyncio.sleep(UNANSWERED_RETRY_INTERVAL_S)
+            on_resend(exc)
+            await asyncio.sleep(wait)
+            backoff = min(2 * backoff, UNANSWERED_RETRY_MAX_S)
 
 
 async def chat(client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str]) -> Reply:
@@ -77,15 +101,28 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any],
             if response.status_code != 200:
                 reply.error = (await response.aread()).decode(errors="replace")[:300]
                 return reply
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
+            async for line in sse_lines(response):
+                if not line.startswith(b"data:"):
                     continue
-                data = line[len("data:") :].strip()
-                if data == "[DONE]":
+                data = line[len(b"data:") :].strip()
+                if data == b"[DONE]":
                     break
                 read_stream_chunk(json.loads(data), reply, parts, time.monotonic() - start)
     reply.text = "".join(parts)
     return reply
+
+
+async def sse_lines(response: httpx.Response) -> AsyncIterator[bytes]:
+    """An event stream's lines. Not httpx's `aiter_lines`: it also splits at U+2028, U+0085 and
+    the like, which JSON leaves unescaped inside strings, so a chunk whose text holds one would be
+    cut in two (a random token of the tiny model did that)."""
+    pending = b""
+    async for data in response.aiter_bytes():
+        *lines, pending = (pending + data).split(b"\n")
+        for line in lines:
+            yield line.removesuffix(b"\r")
+    if pending:
+        yield pending
 
 
 @contextlib.contextmanager
@@ -96,7 +133,12 @@ def answer_begun() -> Iterator[None]:
     except AnswerCut:
         raise
     except httpx.TransportError as exc:
-        raise AnswerCut(f"{type(exc).__name__}: {exc}") from exc
+        raise AnswerCut(error_text(exc)) from exc
+
+
+def error_text(exc: BaseException) -> str:
+    """How a failed request or release is reported: the exception's type, then its message."""
+    return f"{type(exc).__name__}: {exc}"
 
 
 def read_stream_chunk(chunk: dict[str, Any], reply: Reply, parts: list[str], elapsed_s: float) -> None:

@@ -37,6 +37,23 @@ class StepRecord:
         return self.start_s + self.latency_s
 
 
+@dataclass(frozen=True)
+class ReleaseFailure:
+    """A program's release that failed even when sent again: the gateway may still hold the program."""
+
+    program_id: str
+    t_s: float  # since the start of the run
+    error: str
+
+
+@dataclass(frozen=True)
+class Resend:
+    """A request or release sent again after an error that left it unanswered."""
+
+    t_s: float  # since the start of the run
+    error: str
+
+
 def percentile(values: Sequence[float], q: float) -> float | None:
     """The q-th percentile (0-100), interpolating linearly between order statistics."""
     if not values:
@@ -144,7 +161,9 @@ class LoadResult:
     steady_ttfts_s: list[float] = listed(Pooling.CONCATENATED)  # streaming only
     samples: list[CounterSample] = listed(Pooling.SHIFTED, clock="t_s")
     steps_cut: int = pooled(Pooling.SUMMED, default=0)  # steps of started programs left out to fit the context limit
-    unanswered_retries: int = pooled(Pooling.SUMMED, default=0)  # requests sent again (LoadSpec.retry_unanswered_s)
+    unanswered_retries: int = pooled(Pooling.SUMMED, default=0)  # requests and releases sent again (LoadSpec)
+    resends: list[Resend] = listed(Pooling.SHIFTED, clock="t_s")  # when and why each was sent again
+    release_errors: list[ReleaseFailure] = listed(Pooling.SHIFTED, clock="t_s")
     # With tool steps in sandboxes (`bench swe-lite --sandboxes`):
     tool_records: list[ToolRecord] = listed(Pooling.SHIFTED, clock="start_s")
     sandbox_samples: list[SandboxSample] = listed(Pooling.SHIFTED, clock="t_s")

@@ -10,9 +10,12 @@ the end, and the p99 of the scheduler's tick and of the admission wait (the gate
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import time
@@ -27,10 +30,17 @@ import psutil
 import yaml
 
 from thunderctl.bench.closed_loop import LoadSpec, Target, run_load
-from thunderctl.bench.results import LoadResult
+from thunderctl.bench.results import LoadResult, percentile
 from thunderctl.bench.shapes import AgentShape, Uniform
 from thunderctl.daemon.status import ClusterStatus
-from thunderctl.gateway.timings import ADMISSION_WAIT_SECONDS, TICK_SECONDS, histogram_quantile
+from thunderctl.gateway.gateway import AGENT_KEEPALIVE_S
+from thunderctl.gateway.timings import (
+    ADMISSION_WAIT_SECONDS,
+    LOOP_LAG_SECONDS,
+    TICK_SECONDS,
+    histogram_quantile,
+    watch_loop_lag,
+)
 from thunderctl.processes import pick_free_port, pick_free_ports, pid_alive
 from thunderctl.prometheus import parse_samples
 
@@ -72,6 +82,47 @@ class SoakSpec:
     stream: bool = False
     seed: int = 0
     shape: AgentShape = SOAK_SHAPE
+    # An agent's client sends again a request that got no byte of its answer (LoadSpec.retry_unanswered_s);
+    # each resend is reported by its error. 0: the first such error fails the request.
+    retry_unanswered_s: float = 60.0
+    # Agents' idle connections are kept through their tool calls (5-25 s), as the gateway keeps them
+    # (AGENT_KEEPALIVE_S) and for less than it does, so that the client closes one first. With httpx's
+    # 5 s nearly every step connected anew, and 2,048 programs' connects are what a starved load
+    # generator's event loop timed out on.
+    client_keepalive_s: float = AGENT_KEEPALIVE_S / 2
+
+
+@dataclass(frozen=True)
+class ErrorGroup:
+    """Requests (or resends) that met one error: how many, and when the first and the last started
+    (seconds into the run)."""
+
+    error: str
+    count: int
+    first_s: float
+    last_s: float
+
+
+def error_groups(events: list[tuple[str, float]]) -> list[ErrorGroup]:
+    """`(error, start_s)` pairs grouped by the error's first 160 characters, the most frequent first."""
+    by_error: dict[str, list[float]] = collections.defaultdict(list)
+    for error, start_s in events:
+        by_error[error[:160]].append(start_s)
+    groups = [ErrorGroup(error, len(starts), min(starts), max(starts)) for error, starts in by_error.items()]
+    return sorted(groups, key=lambda group: -group.count)
+
+
+def listen_overflows() -> int | None:
+    """This host's count of connections dropped because a listen queue was full (Linux), else None."""
+    try:
+        lines = Path("/proc/net/netstat").read_text().splitlines()
+    except OSError:
+        return None
+    for names, values in zip(lines[::2], lines[1::2]):
+        if names.startswith("TcpExt:"):
+            counters = dict(zip(names.split()[1:], values.split()[1:]))
+            return int(counters["ListenOverflows"]) if "ListenOverflows" in counters else None
+    return None
 
 
 @dataclass
@@ -81,11 +132,14 @@ class SoakResult:
     steps_ok: int
     steps_failed: int
     steps_cancelled: int  # in flight at the deadline: cut off, not failed
-    errors: list[str]
+    failures: list[ErrorGroup]
+    resends: list[ErrorGroup]  # requests and releases sent again (no byte of an answer came), by error
     programs_started: int
     programs_completed: int
     release_failures: int
+    release_errors: dict[str, int]
     programs_left: int  # in the gateway after every program was released
+    left_why: dict[str, int]  # the programs left, by what the load saw of them and their state in the gateway
     steps_per_min: float
     hit_rate: float | None
     preemptions: int
@@ -100,13 +154,19 @@ class SoakResult:
     admission_wait_p99_s: float | None
     admission_wait_p50_s: float | None
     admissions: int
+    daemon_loop_lag_p99_s: float | None
+    daemon_loop_lag_p999_s: float | None
+    load_loop_lag_p99_s: float | None  # the load generators' own event loops: late, their timeouts fire late
+    load_loop_lag_max_s: float | None
+    listen_overflows: int | None  # connections this host dropped from a full listen queue during the load
     left_running: list[int] = field(default_factory=list)  # pids started by `up` still alive (not zombies) after `down`
 
     def problems(self) -> list[str]:
         """What went wrong, against the wants: no failed request, no program left, nothing left running."""
         found = []
         if self.steps_failed:
-            found.append(f"{self.steps_failed} failed requests: {'; '.join(self.errors[:3])}")
+            reasons = "; ".join(f"{g.count} {g.error}" for g in self.failures[:3])
+            found.append(f"{self.steps_failed} failed requests: {reasons}")
         if self.programs_left:
             found.append(f"{self.programs_left} programs left in the gateway after all were released")
         if self.release_failures:
@@ -161,18 +221,24 @@ class Cluster:
         return ClusterStatus.model_validate_json(self.cli("status", "--json", "--cluster", self.name))
 
 
-def run_shards(gateway_url: str, loads: list[LoadSpec], workers: list[str]) -> list[LoadResult]:
-    """One load-generator process: its shards at once, each its own closed loop and client."""
+def run_shards(gateway_url: str, loads: list[LoadSpec], workers: list[str]) -> tuple[list[LoadResult], list[float]]:
+    """One load-generator process: its shards at once, each its own closed loop and client; and how
+    late its event loop ran meanwhile."""
+    lags: list[float] = []
 
     async def run_all() -> list[LoadResult]:
-        return list(await asyncio.gather(*(run_load(Target.gateway(gateway_url), load, workers) for load in loads)))
+        watch = asyncio.create_task(watch_loop_lag(lags.append))
+        try:
+            return list(await asyncio.gather(*(run_load(Target.gateway(gateway_url), ld, workers) for ld in loads)))
+        finally:
+            watch.cancel()
 
-    return asyncio.run(run_all())
+    return asyncio.run(run_all()), lags
 
 
 def load_with_rss(
     spec: SoakSpec, cluster: Cluster, workers: list[str], daemon: psutil.Process, peak: list[float]
-) -> list[LoadResult]:
+) -> tuple[list[LoadResult], list[float]]:
     """The programs in shards of PROGRAMS_PER_CLIENT over processes of PROGRAMS_PER_PROCESS, all at once;
     the daemon's RSS sampled meanwhile."""
     sizes = [min(PROGRAMS_PER_CLIENT, spec.programs - start) for start in range(0, spec.programs, PROGRAMS_PER_CLIENT)]
@@ -186,6 +252,8 @@ def load_with_rss(
             stream=spec.stream,
             time_scale=spec.tool_time_scale,
             request_timeout_s=1800.0,
+            retry_unanswered_s=spec.retry_unanswered_s,
+            keepalive_s=spec.client_keepalive_s,
             sample_interval_s=spec.duration_s,
         )
         for shard, size in enumerate(sizes)
@@ -196,7 +264,8 @@ def load_with_rss(
         running = [pool.submit(run_shards, cluster.gateway, group, workers) for group in groups]
         while wait(running, timeout=RSS_SAMPLE_S).not_done:
             peak[0] = max(peak[0], daemon.memory_info().rss / MIB)
-        return [result for future in running for result in future.result()]
+        outcomes = [future.result() for future in running]
+    return [result for results, _ in outcomes for result in results], [lag for _, lags in outcomes for lag in lags]
 
 
 def settled_programs(cluster: Cluster) -> list[dict[str, Any]]:
@@ -216,9 +285,29 @@ def gateway_figures(cluster: Cluster) -> dict[str, float | None]:
         "admission_wait_p99_s": histogram_quantile(samples, ADMISSION_WAIT_SECONDS, 0.99),
         "admission_wait_p50_s": histogram_quantile(samples, ADMISSION_WAIT_SECONDS, 0.5),
         "admissions": totals.get(f"{ADMISSION_WAIT_SECONDS}_count", 0),
+        "loop_lag_p99_s": histogram_quantile(samples, LOOP_LAG_SECONDS, 0.99),
+        "loop_lag_p999_s": histogram_quantile(samples, LOOP_LAG_SECONDS, 0.999),
         "pauses": totals.get("thunderctl_pauses_total", 0),
         "resumes": totals.get("thunderctl_resumes_total", 0),
     }
+
+
+def why_left(left: list[dict[str, Any]], results: list[LoadResult]) -> dict[str, int]:
+    """The programs left in the gateway, counted by what the load saw of each (its release failed, a
+    request of it failed, neither) and the state the gateway holds it in."""
+    release_failed = {f.program_id for r in results for f in r.release_errors}
+    request_failed = {rec.program_id for r in results for rec in r.records if not rec.ok}
+
+    def seen(program_id: str) -> str:
+        if program_id in release_failed:
+            return "release failed"
+        return "a request failed" if program_id in request_failed else "released"
+
+    return dict(
+        collections.Counter(
+            f"{seen(p['program_id'])}; {p['status']} {p['phase']} after {p['steps']} steps" for p in left
+        ).most_common()
+    )
 
 
 def run_soak(spec: SoakSpec, workdir: Path) -> SoakResult:
@@ -232,12 +321,18 @@ def run_soak(spec: SoakSpec, workdir: Path) -> SoakResult:
         rss_start = daemon.memory_info().rss / MIB
         peak = [rss_start]
         workers = [w["url"] for w in started["workers"]]
-        results = load_with_rss(spec, cluster, workers, daemon, peak)
+        overflows_before = listen_overflows()
+        results, load_lags = load_with_rss(spec, cluster, workers, daemon, peak)
+        overflows_after = listen_overflows()
         left = settled_programs(cluster)
         figures = gateway_figures(cluster)
         rss_end = daemon.memory_info().rss / MIB
         cpu = daemon.cpu_times()
     finally:
+        # `down` removes the state directory; the daemon's log stays in `workdir` for a look afterwards.
+        # A log that cannot be copied must not keep the cluster up.
+        with contextlib.suppress(OSError):
+            shutil.copyfile(cluster.state_path.with_name("daemon.log"), workdir / "daemon.log")
         cluster.cli("down", "--cluster", cluster.name)
     wall_s = max(r.wall_s for r in results)
     steps_ok = sum(r.steps_ok for r in results)
@@ -249,11 +344,16 @@ def run_soak(spec: SoakSpec, workdir: Path) -> SoakResult:
         steps_ok=steps_ok,
         steps_failed=sum(r.steps_failed for r in results),
         steps_cancelled=sum(r.steps_cancelled for r in results),
-        errors=sorted({r.error or f"HTTP {r.status}" for result in results for r in result.records if not r.ok}),
+        failures=error_groups(
+            [(r.error or f"HTTP {r.status}", r.start_s) for result in results for r in result.records if not r.ok]
+        ),
+        resends=error_groups([(e.error, e.t_s) for result in results for e in result.resends]),
         programs_started=sum(r.programs_started for r in results),
         programs_completed=sum(r.programs_completed for r in results),
         release_failures=sum(r.release_failures for r in results),
+        release_errors=dict(collections.Counter(f.error[:160] for r in results for f in r.release_errors)),
         programs_left=len(left),
+        left_why=why_left(left, results),
         steps_per_min=steps_ok / wall_s * 60 if wall_s else 0.0,
         hit_rate=engines.hit_rate,
         preemptions=engines.preemptions,
@@ -268,5 +368,10 @@ def run_soak(spec: SoakSpec, workdir: Path) -> SoakResult:
         admission_wait_p99_s=figures["admission_wait_p99_s"],
         admission_wait_p50_s=figures["admission_wait_p50_s"],
         admissions=int(figures["admissions"] or 0),
+        daemon_loop_lag_p99_s=figures["loop_lag_p99_s"],
+        daemon_loop_lag_p999_s=figures["loop_lag_p999_s"],
+        load_loop_lag_p99_s=percentile(load_lags, 99),
+        load_loop_lag_max_s=max(load_lags, default=None),
+        listen_overflows=None if None in (overflows_before, overflows_after) else overflows_after - overflows_before,
         left_running=[pid for pid in pids if pid_alive(pid)],
     )

@@ -13,6 +13,7 @@ import uvicorn
 from starlette.types import Receive, Scope, Send
 
 from thunderctl import aio
+from thunderctl.cluster.host_kv import counted_host_kv_tokens
 from thunderctl.cluster.lifecycle import revive_worker
 from thunderctl.cluster.plan import plan_workers
 from thunderctl.cluster.state import ClusterState, WorkerRecord
@@ -22,7 +23,7 @@ from thunderctl.daemon.control import build_control_app
 from thunderctl.daemon.supervisor import RestartPlanner
 from thunderctl.gateway import Gateway, Upstream, build_app
 from thunderctl.gateway.answers import resume_priority
-from thunderctl.gateway.gateway import AGENT_KEEPALIVE_S
+from thunderctl.gateway.server import server_config
 from thunderctl.jsonapi import BodyLimits
 from thunderctl.processes import process_alive
 from thunderctl.profile import ProfileError, load_profile
@@ -58,7 +59,10 @@ class Daemon:
     def __init__(self, state: ClusterState) -> None:
         self.state = state
         self.profile = load_profile(Path(state.profile_path))
-        upstreams = [Upstream(w.id, w.url, stopped=w.stopped) for w in state.workers]
+        upstreams = [
+            Upstream(w.id, w.url, stopped=w.stopped, host_kv_tokens=counted_host_kv_tokens(self.profile, w.node))
+            for w in state.workers
+        ]
         self.worker_key = read_worker_key(state.dir)
         self.gateway = Gateway(
             upstreams, self.profile.scheduler, worker_key=self.worker_key,
@@ -189,10 +193,7 @@ class Daemon:
         self._spawn(self._supervise_workers())
         gateway = self.profile.gateway
         sockets = [bind_tcp(gateway.host, gateway.port), bind_control_socket(self.state.socket_path)]
-        config = uvicorn.Config(
-            self.app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=AGENT_KEEPALIVE_S
-        )
-        self.server = uvicorn.Server(config)
+        self.server = uvicorn.Server(server_config(self.app, backlog=gateway.backlog))
         try:
             await self.server.serve(sockets=sockets)
         finally:

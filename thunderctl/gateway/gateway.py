@@ -28,7 +28,7 @@ from thunderctl.gateway.recorder import TraceRecorder
 from thunderctl.gateway.requests import PromptShape, TokenEstimator
 from thunderctl.gateway.sse import StreamRelay
 from thunderctl.gateway.stalls import StallWatch, UnansweredRequests, WorkerStalled
-from thunderctl.gateway.timings import GatewayTimings
+from thunderctl.gateway.timings import GatewayTimings, watch_loop_lag
 from thunderctl.gateway.transport import AiohttpTransport
 from thunderctl.jsonapi import bearer_headers
 from thunderctl.scheduler import EventKind, ProgramEvent, Scheduler, SchedulerConfig
@@ -88,6 +88,7 @@ class Upstream:
     failures: int = 0  # consecutive failed polls
     stalled: bool = False
     last_progress_s: float = 0.0  # when a request last ended, or started on an idle worker
+    host_kv_tokens: int = 0  # its host KV tier (vLLM's CPU offloading), from the profile
 
     @property
     def capacity(self) -> int | None:
@@ -174,10 +175,11 @@ class Gateway:
                     f"backend {upstream.id} ({upstream.url}) reports no vllm:cache_config_info: "
                     "its programs are served unscheduled (never paused)"
                 )
-            self.scheduler.add_backend(upstream.id, upstream.capacity)
+            self.scheduler.add_backend(upstream.id, upstream.capacity, upstream.host_kv_tokens)
         self._tasks = [
             asyncio.create_task(self._tick_loop(), name="scheduler-tick"),
             asyncio.create_task(self._metrics_loop(), name="metrics-poll"),
+            asyncio.create_task(watch_loop_lag(self.timings.loop_lag.observe), name="loop-lag"),
         ]
         return warnings
 
@@ -224,7 +226,7 @@ class Gateway:
                 continue
             upstream.failures = 0
             upstream.metrics = result
-            self.scheduler.add_backend(upstream.id, upstream.capacity)
+            self.scheduler.add_backend(upstream.id, upstream.capacity, upstream.host_kv_tokens)
             if not upstream.healthy:
                 log.warning("worker %s answers again", upstream.id)
                 upstream.healthy = True

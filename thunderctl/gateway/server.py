@@ -3,13 +3,34 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import uvicorn
+from starlette.types import ASGIApp
 
 from thunderctl.gateway.app import build_app
 from thunderctl.gateway.auth import GatewayAuth
 from thunderctl.gateway.gateway import AGENT_KEEPALIVE_S, Gateway, Upstream
 from thunderctl.jsonapi import BodyLimits
+
+# Connections the kernel queues for the gateway to accept: uvicorn's default (2,048) is no more
+# than a cluster's agents, who all reconnect at once after a restart of the daemon (the kernel
+# caps it at net.core.somaxconn, 4,096 on current Linux).
+AGENT_BACKLOG = 4096
+
+
+def server_config(app: ASGIApp, backlog: int = AGENT_BACKLOG, **bind: Any) -> uvicorn.Config:
+    """uvicorn's settings for a gateway: agents' idle connections kept longer than their clients
+    keep them (AGENT_KEEPALIVE_S), a listen queue of `backlog`, no access log; `bind`: host, port."""
+    return uvicorn.Config(
+        app,
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        timeout_keep_alive=AGENT_KEEPALIVE_S,
+        backlog=backlog,
+        **bind,
+    )
 
 
 def parse_backend(spec: str, index: int) -> Upstream:
@@ -33,16 +54,7 @@ async def serve_gateway(
 ) -> None:
     """Check the backends, then serve until interrupted; the gateway's loops stop with it."""
     warnings = await gateway.start()
-    config = uvicorn.Config(
-        build_app(gateway, auth=auth, limits=limits),
-        host=host,
-        port=port,
-        log_level="warning",
-        access_log=False,
-        lifespan="off",
-        timeout_keep_alive=AGENT_KEEPALIVE_S,
-    )
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(server_config(build_app(gateway, auth=auth, limits=limits), host=host, port=port))
     try:
         on_ready(warnings)
         await server.serve()

@@ -1,16 +1,22 @@
 """How long the gateway's own work takes, as Prometheus histograms on its `/metrics`: each scheduler
-tick, and each scheduled request's wait for admission (from its arrival to its backend being
-chosen: the scheduler's decision, plus the wait of a paused program for its resume)."""
+tick, each scheduled request's wait for admission (from its arrival to its backend being
+chosen: the scheduler's decision, plus the wait of a paused program for its resume), and how
+late its event loop runs (the time it was blocked, in which it accepted and answered nothing)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import asyncio
+import time
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.samples import Sample
 
 TICK_SECONDS = "thunderctl_scheduler_tick_seconds"
 ADMISSION_WAIT_SECONDS = "thunderctl_admission_wait_seconds"
+LOOP_LAG_SECONDS = "thunderctl_event_loop_lag_seconds"
+# How often the loop's lateness is measured: a stall shorter than this may go unseen.
+LOOP_LAG_PROBE_S = 0.1
 
 
 def log_buckets(low: float, high: float, per_decade: int = 10) -> list[float]:
@@ -41,8 +47,23 @@ class GatewayTimings:
             registry=self.registry,
         )
 
+        self.loop_lag = Histogram(
+            LOOP_LAG_SECONDS,
+            f"How late the event loop ran a timer due every {LOOP_LAG_PROBE_S:g} s (time it was blocked).",
+            buckets=log_buckets(1e-4, 100),
+            registry=self.registry,
+        )
+
     def render(self) -> str:
         return generate_latest(self.registry).decode()
+
+
+async def watch_loop_lag(observe: Callable[[float], None], interval_s: float = LOOP_LAG_PROBE_S) -> None:
+    """Until cancelled: how late each timer due every `interval_s` ran, told to `observe`."""
+    while True:
+        due = time.monotonic() + interval_s
+        await asyncio.sleep(interval_s)
+        observe(max(0.0, time.monotonic() - due))
 
 
 def histogram_quantile(samples: Iterable[Sample], name: str, q: float) -> float | None:

@@ -1,6 +1,6 @@
 """Program-aware scheduling: the pure policy and the state it keeps."""
 
-from thunderctl.scheduler.config import Decay, PauseOrder, SchedulerConfig
+from thunderctl.scheduler.config import Decay, PauseOrder, PlacementRule, SchedulerConfig
 from thunderctl.scheduler.events import EventKind, ProgramEvent
 from thunderctl.scheduler.policy import Scheduler
 from thunderctl.scheduler.program import Backend, Phase, Program, Status
@@ -9,6 +9,7 @@ __all__ = [
     "Backend",
     "Decay",
     "PauseOrder",
+    "PlacementRule",
     "EventKind",
     "Phase",
     "Program",

@@ -18,6 +18,11 @@ class PauseOrder(StrEnum):
     LONGEST_IN_TOOL = "longest-in-tool"  # the one whose KV the engine's LRU evicts first; ties shortest first
 
 
+class PlacementRule(StrEnum):
+    ROOMIEST = "roomiest"  # the reference: the backend with the most headroom that fits
+    AFFINITY = "affinity"  # where its KV is (last backend, else its hash home) while nobody else waits
+
+
 class SchedulerConfig(BaseModel):
     """Knobs of the policy; fractions are of a backend's KV capacity."""
 
@@ -53,6 +58,12 @@ class SchedulerConfig(BaseModel):
     prefill_tokens_per_s: float = Field(
         10_000.0, gt=0, description="re-prefill rate until the engines' own is measured (uncached tokens / TTFT)"
     )
+    host_transfer_tokens_per_s: float = Field(
+        500_000.0,
+        gt=0,
+        description="KV tokens per second a host tier loads back to the GPU (PCIe ≈ 63 GB/s per GPU "
+        "÷ KV bytes per token per GPU): what a paused program's return costs on a backend with one",
+    )
     tool_time_window: int = Field(256, ge=1, description="recent tool times kept per program, tool kind and cluster")
     tool_time_min_samples: int = Field(8, ge=1, description="tool times longer than the elapsed one to trust a key")
     resume_aging_tokens_per_s: float | None = Field(
@@ -64,6 +75,9 @@ class SchedulerConfig(BaseModel):
     new_program_delay_s: float = Field(60.0, ge=0, description="how far behind paused programs a new one queues")
     pause_order: PauseOrder = Field(
         PauseOrder.LONGEST_IN_TOOL, description="which ACTING programs an overfull backend pauses first"
+    )
+    placement: PlacementRule = Field(
+        PlacementRule.AFFINITY, description="which backend a program that fits on several is placed on"
     )
     wait_bound_s: float | None = Field(
         400.0,

@@ -1,4 +1,5 @@
-"""What a backend is charged: its programs' tokens, each shared prefix counted once."""
+"""What a backend is charged: its programs' tokens, each shared prefix counted once, and the
+part of it that decodes (must sit on the GPU when a host KV tier holds the rest)."""
 
 from __future__ import annotations
 
@@ -10,25 +11,34 @@ from thunderctl.scheduler.program import Phase, Program
 
 @dataclass
 class Load:
-    """Tokens charged on one backend, with each shared prefix counted once."""
+    """Tokens charged on one backend, with each shared prefix counted once; `decoding` is the
+    part of them its REASONING programs (and the shared prefixes) need on the GPU."""
 
     tokens: float = 0.0
     prefix_holders: Counter[str] = field(default_factory=Counter)
+    decoding: float = 0.0
 
     def need(self, program: Program, weight: float, buffer: int) -> float:
+        return sum(self._parts(program, weight, buffer))
+
+    def _parts(self, program: Program, weight: float, buffer: int) -> tuple[float, int]:
+        """Its own tokens (+ buffer), and its prefix's unless another program here holds it."""
         shared = program.prefix_key is not None and self.prefix_holders[program.prefix_key] > 0
-        prefix = 0 if shared else program.prefix_tokens
-        return weight * program.private_tokens + buffer + prefix
+        return weight * program.private_tokens + buffer, 0 if shared else program.prefix_tokens
 
     def add(self, program: Program, weight: float, buffer: int) -> None:
-        self.tokens += self.need(program, weight, buffer)
+        own, prefix = self._parts(program, weight, buffer)
+        self.tokens += own + prefix
+        self.decoding += prefix + (own if program.phase is Phase.REASONING else 0)
         if program.prefix_key is not None:
             self.prefix_holders[program.prefix_key] += 1
 
     def remove(self, program: Program, weight: float, buffer: int) -> None:
         if program.prefix_key is not None:
             self.prefix_holders[program.prefix_key] -= 1
-        self.tokens -= self.need(program, weight, buffer)
+        own, prefix = self._parts(program, weight, buffer)
+        self.tokens -= own + prefix
+        self.decoding -= prefix + (own if program.phase is Phase.REASONING else 0)
 
 
 @dataclass
@@ -38,6 +48,7 @@ class Ledger:
 
     private: int = 0  # Σ private tokens + buffer over its programs
     acting_private: int = 0  # Σ private tokens of its ACTING programs
+    decoding: int = 0  # Σ private tokens + buffer of its REASONING programs
     holders: Counter[str] = field(default_factory=Counter)
     prefix_tokens: dict[str, int] = field(default_factory=dict)
 
@@ -45,6 +56,8 @@ class Ledger:
         self.private += program.private_tokens + buffer
         if program.phase is Phase.ACTING:
             self.acting_private += program.private_tokens
+        else:
+            self.decoding += program.private_tokens + buffer
         if program.prefix_key is not None:
             self.prefix_tokens.setdefault(program.prefix_key, program.prefix_tokens)
             self.holders[program.prefix_key] += 1
@@ -53,6 +66,8 @@ class Ledger:
         self.private -= program.private_tokens + buffer
         if program.phase is Phase.ACTING:
             self.acting_private -= program.private_tokens
+        else:
+            self.decoding -= program.private_tokens + buffer
         key = program.prefix_key
         if key is not None:
             self.holders[key] -= 1
@@ -61,4 +76,5 @@ class Ledger:
 
     def load(self, acting_weight: float) -> Load:
         tokens = self.private - (1.0 - acting_weight) * self.acting_private
-        return Load(tokens + sum(self.prefix_tokens.values()), Counter(self.holders))
+        prefixes = sum(self.prefix_tokens.values())
+        return Load(tokens + prefixes, Counter(self.holders), self.decoding + prefixes)

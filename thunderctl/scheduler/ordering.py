@@ -61,6 +61,9 @@ class WaitingQueue:
     def __bool__(self) -> bool:
         return bool(self._entries)
 
+    def __len__(self) -> int:
+        return len(self._entries)
+
     def __iter__(self) -> Iterator[str]:
         return (program_id for _, program_id in self._entries)
 

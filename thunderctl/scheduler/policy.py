@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 from thunderctl.scheduler.admission import AdmissionTuner
+from thunderctl.scheduler.capacity import decode_fits, gpu_binds, gpu_room, headroom
 from thunderctl.scheduler.config import Decay, SchedulerConfig
 from thunderctl.scheduler.events import Counters, EventKind, Listener, ProgramEvent
 from thunderctl.scheduler.ledger import Ledger, Load
 from thunderctl.scheduler.ordering import WaitingQueue, acting_decay, pause_key
+from thunderctl.scheduler.placement import choose
 from thunderctl.scheduler.program import Backend, Phase, Program, Status
 from thunderctl.scheduler.retention import PrefillRate, RetentionLaw, ToolTimes
 
@@ -39,6 +40,7 @@ class Scheduler:
         self.retention = RetentionLaw(
             cfg.retention_price_scale, cfg.tool_time_min_samples,
             ToolTimes(cfg.tool_time_window, cfg.tool_time_min_samples), PrefillRate(cfg.prefill_tokens_per_s),
+            cfg.host_transfer_tokens_per_s,
         )  # fmt: skip
         self.counters = Counters()
         self.tuner = AdmissionTuner(self.config)
@@ -47,10 +49,11 @@ class Scheduler:
 
     # ---- backends -------------------------------------------------------------------------
 
-    def add_backend(self, backend_id: str, capacity: int | None) -> Backend:
+    def add_backend(self, backend_id: str, capacity: int | None, host_capacity: int = 0) -> Backend:
+        """A backend of `capacity` GPU KV tokens, and `host_capacity` more in a host tier."""
         backend = self.backends.setdefault(backend_id, Backend(backend_id, capacity))
         self._ledgers.setdefault(backend_id, Ledger())
-        backend.capacity = capacity
+        backend.capacity, backend.host_capacity = capacity, host_capacity
         return backend
 
     def set_schedulable(self, backend_id: str, schedulable: bool) -> None:
@@ -112,7 +115,11 @@ class Scheduler:
             program.phase = Phase.REASONING
         program.last_activity = now
         if program.status is Status.ACTIVE:
-            return program.backend
+            if self._decode_fits(program):
+                return program.backend
+            # Its KV waits in the host tier; it resumes, by a transfer, as GPU room frees.
+            self._pause(program)
+            self.counters.gpu_waits += 1
         self._waiting.add(program, waiting_since)
         self._resume_waiting()
         if program.status is not Status.ACTIVE:
@@ -279,9 +286,12 @@ class Scheduler:
         self._place_all(self._admit_in_order(waiting, targets, loads), targets, loads)
 
     def _place_all(self, chosen: list[Program], targets: list[Backend], loads: dict[str, Load]) -> None:
-        # Best fit decreasing: the largest chosen program first, onto the most headroom.
+        # The largest chosen program first. While others wait the room decides who is admitted:
+        # best fit decreasing, onto the most headroom (placement.py).
+        left_waiting = len(self._waiting) > sum(p.waiting_since is not None for p in chosen)
+        contended = left_waiting or not all(any(self._fits(p, b, loads[b.id]) for b in targets) for p in chosen)
         for program in sorted(chosen, key=lambda p: p.tokens, reverse=True):
-            backend = self._roomiest_fit(program, targets, loads)
+            backend = self._fit(program, targets, loads, contended)
             if backend is not None:
                 self._place(program, backend, loads[backend.id])
 
@@ -316,24 +326,35 @@ class Scheduler:
         return chosen
 
     def _headroom(self, backend: Backend, load: Load) -> float:
-        if backend.capacity is None:
-            return math.inf
-        return backend.capacity * self.config.resume_threshold - load.tokens
+        return headroom(backend, load, self.config.resume_threshold)
+
+    def _decode_fits(self, program: Program) -> bool:
+        backend = self.backends.get(program.backend or "")
+        if backend is None or self.tuner.gate_open:  # the open gate: the engine admits by its own cache
+            return True
+        cfg = self.config
+        return decode_fits(backend, self._ledgers[backend.id], program, cfg.buffer_tokens, cfg.pause_threshold)
 
     def _is_idle(self, backend: Backend) -> bool:
         return not backend.programs
 
-    def _roomiest_fit(self, program: Program, targets: list[Backend], loads: dict[str, Load]) -> Backend | None:
-        def fits(backend: Backend) -> bool:
-            need = loads[backend.id].need(program, 1.0, self.config.buffer_tokens)
-            # An idle backend takes any program: otherwise one larger than the resume band
-            # would wait for its forced resume while the engine sits empty.
-            return self._is_idle(backend) or need <= self._headroom(backend, loads[backend.id])
+    def _fits(self, program: Program, backend: Backend, load: Load) -> bool:
+        # An idle backend takes any program: otherwise one larger than the resume band
+        # would wait for its forced resume while the engine sits empty.
+        need = load.need(program, 1.0, self.config.buffer_tokens)
+        return self._is_idle(backend) or need <= self._headroom(backend, load)
 
-        fitting = [b for b in targets if fits(b)]
+    def _fit(self, program: Program, targets: list[Backend], loads: dict[str, Load], contended: bool) -> Backend | None:
+        home = self.backends.get(program.backend or "")
+        if home is not None and home.host_capacity and home in targets:
+            targets = [home]  # its KV waits in that host tier: back by a transfer there, by a prefill elsewhere
+        fitting = [b for b in targets if self._fits(program, b, loads[b.id])]
         if not fitting:
             return None
-        return max(fitting, key=lambda b: self._headroom(b, loads[b.id]))
+        return choose(
+            self.config.placement, program, fitting, list(self.backends),
+            headroom=lambda b: self._headroom(b, loads[b.id]), contended=contended,
+        )  # fmt: skip
 
     def _place(self, program: Program, backend: Backend, load: Load, forced: bool = False) -> None:
         now = self.clock()
@@ -361,9 +382,9 @@ class Scheduler:
             if backend.capacity is None:
                 continue
             load = self._load(backend, physical=True)
-            if load.tokens <= backend.capacity * cfg.pause_threshold:
+            if load.tokens <= backend.kv_capacity * cfg.pause_threshold:
                 continue
-            target = backend.capacity * cfg.pause_target
+            target = backend.kv_capacity * cfg.pause_target
             for program in self._acting_in_pause_order(backend):
                 load.remove(program, 1.0, cfg.buffer_tokens)
                 self._pause(program)
@@ -403,6 +424,8 @@ class Scheduler:
             loads = {b.id: self._load(b, physical=True) for b in targets}
             backend = max(targets, key=lambda b: self._headroom(b, loads[b.id]))
             load = loads[backend.id]
+            if load.need(program, 1.0, cfg.buffer_tokens) > gpu_room(backend, load, cfg.resume_threshold):
+                continue  # what decodes fills the GPU: pausing ACTING programs frees none of it
             for member in self._acting_in_pause_order(backend):
                 if load.need(program, 1.0, cfg.buffer_tokens) <= self._headroom(backend, load):
                     break
@@ -419,9 +442,10 @@ class Scheduler:
             return
         demand = sum(self.programs[i].tokens + self.config.buffer_tokens for i in self._waiting)
         held = [
-            (self.programs[i], backend.capacity)
+            (self.programs[i], backend)
             for backend in self.backends.values()
             if backend.capacity
+            and not gpu_binds(backend, self._load(backend, physical=False), self.config.resume_threshold)
             for i in backend.programs
             if self.programs[i].phase is Phase.ACTING
         ]

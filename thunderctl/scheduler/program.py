@@ -52,5 +52,13 @@ class Program:
 class Backend:
     id: str
     capacity: int | None  # KV tokens; None when the engine does not say (never paused there)
+    # KV tokens of its host tier (vLLM's CPU offloading): ACTING programs' KV may spill there,
+    # what decodes must still fit `capacity`.
+    host_capacity: int = 0
     schedulable: bool = True  # False while draining or unhealthy: nothing new is placed there
     programs: set[str] = field(default_factory=set)  # ids of ACTIVE programs placed here
+
+    @property
+    def kv_capacity(self) -> int:
+        """All the KV tokens it may hold: GPU and host tier (0 when the engine does not say)."""
+        return (self.capacity or 0) + self.host_capacity

@@ -117,7 +117,8 @@ class Holding:
     program_id: str
     tokens: int  # private tokens: what a re-prefill recomputes (a shared prefix stays cached)
     remaining_s: float  # expected remaining tool time
-    capacity: int  # of its backend, tokens
+    capacity: int  # of its backend, tokens: GPU and host tier
+    return_tokens_per_s: float  # how fast its KV comes back once dropped: prefill, or a host tier's transfer
 
 
 def keep_cost(holding: Holding, demand_tokens: float, price_scale: float) -> float:
@@ -132,17 +133,14 @@ def keep_cost(holding: Holding, demand_tokens: float, price_scale: float) -> flo
     return price_scale * useful * holding.remaining_s / holding.capacity
 
 
-def drop_cost(holding: Holding, return_chance: float, prefill: PrefillRate) -> float:
-    """Engine-seconds of re-prefill the program costs if it returns to a cache that lost it."""
-    return return_chance * prefill.seconds(holding.tokens)
+def drop_cost(holding: Holding, return_chance: float) -> float:
+    """Engine-seconds the program costs if it returns to a cache that lost it: a re-prefill,
+    or, where a host tier keeps a paused program's KV, a transfer."""
+    return return_chance * holding.tokens / holding.return_tokens_per_s
 
 
 def priced_drops(
-    holdings: Iterable[Holding],
-    demand_tokens: float,
-    return_chance: float,
-    prefill: PrefillRate,
-    price_scale: float = 1.0,
+    holdings: Iterable[Holding], demand_tokens: float, return_chance: float, price_scale: float = 1.0
 ) -> list[str]:
     """The programs whose KV costs more to keep than to drop, longest expected tool time first.
 
@@ -153,7 +151,7 @@ def priced_drops(
     for holding in sorted(holdings, key=lambda h: (-h.remaining_s, h.program_id)):
         if demand_tokens <= 0:
             break
-        if keep_cost(holding, demand_tokens, price_scale) > drop_cost(holding, return_chance, prefill):
+        if keep_cost(holding, demand_tokens, price_scale) > drop_cost(holding, return_chance):
             dropped.append(holding.program_id)
             demand_tokens -= holding.tokens
     return dropped
@@ -167,6 +165,7 @@ class RetentionLaw:
     min_samples: int
     tool_times: ToolTimes
     prefill: PrefillRate
+    transfer_tokens_per_s: float  # a host tier's load back to the GPU
     returns: Returns = field(default_factory=Returns)
 
     def on_request(self, program: Program, now: float) -> None:
@@ -185,16 +184,28 @@ class RetentionLaw:
         since = program.responded_at if program.responded_at is not None else program.acting_since
         return self.tool_times.remaining(program.id, program.tool, max(now - since, 0.0))
 
-    def drops(self, held: Iterable[tuple[Program, int]], demand_tokens: float, now: float) -> list[str]:
-        """Of the ACTING programs held (each with its backend's capacity), those to pause."""
-        holdings = [Holding(p.id, p.private_tokens, self.expected_tool_s(p, now), capacity) for p, capacity in held]
-        return priced_drops(holdings, demand_tokens, self.returns.chance, self.prefill, self.price_scale)
+    def return_tokens_per_s(self, backend: Backend) -> float:
+        """A paused program's KV is expected in the host tier where there is one: it comes back by
+        a transfer, not a re-prefill."""
+        return self.transfer_tokens_per_s if backend.host_capacity else self.prefill.tokens_per_s
+
+    def drops(self, held: Iterable[tuple[Program, Backend]], demand_tokens: float, now: float) -> list[str]:
+        """Of the ACTING programs held (each with its backend, which has a capacity), those to pause."""
+        holdings = [
+            Holding(p.id, p.private_tokens, self.expected_tool_s(p, now), b.kv_capacity, self.return_tokens_per_s(b))
+            for p, b in held
+        ]
+        return priced_drops(holdings, demand_tokens, self.returns.chance, self.price_scale)
 
     def pays(self, backends: Iterable[Backend]) -> bool:
-        """Whether a typical tool call, at the full price of KV, costs less held than recomputed:
-        its mean (cluster-wide) under the time to prefill the smallest cache, times the chance of return."""
+        """Whether a typical tool call, at the full price of KV, costs less held than dropped on
+        every backend: its mean (cluster-wide) under the time to bring back the backend's whole
+        cache, times the chance of return."""
         mean_tool_s = self.tool_times.cluster.remaining(0.0, self.min_samples)
-        capacities = [b.capacity for b in backends if b.capacity]
-        if mean_tool_s is None or not capacities:
+        priced = [b for b in backends if b.capacity]
+        if mean_tool_s is None or not priced:
             return False
-        return self.price_scale * mean_tool_s / min(capacities) < self.returns.chance / self.prefill.tokens_per_s
+        return all(
+            self.price_scale * mean_tool_s / b.kv_capacity < self.returns.chance / self.return_tokens_per_s(b)
+            for b in priced
+        )

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
-from thunderctl.scheduler import PauseOrder, SchedulerConfig
+from thunderctl.scheduler import PauseOrder, PlacementRule, SchedulerConfig
 from thunderctl.sim.agents import ClosedLoop, Router, StepRecord, Workload
 from thunderctl.sim.clock import VirtualClock
 from thunderctl.sim.cost import Preset
@@ -153,17 +153,18 @@ def build_router(
         case ArmName.REFERENCE:
             reference = SchedulerConfig(
                 adaptive=False, retention=False, resume_aging_tokens_per_s=None, pause_target=0.85,
-                pause_order=PauseOrder.SHORTEST, wait_bound_s=None,
+                pause_order=PauseOrder.SHORTEST, wait_bound_s=None, placement=PlacementRule.ROOMIEST,
             )  # fmt: skip
             router = PolicyRouter(workers, clock, reference)
             return router, router
         case ArmName.THUNDERCTL:
             # What the gateway measures from usage and time to first token, from the cost model;
-            # with a host tier a paused program comes back by a transfer, not a prefill.
-            rate = preset.prefill_tokens_per_s(min(PRICED_CONTEXT_TOKENS, preset.engine.max_model_len))
-            if host_kv_tokens:
-                rate = max(rate, 1.0 / preset.transfer_seconds(1))
-            router = PolicyRouter(workers, clock, SchedulerConfig(prefill_tokens_per_s=rate), host_kv_tokens)
+            # a host tier's transfer rate from the preset's link.
+            prefill_rate = preset.prefill_tokens_per_s(min(PRICED_CONTEXT_TOKENS, preset.engine.max_model_len))
+            config = SchedulerConfig(
+                prefill_tokens_per_s=prefill_rate, host_transfer_tokens_per_s=1.0 / preset.transfer_seconds(1)
+            )
+            router = PolicyRouter(workers, clock, config, host_kv_tokens)
             return router, router
 
 
@@ -194,7 +195,7 @@ def run_arm(arm: ArmName, spec: SimSpec, progress: Callable[[float], None] | Non
         c = policy.scheduler.counters
         return {
             "pauses": c.pauses, "resumes": c.resumes, "forced_resumes": c.forced_resumes,
-            "priced_pauses": c.priced_pauses, "bound_pauses": c.bound_pauses,
+            "priced_pauses": c.priced_pauses, "bound_pauses": c.bound_pauses, "gpu_waits": c.gpu_waits,
         }  # fmt: skip
 
     def sample() -> None:

@@ -68,9 +68,9 @@ class PolicyRouter(EngineRouter):
         self.meters = {worker.id: BusyMeter() for worker in self.workers}
         self.scheduler = Scheduler(config, clock, [self._on_program_event])
         for worker in self.workers:
-            # A host KV tier counts with the GPU's, as Dynamo counts HiCache: a paused program's
-            # KV waits there and comes back by a transfer.
-            self.scheduler.add_backend(worker.id, worker.engine.shape.kv_capacity_tokens + host_kv_tokens)
+            # A host KV tier is a second level: ACTING programs' KV may spill there (a paused
+            # program's comes back by a transfer), what decodes must fit the GPU's cache.
+            self.scheduler.add_backend(worker.id, worker.engine.shape.kv_capacity_tokens, host_kv_tokens)
         self._waiting: dict[str, tuple[int, int, Go]] = {}
         clock.after(config.tick_interval_s, self._tick)
 

@@ -1,0 +1,126 @@
+"""Placement: a program goes where its KV is while nobody else waits for room, else to the most headroom."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+
+from thunderctl.scheduler import PlacementRule, Scheduler, SchedulerConfig, Status
+from thunderctl.scheduler.placement import home
+
+BACKENDS = ("a", "b")
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(placement: PlacementRule = PlacementRule.AFFINITY) -> Scheduler:
+    """Two backends of 1,000 tokens, admission up to 900; no buffer, no admission law."""
+    config = SchedulerConfig(
+        placement=placement, adaptive=False, retention=False, buffer_tokens=0,
+        pause_threshold=0.95, pause_target=0.8, resume_threshold=0.9,
+    )  # fmt: skip
+    sched = Scheduler(config, FakeClock())
+    for backend_id in BACKENDS:
+        sched.add_backend(backend_id, 1000)
+    return sched
+
+
+def homed_on(backend_id: str, count: int = 1, prefix: str = "p") -> list[str]:
+    """Program ids whose CRC-32 modulo 2 names `backend_id`, as a hash-pinning client routes them."""
+    index = BACKENDS.index(backend_id)
+    ids = (f"{prefix}{i}" for i in range(10_000))
+    return [pid for pid in ids if zlib.crc32(pid.encode()) % len(BACKENDS) == index][:count]
+
+
+def load(sched: Scheduler, backend_id: str, tokens: int) -> None:
+    """A decoding program of `tokens` on `backend_id` (placed there while the other is out)."""
+    others = [b for b in sched.backends.values() if b.id != backend_id]
+    for backend in others:
+        backend.schedulable = False
+    assert sched.on_request(f"load_{backend_id}", tokens) == backend_id
+    for backend in others:
+        backend.schedulable = True
+
+
+def test_home_is_the_hash_a_pinning_client_uses() -> None:
+    for backend_id in BACKENDS:
+        for pid in homed_on(backend_id, count=20):
+            assert home(pid, BACKENDS) == backend_id
+
+
+@pytest.mark.parametrize(
+    ("home_backend", "loads"),
+    [
+        ("a", {"a": 0, "b": 0}),
+        ("b", {"a": 0, "b": 0}),
+        # its home is the fuller backend but has room: it still goes home
+        ("a", {"a": 600, "b": 100}),
+        ("b", {"a": 0, "b": 800}),
+    ],
+)
+def test_a_new_program_goes_to_its_hash_home_when_it_fits(home_backend, loads) -> None:
+    sched = make()
+    for backend_id, tokens in loads.items():
+        if tokens:
+            load(sched, backend_id, tokens)
+    (pid,) = homed_on(home_backend)
+    assert sched.on_request(pid, 50) == home_backend
+
+
+@pytest.mark.parametrize(
+    ("home_backend", "loads", "placed"),
+    [
+        # 880 + 50 is over the 900 band at home: the other backend takes it
+        ("a", {"a": 880, "b": 100}, "b"),
+        ("b", {"a": 300, "b": 860}, "a"),
+    ],
+)
+def test_a_new_program_whose_home_is_full_goes_to_the_most_headroom(home_backend, loads, placed) -> None:
+    sched = make()
+    for backend_id, tokens in loads.items():
+        load(sched, backend_id, tokens)
+    (pid,) = homed_on(home_backend)
+    assert sched.on_request(pid, 50) == placed
+
+
+@pytest.mark.parametrize(("ran_on", "other"), [("a", "b"), ("b", "a")])
+def test_a_paused_program_returns_to_the_backend_it_ran_on_when_it_fits(ran_on, other) -> None:
+    sched = make()
+    (pid,) = homed_on(other)  # its hash says the other backend: where it ran wins
+    load(sched, ran_on, 500)
+    sched.backends[other].schedulable = False
+    assert sched.on_request(pid, 200) == ran_on
+    sched.on_response(pid, 200, 0)
+    sched.backends[other].schedulable = True
+    sched.drain(ran_on)  # it pauses ACTING; nothing new goes there until undrained
+    assert sched.programs[pid].status is Status.PAUSED
+    sched.set_schedulable(ran_on, True)
+    assert sched.on_request(pid, 220) == ran_on  # although the other backend is empty
+
+
+@pytest.mark.parametrize(("home_backend", "roomier"), [("a", "b"), ("b", "a")])
+def test_while_another_program_waits_a_program_goes_to_the_most_headroom(home_backend, roomier) -> None:
+    sched = make()
+    load(sched, home_backend, 500)  # room 400 at home, 600 on the other
+    load(sched, roomier, 300)
+    assert sched.on_request("huge", 650) is None  # fits neither backend: it waits
+    (pid,) = homed_on(home_backend)
+    # ahead of huge in the queue (shorter), admitted while huge still waits: the room decides
+    assert sched.on_request(pid, 100) == roomier
+    assert sched.programs["huge"].status is Status.PAUSED
+
+
+@pytest.mark.parametrize("home_backend", BACKENDS)
+def test_the_reference_rule_places_a_new_program_on_the_most_headroom(home_backend) -> None:
+    sched = make(PlacementRule.ROOMIEST)
+    roomier = "b" if home_backend == "a" else "a"
+    load(sched, home_backend, 200)
+    (pid,) = homed_on(home_backend)
+    assert sched.on_request(pid, 50) == roomier
