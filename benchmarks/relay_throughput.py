@@ -293,7 +293,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--gateway-arg", action="append", default=[], help="one more `thunderctl serve` option")
     parser.add_argument("--program-ids", action=argparse.BooleanOptionalAction, default=True,
                         help="a program id per stream through the gateway (scheduled, as agents are)")  # fmt: skip
-    parser.add_argument("--profile", type=Path, help="record the gateway with py-spy into this SVG (needs py-spy)")
+    parser.add_argument("--profile", type=Path,
+                        help="record the gateway with py-spy: a flame graph (.svg) or collapsed stacks (other names)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("results/relay_throughput.json"))
     return parser.parse_args()
 
@@ -314,7 +315,8 @@ def main() -> None:
             if args.profile:
                 profiler = subprocess.Popen(
                     ["py-spy", "record", "--pid", str(gateway.process.pid), "--output", str(args.profile),
-                     "--rate", "200", "--nonblocking"],
+                     "--format", "flamegraph" if args.profile.suffix == ".svg" else "raw", "--rate", "200",
+                     "--nonblocking"],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 )  # fmt: skip
             servers = {"engine": psutil.Process(engine.process.pid), "gateway": psutil.Process(gateway.process.pid)}
@@ -336,7 +338,7 @@ def main() -> None:
                     points.append({arm: pooled(slices[arm], args.answer_tokens) for arm in ARMS})
         finally:
             if profiler is not None:
-                profiler.send_signal(2)  # SIGINT: py-spy writes its SVG and exits
+                profiler.send_signal(2)  # SIGINT: py-spy writes its profile and exits
                 profiler.wait(timeout=60)
             if gateway is not None:
                 gateway.stop()

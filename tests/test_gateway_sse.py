@@ -4,10 +4,12 @@ a real HTTP hop is tests/test_gateway_vllm.py's."""
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections.abc import Callable
 
 from thunderctl.gateway.answers import StreamedAnswer
-from thunderctl.gateway.sse import EventFramer, StreamRelay
+from thunderctl.gateway.sse import UNREAD_BYTES, EventFramer, StreamRelay
 
 USAGE = {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15}
 
@@ -77,3 +79,48 @@ def test_an_unscheduled_stream_without_usage_passes_as_it_came() -> None:
     relay = StreamRelay(None, client_wants_usage=False, clock=lambda: 0.0)
     assert relayed(cut(stream, 11), relay) == stream
     assert relay.usage is None
+
+
+def ticking() -> Callable[[], float]:
+    """A clock that reads one second later at every look."""
+    ticks = itertools.count(1)
+    return lambda: float(next(ticks))
+
+
+def test_a_program_stream_read_an_event_at_a_time_times_its_first_token_and_reads_its_tool_at_the_end() -> None:
+    answer = StreamedAnswer(sent_at=0.0)
+    relay = StreamRelay(answer, client_wants_usage=True, clock=ticking())
+    assert [relay.feed(e) for e in STREAM] == STREAM  # each read relayed as it came
+    assert relay.end() == b""
+    assert answer.ttft_s == 2.0  # the second event's read: the first with a token
+    assert answer.tool == "pytest" and relay.usage == USAGE
+
+
+def test_a_long_answer_is_read_in_batches_and_its_first_tool_call_counts() -> None:
+    def call(name: str) -> bytes:
+        delta = {"tool_calls": [{"index": 0, "function": {"name": name, "arguments": ""}}]}
+        return event({"id": "c", "choices": [{"index": 0, "delta": delta}]})
+
+    filler = [event(content("word ")) for _ in range(2 * UNREAD_BYTES // len(event(content("word "))))]
+    stream = [STREAM[0], event(content("thinking")), *filler, call("run_tests"), *filler, call("other"), STREAM[4]]
+    answer = StreamedAnswer(sent_at=0.0)
+    relay = StreamRelay(answer, client_wants_usage=True, clock=lambda: 1.0)
+    assert b"".join(relay.feed(e) for e in stream) + relay.end() == b"".join(stream)
+    assert answer.tool == "run_tests"
+
+
+def test_a_stream_cut_short_still_gives_the_tool_of_what_came() -> None:
+    answer = StreamedAnswer(sent_at=0.0)
+    relay = StreamRelay(answer, client_wants_usage=True, clock=lambda: 1.0)
+    for piece in STREAM[:3]:
+        relay.feed(piece)
+    relay.settle()  # what the gateway does when the client or the engine goes away
+    assert answer.tool == "pytest" and relay.usage is None
+
+
+def test_a_chunk_past_the_first_token_that_is_not_json_is_relayed_and_the_others_still_read() -> None:
+    stream = [STREAM[0], STREAM[1], b"data: {not json\n\n", STREAM[2], STREAM[4]]
+    answer = StreamedAnswer(sent_at=0.0)
+    relay = StreamRelay(answer, client_wants_usage=True, clock=lambda: 1.0)
+    assert relayed(stream, relay) == b"".join(stream)
+    assert answer.tool == "pytest"

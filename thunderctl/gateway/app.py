@@ -10,12 +10,7 @@ from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import (
-    JSONResponse,
-    PlainTextResponse,
-    Response,
-    StreamingResponse,
-)
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from thunderctl.gateway.auth import GatewayAuth, RequireApiKey
@@ -28,6 +23,7 @@ from thunderctl.gateway.requests import (
     pop_program_id,
     prompt_shape,
 )
+from thunderctl.gateway.streaming import RelayedStream
 from thunderctl.jsonapi import (
     BadRequest,
     BodyLimits,
@@ -87,7 +83,7 @@ def build_app(
             return error(502, str(exc), "backend_error")
         if isinstance(relayed.body, bytes):
             return Response(relayed.body, relayed.status, media_type=relayed.media_type)
-        return StreamingResponse(relayed.body, relayed.status, media_type=relayed.media_type)
+        return RelayedStream(relayed.body, relayed.status, media_type=relayed.media_type)
 
     async def models(_: Request) -> Response:
         try:

@@ -11,7 +11,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -107,11 +107,20 @@ class Upstream:
 
 @dataclass(frozen=True)
 class Relayed:
-    """A backend's answer: a whole body, or a stream of SSE lines as they come."""
+    """A backend's answer: a whole body, or a stream of SSE events as they come."""
 
     status: int
     media_type: str
-    body: bytes | AsyncIterator[bytes]
+    body: bytes | AsyncGenerator[bytes, None]
+
+
+def reads(response: httpx.Response) -> AsyncIterator[bytes]:
+    """A streamed answer's body, read by read. An SSE stream is not content-encoded (vLLM's is
+    not), so its reads come straight from the transport, past httpx's two layers of decoding and
+    re-chunking that would pass them on unchanged, at a cost per read."""
+    if "content-encoding" in response.headers or not isinstance(response.stream, httpx.AsyncByteStream):
+        return response.aiter_bytes()
+    return aiter(response.stream)
 
 
 class Gateway:
@@ -392,10 +401,10 @@ class Gateway:
         shape: PromptShape,
         client_wants_usage: bool,
         answer: StreamedAnswer,
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         relay = StreamRelay(answer if program_id is not None else None, client_wants_usage, self._clock)
         try:
-            async for data in response.aiter_bytes():
+            async for data in reads(response):
                 if relayed := relay.feed(data):
                     yield relayed
             if rest := relay.end():
@@ -403,6 +412,7 @@ class Gateway:
         finally:
             # Runs on normal end, backend error and client disconnect alike: the slot is freed.
             await response.aclose()
+            relay.settle()
             self._finish(upstream, program_id, shape, relay.usage, answer.tool, answer.ttft_s)
 
     def _fail_over(self, upstream: Upstream, program_id: str | None, stalled: bool) -> bool:
