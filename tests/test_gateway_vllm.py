@@ -151,8 +151,10 @@ def test_backend_unreachable_at_start_is_named(start_gateway, free_port) -> None
 
 
 def test_paused_program_resumes_on_the_other_backend_when_its_own_is_full(vllm_pair, start_gateway) -> None:
+    # Placed by headroom alone (the reference's rule), so that where each program lands is known.
     gateway = start_gateway(
-        [f"a={vllm_pair[0].url}", f"b={vllm_pair[1].url}"], "--tick-interval", "0.2", "--buffer-tokens", "0"
+        [f"a={vllm_pair[0].url}", f"b={vllm_pair[1].url}"],
+        *("--tick-interval", "0.2", "--buffer-tokens", "0", "--placement", "roomiest"),
     )
     capacity = gateway.metric("thunderctl_backend_capacity_tokens", backend="a")
     assert capacity == gateway.metric("thunderctl_backend_capacity_tokens", backend="b")
