@@ -25,7 +25,7 @@ from test_cluster import SHAPE, Cli, processes_mentioning
 from test_local_engine import wait_for
 from thunderctl.bench.closed_loop import LoadSpec, Target, run_load
 from thunderctl.bench.results import LoadResult, StepRecord
-from thunderctl.bench.shapes import Uniform
+from thunderctl.bench.shapes import AgentShape, Uniform
 from thunderctl.bench.soak import MODEL, SoakSpec, soak_profile
 from thunderctl.cluster.state import ClusterState
 from thunderctl.daemon.client import fetch_status
@@ -131,8 +131,8 @@ class Load:
         return result
 
 
-def start_load(sim: SimCluster, duration_s: float, **options) -> Load:
-    spec = LoadSpec(concurrency=PROGRAMS, shape=LASTING, duration_s=duration_s, model=MODEL,
+def start_load(sim: SimCluster, duration_s: float, shape: AgentShape = LASTING, **options) -> Load:
+    spec = LoadSpec(concurrency=PROGRAMS, shape=shape, duration_s=duration_s, model=MODEL,
                     sample_interval_s=duration_s, **options)  # fmt: skip
     gateway = sim.gateway
     load = Load(threading.Thread(target=lambda: load.results.append(asyncio.run(run_load(Target.gateway(gateway), spec, [], load)))))  # fmt: skip
@@ -184,7 +184,9 @@ def test_the_dead_worker_is_started_again_rejoins_and_up_restarts_it_when_backof
     record = next(w for w in cluster.state().workers if w.id == worker_id)
     assert record.pid != first.pid and pid_alive(record.pid)
 
-    load = start_load(cluster, duration_s=10)
+    # Short programs, so that new ones keep coming: each placed where its hash says while nobody
+    # waits, some of them on the worker that came back.
+    load = start_load(cluster, duration_s=10, shape=SHAPE)
     wait_for(lambda: worker_id in cluster.programs_on().values(), 30, f"a program scheduled on {worker_id} again")
     assert load.result().steps_failed == 0
 
