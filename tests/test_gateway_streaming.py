@@ -5,20 +5,11 @@ tests/test_gateway_vllm.py."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 import psutil
 
+from test_gateway_vllm import wait_until
+
 MODEL = "sim"
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.1)
 
 
 def long_answer(program_id: str) -> dict:
