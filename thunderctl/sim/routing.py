@@ -7,11 +7,11 @@ clock. Changing the policy changes the simulation; nothing here reimplements it.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable, Sequence
 
 from thunderctl.scheduler import ProgramEvent, Scheduler, SchedulerConfig
 from thunderctl.scheduler.front import WAKING_EVENTS, BusyMeter, account, beat, mean_utilization, woken
+from thunderctl.scheduler.placement import home
 from thunderctl.sim.clock import VirtualClock
 from thunderctl.sim.worker import Worker
 
@@ -45,8 +45,13 @@ class EngineRouter:
 class StickyRouter(EngineRouter):
     """Each program pinned to one worker by a hash of its id, as agents and KV-aware routers do."""
 
+    def __init__(self, workers: Sequence[Worker]) -> None:
+        super().__init__(workers)
+        self.by_id = {worker.id: worker for worker in self.workers}
+
     def send(self, program_id: str, prompt_tokens: int, shared_tokens: int, go: Go) -> None:
-        self.dispatch(self.workers[zlib.crc32(program_id.encode()) % len(self.workers)], go)
+        # The scheduler's own hash home: where nobody waits, affinity placement is this arm.
+        self.dispatch(self.by_id[home(program_id, list(self.by_id))], go)
 
 
 class LeastLoadedRouter(EngineRouter):
