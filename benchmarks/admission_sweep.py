@@ -6,7 +6,7 @@ no-recompute limit, at each concurrency, in one run.
     python benchmarks/admission_sweep.py --quick                 # 8,32, one 40 s slice per arm
 
 The report ends with the overhead figures of benchmarks/overhead.py: what the gateway adds
-per request against an instant backend, and the tick's cost at 10,000 programs x 64 backends.
+per request against an instant worker, and the tick's cost at 10,000 programs x 64 workers.
 
 Engine A has the cache under test; the `direct`, `reference` (`serve --no-adaptive --no-retention --resume-aging 0 --placement roomiest`) and
 `adaptive` arms share it, interleaved in slices so machine drift falls on all three. Engine B
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
         gateway, tick = overhead["gateway"], overhead["tick"]
         console.print(
             f"gateway adds {gateway['added_p50_ms']:.2f} ms p50 / {gateway['added_p99_ms']:.2f} ms p99 per request; "
-            f"tick at {tick['programs']:,} programs x {tick['backends']} backends: {tick['tick_p50_ms']:.1f} ms p50"
+            f"tick at {tick['programs']:,} programs x {tick['workers']} workers: {tick['tick_p50_ms']:.1f} ms p50"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {

@@ -46,7 +46,7 @@ from thunderctl.bench.replay import Arm, TraceWorkload, run_arms
 from thunderctl.bench.report import fmt
 from thunderctl.bench.swe_lite import SHARED_PREFIX_TOKENS
 from thunderctl.bench.workloads import WorkloadChoice
-from thunderctl.engines.sim_process import SimProcess
+from thunderctl.engines.simulated.process import SimProcess
 from thunderctl.gateway.auth import env_api_key
 from thunderctl.gateway.process import ServeProcess
 from thunderctl.prometheus import parse_samples

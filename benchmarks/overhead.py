@@ -3,11 +3,11 @@
     python benchmarks/overhead.py              # both, ~1 minute
     python benchmarks/overhead.py --requests 5000
 
-1. Gateway latency: a minimal OpenAI-style backend on loopback answers at once (so the
-   backend's own time is ~0); the same sequential requests go to it directly and through
+1. Gateway latency: a minimal OpenAI-style worker on loopback answers at once (so the
+   worker's own time is ~0); the same sequential requests go to it directly and through
    `thunderctl serve`, interleaved one by one, and the difference of the percentiles is what
    the gateway adds.
-2. Tick cost: the pure policy with 10,000 programs over 64 backends on a fake clock — the
+2. Tick cost: the pure policy with 10,000 programs over 64 workers on a fake clock — the
    mix of reasoning, acting and paused programs of a loaded cluster — timed over many ticks.
 """
 
@@ -86,10 +86,10 @@ def percentile(values: list[float], q: float) -> float:
 
 def gateway_latency(requests: int) -> dict[str, float]:
     backend_port, gateway_port = pick_free_port(), pick_free_port()
-    backend = serve_in_thread(fast_backend(), backend_port)
+    worker = serve_in_thread(fast_backend(), backend_port)
     backend_url, gateway_url = f"http://127.0.0.1:{backend_port}", f"http://127.0.0.1:{gateway_port}"
     gateway = subprocess.Popen(
-        [sys.executable, "-m", "thunderctl", "serve", "--backend", backend_url, "--port", str(gateway_port)],
+        [sys.executable, "-m", "thunderctl", "serve", "--worker", backend_url, "--port", str(gateway_port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -110,7 +110,7 @@ def gateway_latency(requests: int) -> dict[str, float]:
     finally:
         gateway.terminate()
         gateway.wait(timeout=10)
-        backend.should_exit = True
+        worker.should_exit = True
     return {
         "requests": requests,
         "direct_p50_ms": percentile(direct, 0.5) * 1e3,
@@ -128,12 +128,12 @@ class FakeClock:
         return self.now
 
 
-def tick_cost(programs: int = 10_000, backends: int = 64, ticks: int = 50) -> dict[str, float]:
+def tick_cost(programs: int = 10_000, workers: int = 64, ticks: int = 50) -> dict[str, float]:
     rng = random.Random(0)
     clock = FakeClock()
     sched = Scheduler(SchedulerConfig(), clock)
-    for b in range(backends):
-        sched.add_backend(f"b{b}", 600_000)
+    for b in range(workers):
+        sched.add_worker(f"b{b}", 600_000)
     for i in range(programs):
         pid = f"p{i}"
         tokens = rng.randint(2_000, 40_000)
@@ -151,7 +151,7 @@ def tick_cost(programs: int = 10_000, backends: int = 64, ticks: int = 50) -> di
         sched.tick()
         durations.append(time.perf_counter() - started)
     return {
-        "programs": programs, "backends": backends, "paused": len(sched.paused()),
+        "programs": programs, "backends": workers, "paused": len(sched.paused()),
         "tick_p50_ms": statistics.median(durations) * 1e3, "tick_max_ms": max(durations) * 1e3,
     }  # fmt: skip
 

@@ -42,7 +42,7 @@ from rich.console import Console
 from rich.table import Table
 
 from thunderctl import aio
-from thunderctl.engines.sim_process import SimProcess
+from thunderctl.engines.simulated.process import SimProcess
 from thunderctl.gateway.process import ServeProcess
 
 MODEL = "sim"

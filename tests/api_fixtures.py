@@ -1,4 +1,4 @@
-"""Pytest plugin: the HTTP APIs without engines. A loopback OpenAI-style backend that answers at
+"""Pytest plugin: the HTTP APIs without engines. A loopback OpenAI-style worker that answers at
 once and records what it was sent, the gateway app in front of it in-process, a sandbox pool
 whose Docker host is never reached, and a daemon over a state directory (registered from conftest.py)."""
 
@@ -23,7 +23,7 @@ from starlette.routing import BaseRoute, Route
 from thunderctl.cluster.state import ClusterState, WorkerRecord
 from thunderctl.cluster.worker_key import worker_key_path
 from thunderctl.daemon.service import Daemon
-from thunderctl.gateway import Gateway, Upstream, build_app
+from thunderctl.gateway import Gateway, WorkerLink, build_app
 from thunderctl.gateway.auth import GatewayAuth
 from thunderctl.jsonapi import BodyLimits
 from thunderctl.processes import pick_free_port
@@ -76,7 +76,7 @@ class FakeBackend:
 
 
 class FakeBackends:
-    """Fake backends kept running for the session, each served by uvicorn in a thread of its own,
+    """Fake workers kept running for the session, each served by uvicorn in a thread of its own,
     and handed out as new: a server's start and stop cost a third of a second, and dozens of tests want one."""
 
     def __init__(self) -> None:
@@ -86,23 +86,23 @@ class FakeBackends:
     def take(self, key: str | None) -> FakeBackend:
         """One that nothing uses, with nothing recorded, asking for `key`."""
         if self.idle:
-            backend = self.idle.pop()
-            backend.key = key
-            backend.authorizations.clear()
-            backend.bodies.clear()
-            return backend
+            worker = self.idle.pop()
+            worker.key = key
+            worker.authorizations.clear()
+            worker.bodies.clear()
+            return worker
         port = pick_free_port()
-        backend = FakeBackend(f"http://127.0.0.1:{port}", key)
-        server = uvicorn.Server(uvicorn.Config(backend.app(), host="127.0.0.1", port=port, log_level="warning"))
+        worker = FakeBackend(f"http://127.0.0.1:{port}", key)
+        server = uvicorn.Server(uvicorn.Config(worker.app(), host="127.0.0.1", port=port, log_level="warning"))
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
         self.servers.append((server, thread))
         deadline = time.monotonic() + 10
         while not server.started:
             if time.monotonic() > deadline:
-                raise RuntimeError("the fake backend did not start")
+                raise RuntimeError("the fake worker did not start")
             time.sleep(0.01)
-        return backend
+        return worker
 
     def stop(self) -> None:
         for server, thread in self.servers:
@@ -112,14 +112,14 @@ class FakeBackends:
 
 @pytest.fixture(scope="session")
 def fake_backends() -> Iterator[FakeBackends]:
-    backends = FakeBackends()
-    yield backends
-    backends.stop()
+    workers = FakeBackends()
+    yield workers
+    workers.stop()
 
 
 @pytest.fixture
 def fake_backend(fake_backends: FakeBackends) -> Iterator[Callable[..., FakeBackend]]:
-    """Fake backends on loopback, as new to each test (asking for `key`, having recorded nothing)."""
+    """Fake workers on loopback, as new to each test (asking for `key`, having recorded nothing)."""
     taken: list[FakeBackend] = []
 
     def take(key: str | None = None) -> FakeBackend:
@@ -140,8 +140,8 @@ def unreached_pool(tmp_path: Path) -> SandboxPool:
 
 @pytest.fixture
 async def gateway_app(fake_backend) -> AsyncIterator[Callable[..., object]]:
-    """The gateway's app in front of a fake backend, spoken to in-process (httpx ASGITransport).
-    Returns (client, backend); the gateway's loops stop at the end."""
+    """The gateway's app in front of a fake worker, spoken to in-process (httpx ASGITransport).
+    Returns (client, worker); the gateway's loops stop at the end."""
     started: list[tuple[Gateway, httpx.AsyncClient]] = []
 
     async def make(
@@ -151,13 +151,13 @@ async def gateway_app(fake_backend) -> AsyncIterator[Callable[..., object]]:
         extra_routes: list[BaseRoute] | None = None,
         on_release: Callable[[str], None] | None = None,
     ) -> tuple[httpx.AsyncClient, FakeBackend]:
-        backend = fake_backend(worker_key)
-        gateway = Gateway([Upstream("fake", backend.url)], worker_key=worker_key)
+        worker = fake_backend(worker_key)
+        gateway = Gateway([WorkerLink("fake", worker.url)], worker_key=worker_key)
         await gateway.start()
         app = build_app(gateway, extra_routes=extra_routes or (), on_release=on_release, auth=auth, limits=limits)
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway")
         started.append((gateway, client))
-        return client, backend
+        return client, worker
 
     yield make
     for gateway, client in started:
@@ -167,7 +167,7 @@ async def gateway_app(fake_backend) -> AsyncIterator[Callable[..., object]]:
 
 @pytest.fixture
 def daemon_of(tmp_path: Path, fake_backend) -> Callable[..., Daemon]:
-    """A daemon over a state directory whose one worker is a fake backend (asking for
+    """A daemon over a state directory whose one worker is a fake worker (asking for
     `worker_key`, kept where `up` keeps it), its profile's gateway changed by `gateway`. Nothing
     is started: its apps are spoken to in-process, after `await daemon.gateway.start()`."""
 

@@ -29,8 +29,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 class GatewayProcess(ServeProcess):
     """`thunderctl serve` in a subprocess, spoken to over real HTTP."""
 
-    def __init__(self, backends: list[str], options: tuple[str, ...], log_path: Path, api_key: str | None) -> None:
-        super().__init__(backends, options, log_path, api_key)
+    def __init__(self, workers: list[str], options: tuple[str, ...], log_path: Path, api_key: str | None) -> None:
+        super().__init__(workers, options, log_path, api_key)
         self.http = httpx.Client(base_url=self.url, timeout=120, headers=self.headers)
 
     def programs(self) -> dict[str, dict]:
@@ -50,12 +50,12 @@ class GatewayProcess(ServeProcess):
 
 @pytest.fixture
 def start_gateway(tmp_path: Path) -> Iterator[Callable[..., GatewayProcess]]:
-    """Start `thunderctl serve` against given backend URLs with CLI options (and an API key, which
+    """Start `thunderctl serve` against given worker URLs with CLI options (and an API key, which
     its `http` client sends); stopped by pid."""
     started: list[GatewayProcess] = []
 
-    def start(backends: list[str], *options: str, api_key: str | None = None) -> GatewayProcess:
-        gateway = GatewayProcess(backends, options, tmp_path / f"gateway-{len(started)}.log", api_key)
+    def start(workers: list[str], *options: str, api_key: str | None = None) -> GatewayProcess:
+        gateway = GatewayProcess(workers, options, tmp_path / f"gateway-{len(started)}.log", api_key)
         started.append(gateway)
         gateway.wait_healthy()
         return gateway

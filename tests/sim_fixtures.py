@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from thunderctl.engines.sim_process import SimProcess
+from thunderctl.engines.simulated.process import SimProcess
 
 
 @pytest.fixture

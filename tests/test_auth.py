@@ -16,15 +16,15 @@ import yaml
 from typer.testing import CliRunner
 
 from thunderctl.cli import app
-from thunderctl.cluster.lifecycle import start_workers
+from thunderctl.cluster.nodes import Transports
 from thunderctl.cluster.plan import MASKED_WORKER_KEY, WorkerPlan, plan_workers
 from thunderctl.cluster.state import ClusterState
-from thunderctl.cluster.transport import Transports
 from thunderctl.cluster.worker_key import create_worker_key, read_worker_key, worker_key_path
+from thunderctl.cluster.workers import start_workers
 from thunderctl.daemon.control import build_control_app
 from thunderctl.daemon.status import ClusterStatus
 from thunderctl.engines.local import EngineHome, LocalEngine, LocalEngineConfig
-from thunderctl.gateway import Gateway, Upstream, build_app
+from thunderctl.gateway import Gateway, WorkerLink, build_app
 from thunderctl.gateway.auth import GatewayAuth, exposure_problem
 from thunderctl.processes import pick_free_port
 from thunderctl.profile import DEFAULT_PROFILE, load_profile, parse_profile
@@ -55,8 +55,8 @@ ROUTES = [
 
 
 async def keyed_gateway(gateway_app, unreached_pool, **auth: object):
-    client, backend = await gateway_app(GatewayAuth(KEY, **auth), extra_routes=sandbox_routes(unreached_pool))
-    return client, backend
+    client, worker = await gateway_app(GatewayAuth(KEY, **auth), extra_routes=sandbox_routes(unreached_pool))
+    return client, worker
 
 
 @pytest.mark.anyio
@@ -91,7 +91,7 @@ async def test_metrics_public_opens_metrics_only(gateway_app, unreached_pool) ->
 
 @pytest.mark.anyio
 async def test_the_workers_get_the_worker_key_never_the_clients_key(gateway_app) -> None:
-    client, backend = await gateway_app(GatewayAuth(KEY), worker_key="worker-secret")
+    client, worker = await gateway_app(GatewayAuth(KEY), worker_key="worker-secret")
     reply = await client.post("/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {KEY}"})
     assert reply.status_code == 200, reply.text
     streamed = await client.post(
@@ -99,7 +99,7 @@ async def test_the_workers_get_the_worker_key_never_the_clients_key(gateway_app)
     )
     assert streamed.status_code == 200 and "[DONE]" in streamed.text
     assert (await client.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"})).status_code == 200
-    assert backend.authorizations == ["Bearer worker-secret"] * 3
+    assert worker.authorizations == ["Bearer worker-secret"] * 3
 
 
 def test_a_gateway_beyond_loopback_needs_a_key_or_an_explicit_opt_out() -> None:
@@ -276,7 +276,7 @@ async def test_a_worker_started_with_a_key_refuses_requests_without_it_and_serve
             ).status_code == 401
             assert (await direct.get("/health")).status_code == 200  # vLLM leaves these open
             assert (await direct.get("/metrics")).status_code == 200
-        gateway = Gateway([Upstream("keyed", engine.url)], worker_key="real-worker-key")
+        gateway = Gateway([WorkerLink("keyed", engine.url)], worker_key="real-worker-key")
         await gateway.start()
         try:
             app = build_app(gateway, auth=GatewayAuth(KEY))
@@ -290,7 +290,7 @@ async def test_a_worker_started_with_a_key_refuses_requests_without_it_and_serve
                 )
                 assert streamed.status_code == 200 and "[DONE]" in streamed.text
                 assert (await client.get("/v1/models", headers=headers)).json()["data"][0]["id"] == "tiny"
-                assert gateway.upstreams["keyed"].capacity == 4096  # its metrics were read
+                assert gateway.links["keyed"].capacity == 4096  # its metrics were read
         finally:
             await gateway.stop()
         assert "real-worker-key" not in engine.log_tail(400)
@@ -299,8 +299,8 @@ async def test_a_worker_started_with_a_key_refuses_requests_without_it_and_serve
 
 
 def test_bench_sends_the_gateway_key_and_the_engines_key(fake_backend, start_gateway, tmp_path: Path) -> None:
-    backend = fake_backend("engine-key")
-    gateway = start_gateway([backend.url], "--backend-api-key", "engine-key", api_key=KEY)
+    worker = fake_backend("engine-key")
+    gateway = start_gateway([worker.url], "--worker-api-key", "engine-key", api_key=KEY)
     report = tmp_path / "report.json"
     command = [
         "bench",
@@ -308,7 +308,7 @@ def test_bench_sends_the_gateway_key_and_the_engines_key(fake_backend, start_gat
         "--endpoint",
         gateway.url,
         "--engine",
-        backend.url,
+        worker.url,
         "--compare",
         "--programs",
         "2",
@@ -335,7 +335,7 @@ def test_bench_sends_the_gateway_key_and_the_engines_key(fake_backend, start_gat
     assert keyed.exit_code == 0, keyed.output
     arms = json.loads(report.read_text())["arms"]
     assert set(arms) == {"cluster", "direct"} and all(arm["steps_ok"] > 0 for arm in arms.values()), arms
-    assert set(backend.authorizations) == {"Bearer engine-key"}
+    assert set(worker.authorizations) == {"Bearer engine-key"}
     assert KEY not in keyed.stdout and "engine-key" not in keyed.stdout
 
 

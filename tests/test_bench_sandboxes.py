@@ -16,10 +16,10 @@ import pytest
 
 from test_cluster import Cli, consecutive_free_ports, write_profile
 from thunderctl.bench.planning import StepPlan
+from thunderctl.bench.results import ToolRecord
 from thunderctl.bench.sandboxes import (
     BYTES_PER_TOKEN,
     OBSERVATION_FILE,
-    ToolRecord,
     read_sandbox_sample,
     sandbox_line,
     sandbox_summary,

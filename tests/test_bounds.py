@@ -133,7 +133,7 @@ async def test_release_checks_its_program_id(gateway_app) -> None:
     ],
 )  # fmt: skip
 async def test_fields_the_gateway_acts_on_have_their_openai_types(gateway_app, field, value) -> None:
-    client, backend = await gateway_app()
+    client, worker = await gateway_app()
     body = dict(CHAT)
     if field == "stream_options.include_usage":
         body["stream"], body["stream_options"] = True, {"include_usage": value}
@@ -141,7 +141,7 @@ async def test_fields_the_gateway_acts_on_have_their_openai_types(gateway_app, f
         body[field] = value
     response = await client.post("/v1/chat/completions", json=body)
     assert response.status_code == 400 and field in message(response), response.text
-    assert backend.authorizations == []  # nothing reached the engine
+    assert worker.authorizations == []  # nothing reached the engine
 
 
 @pytest.mark.anyio
@@ -204,7 +204,7 @@ async def test_control_numbers_are_checked_before_anything_is_drained(daemon_of)
                 assert response.status_code == 400, raw
                 assert "timeout" in message(response) or "JSON" in message(response)
             assert (await control.post("/drain", json={"target": 5})).status_code == 400
-        assert not any(u.draining for u in daemon.gateway.upstreams.values())
+        assert not any(u.draining for u in daemon.gateway.links.values())
     finally:
         await daemon.gateway.stop()
 
@@ -372,8 +372,8 @@ def test_malformed_requests_get_4xx_and_the_gateway_still_serves(
 ) -> None:
     sandbox_cases, control_cases = gateway_cases * 3 // 10, gateway_cases // 5
     outcomes: dict[str, Counter] = {"gateway": Counter(), "sandboxes": Counter(), "control": Counter()}
-    backend = fake_backend()
-    gateway = start_gateway([backend.url], "--max-body-bytes", str(SMALL_LIMIT), api_key=KEY)
+    worker = fake_backend()
+    gateway = start_gateway([worker.url], "--max-body-bytes", str(SMALL_LIMIT), api_key=KEY)
 
     @generated(gateway_cases)
     @given(gateway_requests())
@@ -389,7 +389,7 @@ def test_malformed_requests_get_4xx_and_the_gateway_still_serves(
     good = gateway.http.post("/v1/chat/completions", json=CHAT | {"program_id": "after"})
     assert good.status_code == 200 and good.json()["choices"][0]["message"]["content"] == "ok"
     assert [p["program_id"] for p in gateway.programs().values()] == ["after"]
-    assert backend.authorizations == [None]  # of all of them, only the good request reached the engine
+    assert worker.authorizations == [None]  # of all of them, only the good request reached the engine
 
     with TestClient(Starlette(routes=sandbox_routes(unreached_pool)), base_url="http://sb") as sandboxes:
 
@@ -409,7 +409,7 @@ def test_malformed_requests_get_4xx_and_the_gateway_still_serves(
             check(case, control.request(case.method, case.path, content=case.content), outcomes["control"])
 
         against_the_control_api()
-    assert not any(u.draining or u.stopped for u in daemon.gateway.upstreams.values())
+    assert not any(u.draining or u.stopped for u in daemon.gateway.links.values())
 
     total = sum(sum(c.values()) for c in outcomes.values())
     assert total >= gateway_cases + sandbox_cases + control_cases, outcomes

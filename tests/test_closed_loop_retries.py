@@ -20,7 +20,7 @@ from thunderctl.bench.closed_loop import ClosedLoop, LoadSpec, Target, run_load
 from thunderctl.bench.requests import AnswerCut, resend_unanswered
 from thunderctl.bench.results import LoadResult
 from thunderctl.bench.shapes import AgentShape, Uniform
-from thunderctl.engines.sim_process import sim_command
+from thunderctl.engines.simulated.process import sim_command
 from thunderctl.processes import pick_free_port
 
 ONE_STEP = AgentShape(

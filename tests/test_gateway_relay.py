@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from thunderctl.gateway import Gateway, Upstream, build_app
+from thunderctl.gateway import Gateway, WorkerLink, build_app
 
 pytestmark = pytest.mark.anyio
 
@@ -75,8 +75,8 @@ async def gateway_over(
     started: list[tuple[Gateway, httpx.AsyncClient]] = []
 
     async def make(workers: Workers, names: tuple[str, ...] = ("a", "b")) -> tuple[httpx.AsyncClient, Gateway]:
-        upstreams = [Upstream(name, f"http://{name}:8000") for name in names]
-        gateway = Gateway(upstreams, transport=workers.transport())
+        links = [WorkerLink(name, f"http://{name}:8000") for name in names]
+        gateway = Gateway(links, transport=workers.transport())
         assert await gateway.start() == []
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(gateway)), base_url="http://gateway")
         started.append((gateway, client))
@@ -107,7 +107,7 @@ async def test_a_reply_is_relayed_as_is_and_its_usage_accounted(gateway_over) ->
     assert workers.bodies[0]["messages"] == chat()["messages"]
     seen = program(gateway, "p1")
     assert (seen["tokens"], seen["steps"], seen["phase"]) == (USAGE["total_tokens"], 1, "acting")
-    assert all(u.in_flight == 0 for u in gateway.upstreams.values())
+    assert all(u.in_flight == 0 for u in gateway.links.values())
 
 
 async def test_an_engine_error_is_relayed_with_its_status_and_not_retried(gateway_over) -> None:
@@ -118,7 +118,7 @@ async def test_an_engine_error_is_relayed_with_its_status_and_not_retried(gatewa
     assert len(workers.attempts) == 1
     seen = program(gateway, "p1")  # no usage: no step, the size stays the gateway's estimate
     assert seen["steps"] == 0 and seen["phase"] == "acting" and seen["tokens"] != USAGE["total_tokens"]
-    assert all(u.healthy for u in gateway.upstreams.values())
+    assert all(u.healthy for u in gateway.links.values())
 
 
 async def test_a_worker_that_refuses_is_failed_over_once_to_another(gateway_over) -> None:
@@ -129,10 +129,10 @@ async def test_a_worker_that_refuses_is_failed_over_once_to_another(gateway_over
 
     refused, served = workers.attempts
     assert refused != served
-    assert not gateway.upstreams[refused].healthy and gateway.upstreams[served].healthy
+    assert not gateway.links[refused].healthy and gateway.links[served].healthy
     seen = program(gateway, "p1")
     assert seen["backend"] == served and seen["tokens"] == USAGE["total_tokens"] and seen["steps"] == 1
-    assert all(u.in_flight == 0 for u in gateway.upstreams.values())
+    assert all(u.in_flight == 0 for u in gateway.links.values())
 
     # The program's next request goes to the worker that answered, at once.
     assert (await client.post("/v1/chat/completions", json=chat())).status_code == 200
@@ -147,7 +147,7 @@ async def test_no_second_retry_when_the_other_worker_refuses_too(gateway_over) -
     error = response.json()["error"]
     assert error["type"] == "backend_error" and f"backend {workers.attempts[-1]}" in error["message"]
     assert len(workers.attempts) == 2 and len(set(workers.attempts)) == 2
-    assert all(u.in_flight == 0 for u in gateway.upstreams.values())
+    assert all(u.in_flight == 0 for u in gateway.links.values())
 
 
 async def test_the_only_worker_refusing_is_a_502_without_a_retry(gateway_over) -> None:
@@ -167,7 +167,7 @@ async def test_stream_asks_for_usage_and_drops_the_chunk_the_client_did_not_ask_
     # The content chunk as the engine sent it; its usage-only chunk (and that event's blank line) gone.
     assert response.text == f"data: {json.dumps(CONTENT_CHUNK)}\n\ndata: [DONE]\n\n"
     assert program(gateway, "p1")["tokens"] == USAGE["total_tokens"]
-    assert all(u.in_flight == 0 for u in gateway.upstreams.values())
+    assert all(u.in_flight == 0 for u in gateway.links.values())
 
 
 async def test_stream_keeps_the_usage_chunk_a_client_asked_for(gateway_over) -> None:
@@ -196,4 +196,4 @@ async def test_a_stream_without_usage_counts_as_a_failed_request(gateway_over) -
     assert response.status_code == 200 and response.text == workers.stream_body.decode()
     seen = program(gateway, "p1")  # ended as a failed request: acting, no step, no engine count
     assert seen["steps"] == 0 and seen["phase"] == "acting" and seen["tokens"] != USAGE["total_tokens"]
-    assert all(u.in_flight == 0 for u in gateway.upstreams.values())
+    assert all(u.in_flight == 0 for u in gateway.links.values())

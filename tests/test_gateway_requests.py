@@ -6,7 +6,7 @@ import pytest
 
 from thunderctl.gateway.gateway import BusyMeter
 from thunderctl.gateway.requests import BadRequest, PromptShape, TokenEstimator, pop_program_id, prompt_shape
-from thunderctl.gateway.server import parse_backend
+from thunderctl.gateway.server import parse_worker
 
 
 @pytest.mark.parametrize(
@@ -69,20 +69,20 @@ def test_estimator_calibrates_from_engine_usage() -> None:
 
 
 @pytest.mark.parametrize(
-    ("spec", "backend_id", "url"),
+    ("spec", "worker_id", "url"),
     [
         ("http://127.0.0.1:8000", "127.0.0.1:8000", "http://127.0.0.1:8000"),
         ("w1=http://127.0.0.1:8001/", "w1", "http://127.0.0.1:8001"),
     ],
 )
-def test_backend_spec(spec, backend_id, url) -> None:
-    upstream = parse_backend(spec, 0)
-    assert (upstream.id, upstream.url) == (backend_id, url)
+def test_worker_spec(spec, worker_id, url) -> None:
+    link = parse_worker(spec, 0)
+    assert (link.id, link.url) == (worker_id, url)
 
 
-def test_backend_spec_without_scheme_is_rejected_with_the_fix() -> None:
+def test_worker_spec_without_scheme_is_rejected_with_the_fix() -> None:
     with pytest.raises(ValueError, match="expected http://HOST:PORT"):
-        parse_backend("127.0.0.1:8000", 0)
+        parse_worker("127.0.0.1:8000", 0)
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from prometheus_client.samples import Sample
 
-from thunderctl.gateway import Gateway, Upstream, build_app
+from thunderctl.gateway import Gateway, WorkerLink, build_app
 from thunderctl.gateway.timings import (
     ADMISSION_WAIT_SECONDS,
     LOOP_LAG_SECONDS,
@@ -47,8 +47,8 @@ def test_buckets_are_ten_a_decade_and_reach_the_top() -> None:
 
 @pytest.mark.anyio
 async def test_each_scheduled_request_and_each_tick_is_timed(fake_backend) -> None:
-    backend = fake_backend()
-    gateway = Gateway([Upstream("fake", backend.url)], SchedulerConfig(tick_interval_s=0.2))
+    worker = fake_backend()
+    gateway = Gateway([WorkerLink("fake", worker.url)], SchedulerConfig(tick_interval_s=0.2))
     await gateway.start()
     try:
         async with httpx.AsyncClient(
@@ -92,7 +92,7 @@ async def test_a_blocked_event_loop_is_measured_as_lag() -> None:
 
 @pytest.mark.anyio
 async def test_the_gateway_reports_its_event_loop_lag(fake_backend) -> None:
-    gateway = Gateway([Upstream("fake", fake_backend().url)], SchedulerConfig(tick_interval_s=0.2))
+    gateway = Gateway([WorkerLink("fake", fake_backend().url)], SchedulerConfig(tick_interval_s=0.2))
     await gateway.start()
     try:
         async with httpx.AsyncClient(

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from thunderctl.gateway import Gateway, Upstream, build_app
+from thunderctl.gateway import Gateway, WorkerLink, build_app
 from thunderctl.gateway.transport import AiohttpTransport
 from thunderctl.processes import pick_free_port
 
@@ -43,7 +43,7 @@ async def gateway_client(gateway: Gateway) -> httpx.AsyncClient:
 
 async def test_a_stream_and_a_whole_answer_arrive_as_the_engine_sent_them(start_sim) -> None:
     sim = start_sim("--time-scale", "0", "--served-model-name", MODEL)
-    gateway = Gateway([Upstream("w0", sim.url)])
+    gateway = Gateway([WorkerLink("w0", sim.url)])
     client = await gateway_client(gateway)
     try:
         async with httpx.AsyncClient() as direct:
@@ -60,7 +60,7 @@ async def test_a_stream_and_a_whole_answer_arrive_as_the_engine_sent_them(start_
         whole = await client.post("/v1/chat/completions", json=chat())
         assert whole.status_code == 200 and whole.json()["usage"]["completion_tokens"] == 12
         assert gateway.programs_view()[0]["steps"] == 2
-        assert gateway.upstreams["w0"].in_flight == 0
+        assert gateway.links["w0"].in_flight == 0
     finally:
         await client.aclose()
         await gateway.stop()
@@ -68,13 +68,13 @@ async def test_a_stream_and_a_whole_answer_arrive_as_the_engine_sent_them(start_
 
 async def test_a_worker_that_went_away_is_failed_over_to_the_other(start_sim) -> None:
     live, gone = (start_sim("--time-scale", "0", "--served-model-name", MODEL) for _ in range(2))
-    gateway = Gateway([Upstream("gone", gone.url), Upstream("live", live.url)])
+    gateway = Gateway([WorkerLink("gone", gone.url), WorkerLink("live", live.url)])
     client = await gateway_client(gateway)
     try:
         gone.stop()  # both idle: the least loaded is the first listed, the one gone
         response = await client.post("/v1/chat/completions", json=chat(program_id=None, stream=True))
         assert response.status_code == 200 and response.text.endswith("data: [DONE]\n\n")
-        assert not gateway.upstreams["gone"].healthy and gateway.upstreams["live"].healthy
+        assert not gateway.links["gone"].healthy and gateway.links["live"].healthy
     finally:
         await client.aclose()
         await gateway.stop()

@@ -50,25 +50,25 @@ def pair_gateway(vllm_pair, start_gateway):
 
 def test_program_stays_on_one_backend_and_counts_the_engines_usage(pair_gateway) -> None:
     messages = [SYSTEM, {"role": "user", "content": "List the files in the repository."}]
-    backends = set()
+    workers = set()
     for step in range(4):
         reply = chat(pair_gateway, "sticky", messages)
         messages += [reply["choices"][0]["message"], {"role": "user", "content": f"output {step}: ok " * 20}]
         program = pair_gateway.programs()["sticky"]
-        backends.add(program["backend"])
+        workers.add(program["backend"])
         assert program["tokens"] == reply["usage"]["total_tokens"]
         assert program["steps"] == step + 1 and program["phase"] == "acting"
-    assert len(backends) == 1
+    assert len(workers) == 1
 
 
 def test_release_frees_the_program_and_its_reservation(pair_gateway) -> None:
     chat(pair_gateway, "done", [{"role": "user", "content": "one step only"}])
-    backend = pair_gateway.programs()["done"]["backend"]
-    assert pair_gateway.metric("thunderctl_backend_reserved_tokens", backend=backend) > 0
+    worker = pair_gateway.programs()["done"]["backend"]
+    assert pair_gateway.metric("thunderctl_backend_reserved_tokens", backend=worker) > 0
     for _ in range(2):  # idempotent
         assert pair_gateway.http.post("/programs/release", json={"program_id": "done"}).status_code == 200
     assert "done" not in pair_gateway.programs()
-    assert pair_gateway.metric("thunderctl_backend_reserved_tokens", backend=backend) == 0
+    assert pair_gateway.metric("thunderctl_backend_reserved_tokens", backend=worker) == 0
 
 
 def test_program_that_never_releases_expires_after_its_ttl(vllm_pair, start_gateway) -> None:
@@ -138,8 +138,8 @@ def test_client_that_disconnects_mid_stream_frees_its_slot(pair_gateway) -> None
     with httpx.Client(base_url=pair_gateway.url, timeout=60) as client:
         with client.stream("POST", "/v1/chat/completions", json=body) as response:
             next(response.iter_lines())
-    backend = pair_gateway.programs()["gone"]["backend"]
-    wait_until(lambda: pair_gateway.metric("thunderctl_backend_requests_in_flight", backend=backend) == 0)
+    worker = pair_gateway.programs()["gone"]["backend"]
+    wait_until(lambda: pair_gateway.metric("thunderctl_backend_requests_in_flight", backend=worker) == 0)
     assert pair_gateway.programs()["gone"]["phase"] == "acting"
 
 

@@ -1,5 +1,5 @@
 """A profile's host KV tier as the gateway counts it: GiB to tokens, the command line, and the
-capacity the scheduler sees for the worker (a daemon over a fake backend; no GPU needed)."""
+capacity the scheduler sees for the worker (a daemon over a fake worker; no GPU needed)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ QWEN3_32B = {  # config.json's fields that size the KV (Qwen/Qwen3-32B)
     "num_hidden_layers": 64, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
     "hidden_size": 5120, "torch_dtype": "bfloat16",
 }  # fmt: skip
-FAKE_GPU_TOKENS = 4096 * 16  # what the fake backend's vllm:cache_config_info gives
+FAKE_GPU_TOKENS = 4096 * 16  # what the fake worker's vllm:cache_config_info gives
 
 
 @pytest.fixture
@@ -66,7 +66,7 @@ def gpu_profile(tmp_path: Path, url_port: int, **engine: object) -> Path:
 
 
 async def scheduler_backend(tmp_path: Path, backend_url: str, **engine: object):
-    """The daemon of a profile with one GPU worker (the fake backend), started: the scheduler's backend."""
+    """The daemon of a profile with one GPU worker (the fake worker), started: the scheduler's worker."""
     profile_path = gpu_profile(tmp_path, 8100, **engine)
     state = ClusterState("gpu", tmp_path / "state", str(profile_path), "http://127.0.0.1:8300/v1")
     state.workers.append(WorkerRecord("box/0", "box", backend_url, 0, "w.log"))
@@ -74,16 +74,16 @@ async def scheduler_backend(tmp_path: Path, backend_url: str, **engine: object):
     daemon = Daemon(ClusterState.load(state.dir))
     await daemon.gateway.start()
     try:
-        return daemon.gateway.scheduler.backends["box/0"]
+        return daemon.gateway.scheduler.workers["box/0"]
     finally:
         await daemon.gateway.stop()
 
 
 @pytest.mark.anyio
 async def test_a_profiles_host_tier_is_counted_as_the_workers_second_level(tmp_path: Path, fake_backend) -> None:
-    backend = await scheduler_backend(tmp_path, fake_backend().url, kv_offload_gib=870)
-    assert backend.capacity == FAKE_GPU_TOKENS  # the GPU's, as the engine reports it
-    assert backend.host_capacity == 870 * GIB // (2 * 64 * 8 * 128 * 2)  # 3,563,520 tokens
+    worker = await scheduler_backend(tmp_path, fake_backend().url, kv_offload_gib=870)
+    assert worker.capacity == FAKE_GPU_TOKENS  # the GPU's, as the engine reports it
+    assert worker.host_capacity == 870 * GIB // (2 * 64 * 8 * 128 * 2)  # 3,563,520 tokens
     profile = parse_profile(yaml.safe_load(gpu_profile(tmp_path, 8100, kv_offload_gib=870).read_text()), "p.yaml")
     line = plan_workers(profile, EngineHome(Path("/opt/thunderctl")))[0].shell_line()
     assert "--kv-offloading-backend native --kv-offloading-size 870" in line
@@ -91,14 +91,14 @@ async def test_a_profiles_host_tier_is_counted_as_the_workers_second_level(tmp_p
 
 @pytest.mark.anyio
 async def test_the_profile_may_state_the_kv_bytes_per_token(tmp_path: Path, fake_backend) -> None:
-    backend = await scheduler_backend(tmp_path, fake_backend().url, kv_offload_gib=10, kv_bytes_per_token=2**20)
-    assert backend.host_capacity == 10 * 1024
+    worker = await scheduler_backend(tmp_path, fake_backend().url, kv_offload_gib=10, kv_bytes_per_token=2**20)
+    assert worker.host_capacity == 10 * 1024
 
 
 @pytest.mark.anyio
 async def test_without_a_host_tier_the_worker_has_its_gpu_alone(tmp_path: Path, fake_backend) -> None:
-    backend = await scheduler_backend(tmp_path, fake_backend().url)
-    assert (backend.capacity, backend.host_capacity) == (FAKE_GPU_TOKENS, 0)
+    worker = await scheduler_backend(tmp_path, fake_backend().url)
+    assert (worker.capacity, worker.host_capacity) == (FAKE_GPU_TOKENS, 0)
 
 
 def test_a_tier_that_cannot_be_converted_is_not_counted_and_says_what_to_set(

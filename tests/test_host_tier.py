@@ -27,11 +27,11 @@ class FakeClock:
         return self.now
 
 
-def make(host: int, backends: tuple[str, ...] = ("a",), **overrides) -> tuple[Scheduler, list[ProgramEvent]]:
+def make(host: int, workers: tuple[str, ...] = ("a",), **overrides) -> tuple[Scheduler, list[ProgramEvent]]:
     events: list[ProgramEvent] = []
     sched = Scheduler(SchedulerConfig(**(BANDS | overrides)), FakeClock(), [events.append])
-    for backend_id in backends:
-        sched.add_backend(backend_id, GPU, host)
+    for worker_id in workers:
+        sched.add_worker(worker_id, GPU, host)
     return sched, events
 
 
@@ -83,7 +83,7 @@ def test_an_admitted_program_waits_while_its_decode_would_overfill_the_gpu() -> 
     assert sched.counters.gpu_waits == 1
     sched.on_response("p1", 400, 0)
     assert [e.kind for e in events if e.program.id == "p3"][-2:] == [EventKind.PAUSED, EventKind.RESUMED]
-    assert sched.programs["p3"].backend == "a"
+    assert sched.programs["p3"].worker == "a"
 
 
 def test_a_program_decoding_alone_is_admitted_whatever_its_size() -> None:
@@ -101,14 +101,14 @@ def test_without_decoders_an_admitted_program_returns_at_once(host: int) -> None
     assert sched.on_request("p2", 50) == "a"  # 850 decode, under the pause band
 
 
-def decoding_on(sched: Scheduler, backend_id: str) -> list[str]:
-    return [i for i in sched.backends[backend_id].programs if sched.programs[i].phase is Phase.REASONING]
+def decoding_on(sched: Scheduler, worker_id: str) -> list[str]:
+    return [i for i in sched.workers[worker_id].programs if sched.programs[i].phase is Phase.REASONING]
 
 
 def test_a_paused_program_resumes_where_its_host_tier_keeps_its_kv() -> None:
-    sched, _ = make(4 * GPU, backends=("a", "b"))
+    sched, _ = make(4 * GPU, workers=("a", "b"))
     acting(sched, "p", 400)
-    home = sched.programs["p"].backend
+    home = sched.programs["p"].worker
     other = "b" if home == "a" else "a"
     index = 0
     while sched.on_request(f"d{index}", 300) is not None:  # both GPUs fill with decodes
@@ -121,21 +121,21 @@ def test_a_paused_program_resumes_where_its_host_tier_keeps_its_kv() -> None:
     for program_id in decoding_on(sched, home):
         sched.on_response(program_id, 300, 0)
     assert sched.programs["p"].status is Status.ACTIVE
-    assert sched.programs["p"].backend == home
+    assert sched.programs["p"].worker == home
 
 
 HOLDER = 20_000
 
 
 def priced(gpu: int, host: int, transfer_tokens_per_s: float, tool_s: float) -> tuple[Scheduler, FakeClock]:
-    """Priced retention on one backend, its tools learnt to last `tool_s`; re-prefill at 10k tokens/s."""
+    """Priced retention on one worker, its tools learnt to last `tool_s`; re-prefill at 10k tokens/s."""
     clock = FakeClock()
     config = SchedulerConfig(
         **(BANDS | dict(retention=True)), prefill_tokens_per_s=10_000.0,
         host_transfer_tokens_per_s=transfer_tokens_per_s, tool_time_min_samples=8,
     )  # fmt: skip
     sched = Scheduler(config, clock)
-    sched.add_backend("a", gpu, host)
+    sched.add_worker("a", gpu, host)
     for _ in range(20):
         assert sched.on_request("trainer", 10) == "a"
         sched.on_response("trainer", 10, 0)

@@ -1,5 +1,5 @@
 """The gateway's and the sandbox pool's /metrics text: the names and values consumers read,
-label values escaped so that any backend id or host URL reads back as it was."""
+label values escaped so that any worker id or host URL reads back as it was."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from thunderctl.engines.vllm import EngineMetrics
-from thunderctl.gateway.gateway import Gateway, Upstream
+from thunderctl.gateway.gateway import Gateway, WorkerLink
 from thunderctl.gateway.metrics import render_metrics
 from thunderctl.prometheus import parse_samples
 from thunderctl.sandbox.metrics import render_sandbox_metrics
@@ -16,10 +16,10 @@ DOCS = Path(__file__).parent.parent / "docs"
 AWKWARD = 'say "hi"\\ C:\\dir\\\nnext line'  # quotes, backslashes and a newline
 
 
-def gateway_with(*upstreams: Upstream) -> Gateway:
-    gateway = Gateway(list(upstreams))
-    for upstream in upstreams:
-        gateway.scheduler.add_backend(upstream.id, upstream.capacity)
+def gateway_with(*links: WorkerLink) -> Gateway:
+    gateway = Gateway(list(links))
+    for link in links:
+        gateway.scheduler.add_worker(link.id, link.capacity)
     return gateway
 
 
@@ -44,7 +44,7 @@ def by_key(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 def test_a_backend_id_with_quotes_backslashes_and_newlines_reads_back_unchanged() -> None:
     gateway = gateway_with(
-        Upstream(AWKWARD, "http://127.0.0.1:1", in_flight=2, metrics=EngineMetrics(kv_capacity_tokens=4096))
+        WorkerLink(AWKWARD, "http://127.0.0.1:1", in_flight=2, metrics=EngineMetrics(kv_capacity_tokens=4096))
     )
     samples = by_key(render_metrics(gateway))
     assert samples[("thunderctl_backend_requests_in_flight", (("backend", AWKWARD),))] == 2
@@ -58,8 +58,8 @@ def test_a_host_url_with_quotes_backslashes_and_newlines_reads_back_unchanged() 
 
 def test_the_gateway_page_carries_its_counters_gauges_and_per_backend_figures() -> None:
     gateway = gateway_with(
-        Upstream("a", "http://127.0.0.1:1"),
-        Upstream("b", "http://127.0.0.1:2", in_flight=3, metrics=EngineMetrics(kv_capacity_tokens=4096)),
+        WorkerLink("a", "http://127.0.0.1:1"),
+        WorkerLink("b", "http://127.0.0.1:2", in_flight=3, metrics=EngineMetrics(kv_capacity_tokens=4096)),
     )
     gateway.scheduler.counters.pauses = 7
     gateway.last_utilization = 0.123456
@@ -78,7 +78,7 @@ def test_every_metric_docs_gateway_md_lists_is_on_the_page() -> None:
     table = (DOCS / "gateway.md").read_text().split("## Metrics", 1)[1]
     documented = set(re.findall(r"`(thunderctl_\w+)`", table))
     assert len(documented) >= 9
-    gateway = gateway_with(Upstream("a", "http://127.0.0.1:1", metrics=EngineMetrics(kv_capacity_tokens=1)))
+    gateway = gateway_with(WorkerLink("a", "http://127.0.0.1:1", metrics=EngineMetrics(kv_capacity_tokens=1)))
     names = {name for name, _ in by_key(render_metrics(gateway))}
     histograms = {name.removesuffix("_bucket") for name in names if name.endswith("_bucket")}
     assert documented <= names | histograms

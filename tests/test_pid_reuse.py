@@ -18,9 +18,10 @@ import pytest
 
 from test_cluster import Cli
 from test_local_engine import live_group_members, wait_for
-from thunderctl.cluster.lifecycle import any_worker_alive, stop_worker
+from thunderctl.cluster.nodes import Transports
 from thunderctl.cluster.state import ClusterState, WorkerRecord
-from thunderctl.cluster.transport import SshTarget, Transports
+from thunderctl.cluster.transport import SshTarget
+from thunderctl.cluster.workers import any_worker_alive, stop_worker
 
 if TYPE_CHECKING:
     from ssh_fixtures import SshNodes

@@ -21,38 +21,38 @@ class FakeClock:
 
 
 def make(placement: PlacementRule = PlacementRule.AFFINITY) -> Scheduler:
-    """Two backends of 1,000 tokens, admission up to 900; no buffer, no admission law."""
+    """Two workers of 1,000 tokens, admission up to 900; no buffer, no admission law."""
     config = SchedulerConfig(
         placement=placement, adaptive=False, retention=False, buffer_tokens=0,
         pause_threshold=0.95, pause_target=0.8, resume_threshold=0.9,
     )  # fmt: skip
     sched = Scheduler(config, FakeClock())
-    for backend_id in BACKENDS:
-        sched.add_backend(backend_id, 1000)
+    for worker_id in BACKENDS:
+        sched.add_worker(worker_id, 1000)
     return sched
 
 
-def homed_on(backend_id: str, count: int = 1, prefix: str = "p") -> list[str]:
+def homed_on(worker_id: str, count: int = 1, prefix: str = "p") -> list[str]:
     """Program ids whose CRC-32 modulo 2 names `backend_id`, as a hash-pinning client routes them."""
-    index = BACKENDS.index(backend_id)
+    index = BACKENDS.index(worker_id)
     ids = (f"{prefix}{i}" for i in range(10_000))
     return [pid for pid in ids if zlib.crc32(pid.encode()) % len(BACKENDS) == index][:count]
 
 
-def load(sched: Scheduler, backend_id: str, tokens: int) -> None:
+def load(sched: Scheduler, worker_id: str, tokens: int) -> None:
     """A decoding program of `tokens` on `backend_id` (placed there while the other is out)."""
-    others = [b for b in sched.backends.values() if b.id != backend_id]
-    for backend in others:
-        backend.schedulable = False
-    assert sched.on_request(f"load_{backend_id}", tokens) == backend_id
-    for backend in others:
-        backend.schedulable = True
+    others = [b for b in sched.workers.values() if b.id != worker_id]
+    for worker in others:
+        worker.schedulable = False
+    assert sched.on_request(f"load_{worker_id}", tokens) == worker_id
+    for worker in others:
+        worker.schedulable = True
 
 
 def test_home_is_the_hash_a_pinning_client_uses() -> None:
-    for backend_id in BACKENDS:
-        for pid in homed_on(backend_id, count=20):
-            assert home(pid, BACKENDS) == backend_id
+    for worker_id in BACKENDS:
+        for pid in homed_on(worker_id, count=20):
+            assert home(pid, BACKENDS) == worker_id
 
 
 @pytest.mark.parametrize(
@@ -60,16 +60,16 @@ def test_home_is_the_hash_a_pinning_client_uses() -> None:
     [
         ("a", {"a": 0, "b": 0}),
         ("b", {"a": 0, "b": 0}),
-        # its home is the fuller backend but has room: it still goes home
+        # its home is the fuller worker but has room: it still goes home
         ("a", {"a": 600, "b": 100}),
         ("b", {"a": 0, "b": 800}),
     ],
 )
 def test_a_new_program_goes_to_its_hash_home_when_it_fits(home_backend, loads) -> None:
     sched = make()
-    for backend_id, tokens in loads.items():
+    for worker_id, tokens in loads.items():
         if tokens:
-            load(sched, backend_id, tokens)
+            load(sched, worker_id, tokens)
     (pid,) = homed_on(home_backend)
     assert sched.on_request(pid, 50) == home_backend
 
@@ -77,15 +77,15 @@ def test_a_new_program_goes_to_its_hash_home_when_it_fits(home_backend, loads) -
 @pytest.mark.parametrize(
     ("home_backend", "loads", "placed"),
     [
-        # 880 + 50 is over the 900 band at home: the other backend takes it
+        # 880 + 50 is over the 900 band at home: the other worker takes it
         ("a", {"a": 880, "b": 100}, "b"),
         ("b", {"a": 300, "b": 860}, "a"),
     ],
 )
 def test_a_new_program_whose_home_is_full_goes_to_the_most_headroom(home_backend, loads, placed) -> None:
     sched = make()
-    for backend_id, tokens in loads.items():
-        load(sched, backend_id, tokens)
+    for worker_id, tokens in loads.items():
+        load(sched, worker_id, tokens)
     (pid,) = homed_on(home_backend)
     assert sched.on_request(pid, 50) == placed
 
@@ -93,16 +93,16 @@ def test_a_new_program_whose_home_is_full_goes_to_the_most_headroom(home_backend
 @pytest.mark.parametrize(("ran_on", "other"), [("a", "b"), ("b", "a")])
 def test_a_paused_program_returns_to_the_backend_it_ran_on_when_it_fits(ran_on, other) -> None:
     sched = make()
-    (pid,) = homed_on(other)  # its hash says the other backend: where it ran wins
+    (pid,) = homed_on(other)  # its hash says the other worker: where it ran wins
     load(sched, ran_on, 500)
-    sched.backends[other].schedulable = False
+    sched.workers[other].schedulable = False
     assert sched.on_request(pid, 200) == ran_on
     sched.on_response(pid, 200, 0)
-    sched.backends[other].schedulable = True
+    sched.workers[other].schedulable = True
     sched.drain(ran_on)  # it pauses ACTING; nothing new goes there until undrained
     assert sched.programs[pid].status is Status.PAUSED
     sched.set_schedulable(ran_on, True)
-    assert sched.on_request(pid, 220) == ran_on  # although the other backend is empty
+    assert sched.on_request(pid, 220) == ran_on  # although the other worker is empty
 
 
 @pytest.mark.parametrize(("home_backend", "roomier"), [("a", "b"), ("b", "a")])
@@ -110,7 +110,7 @@ def test_while_another_program_waits_a_program_goes_to_the_most_headroom(home_ba
     sched = make()
     load(sched, home_backend, 500)  # room 400 at home, 600 on the other
     load(sched, roomier, 300)
-    assert sched.on_request("huge", 650) is None  # fits neither backend: it waits
+    assert sched.on_request("huge", 650) is None  # fits neither worker: it waits
     (pid,) = homed_on(home_backend)
     # ahead of huge in the queue (shorter), admitted while huge still waits: the room decides
     assert sched.on_request(pid, 100) == roomier

@@ -26,7 +26,7 @@ def run(aging_tokens_per_s: float | None, seconds: int = 120) -> tuple[float | N
         resume_aging_tokens_per_s=aging_tokens_per_s, new_program_delay_s=0,
     )  # fmt: skip
     sched = Scheduler(config, clock)
-    sched.add_backend("a", 1000)
+    sched.add_worker("a", 1000)
     assert sched.on_request("hog", HOG) == "a"
     smalls: dict[str, tuple[float, float]] = {}
     asked: dict[str, float] = {}
@@ -69,7 +69,7 @@ def test_without_aging_a_stream_of_shorter_programs_starves_a_large_one() -> Non
 
 
 def test_a_program_at_its_wait_bound_is_admitted_at_once_acting_programs_pausing_for_it() -> None:
-    """A full backend of ACTING programs that keep returning, and one that asks while it is full:
+    """A full worker of ACTING programs that keep returning, and one that asks while it is full:
     it waits no longer than the bound (not until the forced resume), and the ACTING program
     longest in its tool is the one that makes room."""
     clock = FakeClock()
@@ -78,7 +78,7 @@ def test_a_program_at_its_wait_bound_is_admitted_at_once_acting_programs_pausing
         wait_bound_s=100, new_program_delay_s=0,
     )  # fmt: skip
     sched = Scheduler(config, clock)
-    sched.add_backend("a", 1000)
+    sched.add_worker("a", 1000)
     for index in range(3):  # 900 of 1000: the resume band is full
         clock.now = float(index)
         sched.on_request(f"held-{index}", 300)
@@ -109,7 +109,7 @@ def test_without_a_wait_bound_only_the_forced_resume_ends_the_wait() -> None:
         adaptive=False, retention=False, buffer_tokens=0, resume_timeout_s=200, idle_ttl_s=10_000, wait_bound_s=None
     )
     sched = Scheduler(config, clock)
-    sched.add_backend("a", 1000)
+    sched.add_worker("a", 1000)
     for index in range(3):
         sched.on_request(f"held-{index}", 300)
         sched.on_response(f"held-{index}", 300, 0)

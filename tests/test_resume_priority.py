@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import pytest
 
-from thunderctl.gateway import Gateway, Upstream, build_app
+from thunderctl.gateway import Gateway, WorkerLink, build_app
 from thunderctl.gateway.answers import RESUMED_PRIORITY, resume_priority
 
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -36,8 +36,8 @@ def test_the_profiles_engine_args_say_whether_a_priority_is_sent(args: list[str]
 async def test_a_request_that_waited_for_its_resume_carries_the_priority_only_when_asked(
     fake_backend, priority
 ) -> None:
-    backend = fake_backend()
-    gateway = Gateway([Upstream("fake", backend.url)], resumed_priority=priority)
+    worker = fake_backend()
+    gateway = Gateway([WorkerLink("fake", worker.url)], resumed_priority=priority)
     await gateway.start()
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(gateway)), base_url="http://gateway")
     try:
@@ -52,6 +52,6 @@ async def test_a_request_that_waited_for_its_resume_carries_the_priority_only_wh
     finally:
         await client.aclose()
         await gateway.stop()
-    first, resumed = backend.bodies
+    first, resumed = worker.bodies
     assert "priority" not in first  # admitted at once: nothing to boost
     assert resumed.get("priority") == priority if priority is not None else "priority" not in resumed

@@ -13,7 +13,7 @@ from thunderctl.scheduler.retention import GapSamples, PrefillRate, ToolTimes
 CAPACITY = 100_000
 PREFILL_TOKENS_PER_S = 10_000.0  # the whole cache recomputes in 10 s: the break-even tool time
 HOLDER_TOKENS = 20_000
-WAITER_TOKENS = 150_000  # more than the backend holds: it waits until the backend is empty
+WAITER_TOKENS = 150_000  # more than the worker holds: it waits until the worker is empty
 MIN_SAMPLES = 8
 TRAINING_GAPS = 200
 
@@ -32,7 +32,7 @@ def make(clock: FakeClock) -> Scheduler:
         prefill_tokens_per_s=PREFILL_TOKENS_PER_S, tool_time_min_samples=MIN_SAMPLES,
     )  # fmt: skip
     sched = Scheduler(config, clock)
-    sched.add_backend("a", CAPACITY)
+    sched.add_worker("a", CAPACITY)
     return sched
 
 

@@ -45,17 +45,17 @@ def make(
     clock = FakeClock()
     events: list[ProgramEvent] = []
     sched = Scheduler(SchedulerConfig(**(BASE | overrides)), clock, [events.append])
-    for backend_id, capacity in (capacities or {"a": 1000}).items():
-        sched.add_backend(backend_id, capacity)
+    for worker_id, capacity in (capacities or {"a": 1000}).items():
+        sched.add_worker(worker_id, capacity)
     return sched, clock, events
 
 
 def run_step(sched: Scheduler, program_id: str, prompt: int, completion: int = 0) -> str | None:
     """One full turn: request admitted, response with the given usage."""
-    backend = sched.on_request(program_id, prompt)
-    if backend is not None:
+    worker = sched.on_request(program_id, prompt)
+    if worker is not None:
         sched.on_response(program_id, prompt, completion)
-    return backend
+    return worker
 
 
 def assert_settled(sched: Scheduler, clock: FakeClock, events: list[ProgramEvent], message: str) -> None:
@@ -176,15 +176,15 @@ def test_resume_runs_before_pause_within_one_tick() -> None:
 )
 def test_resume_order_is_waiting_then_new_then_acting_shortest_first(capacity, resumed) -> None:
     sched, _, _ = make()
-    sched.on_request("anchor", 0)  # keeps the backend from counting as idle
+    sched.on_request("anchor", 0)  # keeps the worker from counting as idle
     for pid, size in [("w_long", 300), ("w_short", 100), ("idle", 50)]:
         run_step(sched, pid, size)
-    sched.add_backend("a", 10)
+    sched.add_worker("a", 10)
     sched.tick()  # every ACTING program pauses
     sched.set_schedulable("a", False)
     for pid, size in [("w_long", 300), ("w_short", 100), ("new_tiny", 10)]:
         assert sched.on_request(pid, size) is None
-    sched.add_backend("a", capacity)
+    sched.add_worker("a", capacity)
     sched.set_schedulable("a", True)
     sched.tick()
     assert {p.id for p in sched.programs.values() if p.status is Status.ACTIVE} - {"anchor"} == resumed
@@ -202,13 +202,13 @@ def test_new_program_waits_behind_paused_programs_with_requests() -> None:
     assert sched.on_request("newcomer", 250) is None  # would fit, but old is ahead
 
 
-def place_on(sched: Scheduler, backend_id: str, program_id: str, size: int) -> None:
-    others = [b for b in sched.backends.values() if b.id != backend_id]
-    for backend in others:
-        backend.schedulable = False
+def place_on(sched: Scheduler, worker_id: str, program_id: str, size: int) -> None:
+    others = [b for b in sched.workers.values() if b.id != worker_id]
+    for worker in others:
+        worker.schedulable = False
     run_step(sched, program_id, size)
-    for backend in others:
-        backend.schedulable = True
+    for worker in others:
+        worker.schedulable = True
 
 
 @pytest.mark.parametrize(
@@ -222,16 +222,16 @@ def place_on(sched: Scheduler, backend_id: str, program_id: str, size: int) -> N
 )
 def test_while_others_wait_resume_places_largest_first_on_most_headroom(loads, waiting, placement) -> None:
     sched, _, _ = make({"a": 1000, "b": 1000})
-    for backend_id, size in loads.items():
-        place_on(sched, backend_id, f"load_{backend_id}", size)
-    for backend_id in sched.backends:
-        sched.set_schedulable(backend_id, False)
+    for worker_id, size in loads.items():
+        place_on(sched, worker_id, f"load_{worker_id}", size)
+    for worker_id in sched.workers:
+        sched.set_schedulable(worker_id, False)
     for pid, size in waiting.items():
         assert sched.on_request(pid, size) is None
-    for backend in sched.backends.values():
-        backend.schedulable = True  # both at once, so the tick places them all
+    for worker in sched.workers.values():
+        worker.schedulable = True  # both at once, so the tick places them all
     sched.tick()
-    assert {pid: sched.programs[pid].backend for pid in placement} == placement
+    assert {pid: sched.programs[pid].worker for pid in placement} == placement
     assert sched.programs["huge"].status is Status.PAUSED
 
 
@@ -390,12 +390,12 @@ def test_drain_pauses_acting_programs_and_lets_reasoning_ones_finish() -> None:
     sched.set_schedulable("b", True)
     sched.drain("a")
     assert sched.programs["tool"].status is Status.PAUSED
-    assert sched.programs["decode"].backend == "a" and sched.programs["decode"].pause_at_boundary
+    assert sched.programs["decode"].worker == "a" and sched.programs["decode"].pause_at_boundary
     sched.on_response("decode", 200, 10)
     assert sched.programs["decode"].status is Status.PAUSED  # at its tool boundary
-    assert not sched.backends["a"].programs
+    assert not sched.workers["a"].programs
     sched.tick()  # both resume elsewhere
-    assert {sched.programs[p].backend for p in ("tool", "decode")} == {"b"}
+    assert {sched.programs[p].worker for p in ("tool", "decode")} == {"b"}
 
 
 def test_draining_backend_takes_no_new_program_until_undrained() -> None:
@@ -410,10 +410,10 @@ def test_requeued_program_resumes_on_a_healthy_backend_first_in_line() -> None:
     sched, _, _ = make({"a": 1000, "b": 1000})
     place_on(sched, "a", "victim", 300)
     sched.on_request("victim", 350)
-    sched.set_schedulable("a", False)  # the backend died
+    sched.set_schedulable("a", False)  # the worker died
     sched.requeue("victim")
     program = sched.programs["victim"]
-    assert program.status is Status.ACTIVE and program.backend == "b"
+    assert program.status is Status.ACTIVE and program.worker == "b"
     assert program.phase is Phase.REASONING
 
 
@@ -456,7 +456,7 @@ def test_open_gate_admits_every_waiting_request_and_pauses_nobody() -> None:
     sched, clock, _ = make()
     sched.tuner.rung = len(sched.tuner.levels) - 1  # the law measured the engine alone better
     for i in range(3):
-        assert run_step(sched, f"p{i}", 600) == "a"  # 1,800 tokens on a 1,000-token backend
+        assert run_step(sched, f"p{i}", 600) == "a"  # 1,800 tokens on a 1,000-token worker
     clock.advance(5)
     sched.tick()
     assert not sched.paused()
@@ -502,13 +502,13 @@ def test_ledger_and_queue_match_a_full_recount_after_any_history() -> None:
             clock.advance(1)
             sched.adapt(rng.random())
             sched.tick()
-        for backend in sched.backends.values():
-            fast = sched._load(backend, physical=False).tokens
+        for worker in sched.workers.values():
+            fast = sched._load(worker, physical=False).tokens
             recount = sum(
-                (sched._weight(p, False) * p.private_tokens + 16) for p in map(sched.programs.get, backend.programs)
+                (sched._weight(p, False) * p.private_tokens + 16) for p in map(sched.programs.get, worker.programs)
             ) + sum(
                 {
-                    p.prefix_key: p.prefix_tokens for p in map(sched.programs.get, backend.programs) if p.prefix_key
+                    p.prefix_key: p.prefix_tokens for p in map(sched.programs.get, worker.programs) if p.prefix_key
                 }.values()
             )
             assert fast == pytest.approx(recount, abs=1e-6)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from thunderctl.gateway import Gateway, Upstream, build_app
+from thunderctl.gateway import Gateway, WorkerLink, build_app
 from thunderctl.gateway.requests import BadRequest, ends_session, pop_program_id
 
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -104,8 +104,8 @@ async def test_a_bad_final_header_is_a_400_and_releases_nothing(gateway_app) -> 
 @pytest.mark.anyio
 async def test_a_streamed_final_response_releases_only_after_its_last_byte(fake_backend) -> None:
     """Driven as a server drives the app, so each message sent to the client is seen as it goes."""
-    backend = fake_backend()
-    gateway = Gateway([Upstream("fake", backend.url)])
+    worker = fake_backend()
+    gateway = Gateway([WorkerLink("fake", worker.url)])
     await gateway.start()
     events: list[tuple[str, Any]] = []
 

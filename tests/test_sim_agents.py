@@ -14,7 +14,7 @@ from thunderctl.sim.clock import VirtualClock
 from thunderctl.sim.cost import EngineShape, LinearStepCost
 from thunderctl.sim.engine import Engine
 from thunderctl.sim.routing import StickyRouter
-from thunderctl.sim.worker import Worker
+from thunderctl.sim.worker import SimWorker
 from thunderctl.traceformat import TraceProgram
 
 PREPARATION_S = 30.0
@@ -59,7 +59,7 @@ def first_records(*, aged: bool, seed: int = 3) -> dict[int, tuple[int, float]]:
     """Each program's first simulated step: (its index in the program, when it was sent)."""
     clock = VirtualClock()
     loop = ClosedLoop(
-        WORKLOAD, seed, CONCURRENCY, clock, StickyRouter([Worker("w0", Engine(SHAPE, COST), clock)]), SHAPE.block_size,
+        WORKLOAD, seed, CONCURRENCY, clock, StickyRouter([SimWorker("w0", Engine(SHAPE, COST), clock)]), SHAPE.block_size,
         age_initial_programs=aged,
     )  # fmt: skip
     loop.start()

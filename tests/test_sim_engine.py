@@ -11,7 +11,7 @@ from thunderctl.sim.clock import VirtualClock
 from thunderctl.sim.cost import EngineShape, StepLoad
 from thunderctl.sim.engine import Engine, Request, TokenStream
 from thunderctl.sim.kv import HostTier
-from thunderctl.sim.worker import Worker
+from thunderctl.sim.worker import SimWorker
 
 BLOCK = 4
 
@@ -35,9 +35,9 @@ def shape(blocks: int = 64, budget: int = 64, seqs: int = 8) -> EngineShape:
     )
 
 
-def make_worker(engine: Engine) -> tuple[Worker, VirtualClock]:
+def make_worker(engine: Engine) -> tuple[SimWorker, VirtualClock]:
     clock = VirtualClock()
-    return Worker("w0", engine, clock), clock
+    return SimWorker("w0", engine, clock), clock
 
 
 def serve_one_by_one(engine: Engine, requests: list[Request]) -> None:

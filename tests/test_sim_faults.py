@@ -156,7 +156,7 @@ def listeners(ports: set[int]) -> dict[int, set[int]]:
 def programs_of(sim: SimCluster, worker_id: str) -> set[str]:
     """The worker's programs once it has some."""
     wait_for(lambda: worker_id in sim.programs_on().values(), 30, f"programs on {worker_id}")
-    return {program for program, backend in sim.programs_on().items() if backend == worker_id}
+    return {program for program, worker in sim.programs_on().items() if worker == worker_id}
 
 
 def test_a_killed_workers_programs_resume_on_the_others_with_no_failed_request(cluster: SimCluster) -> None:
@@ -172,7 +172,7 @@ def test_a_killed_workers_programs_resume_on_the_others_with_no_failed_request(c
     print(f"\nFAULT kill: {len(moved)} programs on {victim.id}; first answered elsewhere {resumed_s:.2f} s after "
           f"the kill; {result.steps_ok} requests ok, {result.steps_failed} failed; load {os.getloadavg()[0]:.1f}")  # fmt: skip
     assert result.steps_failed == 0 and result.steps_ok > PROGRAMS
-    assert all(backend != victim.id for backend in cluster.programs_on().values())
+    assert all(worker != victim.id for worker in cluster.programs_on().values())
 
 
 def test_the_dead_worker_is_started_again_rejoins_and_up_restarts_it_when_backoff_holds(cluster: SimCluster) -> None:
@@ -264,7 +264,7 @@ def test_a_stalled_worker_is_taken_out_within_the_bound_and_its_programs_resume(
           f"{METRICS_POLL_S:g} s); first of its {len(moved)} programs answered elsewhere {resumed_s:.2f} s after it; "
           f"{result.steps_ok} ok, {result.steps_failed} failed; load {os.getloadavg()[0]:.1f}")  # fmt: skip
     assert result.steps_failed == 0 and result.steps_ok > PROGRAMS
-    assert all(backend != victim.id for backend in sim.programs_on().values())
+    assert all(worker != victim.id for worker in sim.programs_on().values())
     row = next(line for line in sim.cli("status").stdout.splitlines() if victim.id in line)
     assert "stalled" in row
 

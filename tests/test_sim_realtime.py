@@ -3,7 +3,7 @@ and the engine's count of a request's sampled tokens, which the server streams f
 
 from __future__ import annotations
 
-from thunderctl.engines.sim_tokens import BlockIds, ContentStream, answer_words, render_chat, token_ids
+from thunderctl.engines.simulated.tokens import BlockIds, ContentStream, answer_words, render_chat, token_ids
 from thunderctl.sim.cost import EngineShape, LinearStepCost
 from thunderctl.sim.engine import Engine, Request
 

@@ -8,16 +8,16 @@ from thunderctl.sim.clock import VirtualClock
 from thunderctl.sim.cost import EngineShape, LinearStepCost
 from thunderctl.sim.engine import Engine
 from thunderctl.sim.routing import LeastLoadedRouter, PolicyRouter, StickyRouter
-from thunderctl.sim.worker import Worker
+from thunderctl.sim.worker import SimWorker
 
 COST = LinearStepCost(base_s=0.01, per_token_s=0.0, per_attention_pair_s=0.0, per_seq_s=0.0, per_context_token_s=0.0)
 
 
-def workers(clock: VirtualClock, count: int = 2, blocks: int = 64) -> list[Worker]:
+def workers(clock: VirtualClock, count: int = 2, blocks: int = 64) -> list[SimWorker]:
     shape = EngineShape(
         num_gpu_blocks=blocks, block_size=16, max_num_batched_tokens=256, max_num_seqs=8, max_model_len=1024
     )
-    return [Worker(f"w{i}", Engine(shape, COST), clock) for i in range(count)]
+    return [SimWorker(f"w{i}", Engine(shape, COST), clock) for i in range(count)]
 
 
 def test_sticky_sends_every_request_of_a_program_to_one_worker() -> None:

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from thunderctl.engines.sim_process import SIM_MODULE, SimProcess
+from thunderctl.engines.simulated.process import SIM_MODULE, SimProcess
 from thunderctl.engines.vllm import EngineMetrics, parse_metrics
 from thunderctl.processes import poll_until
 from thunderctl.sim.presets import CPU_TINY_COST

@@ -16,26 +16,19 @@ from rich.markup import escape
 from rich.table import Table
 
 from thunderctl.bench.cli import bench_app
-from thunderctl.cluster.lifecycle import (
-    LaunchError,
-    any_worker_alive,
-    existing_state,
-    follow_lines,
-    launch,
-    reconcile,
-    recover,
-    tear_down,
-)
+from thunderctl.cluster.nodes import Transports
 from thunderctl.cluster.plan import plan_workers
 from thunderctl.cluster.preflight import Check, preflight
 from thunderctl.cluster.state import ClusterNotFound, ClusterState, find_cluster
-from thunderctl.cluster.transport import TransportError, Transports
+from thunderctl.cluster.transport import TransportError
+from thunderctl.cluster.workers import LaunchError, any_worker_alive, follow_lines
 from thunderctl.daemon.client import control_client, daemon_answers, fetch_status
 from thunderctl.daemon.service import collect_orphaned_sandboxes
 from thunderctl.daemon.status import ClusterStatus
 from thunderctl.engines.cli import engine_app
 from thunderctl.gateway.command import serve
 from thunderctl.integrations.cli import agents_app
+from thunderctl.lifecycle.up_down import existing_state, launch, reconcile, recover, tear_down
 from thunderctl.profile import DEFAULT_PROFILE, Profile, ProfileError, load_profile, state_root
 from thunderctl.status_screen import status_renderable
 from thunderctl.terminal import err, fail, out

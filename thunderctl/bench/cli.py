@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
@@ -35,14 +35,12 @@ from thunderctl.bench.swe_lite import (
     TOOL_SECONDS,
 )
 from thunderctl.bench.workloads import WorkloadChoice
-from thunderctl.cluster.state import ClusterNotFound, find_cluster
-from thunderctl.cluster.worker_key import read_worker_key
-from thunderctl.daemon.client import daemon_answers, fetch_status
+from thunderctl.cluster.state import ClusterNotFound
 from thunderctl.engines.vllm import API_KEY_ENV as ENGINE_KEY_ENV
 from thunderctl.gateway.auth import API_KEY_ENV
-from thunderctl.integrations.cluster import ClusterClient
+from thunderctl.integrations.cluster import ClusterClient, Endpoints, cluster_endpoints
 from thunderctl.jsonapi import bearer_headers
-from thunderctl.profile import ProfileError, load_profile, state_root
+from thunderctl.profile import ProfileError
 from thunderctl.traceformat import TraceFormatError, write_trace
 
 bench_app = typer.Typer(
@@ -61,14 +59,6 @@ class TargetArm(StrEnum):
 
 
 @dataclass(frozen=True)
-class Endpoints:
-    endpoint: str  # OpenAI-compatible base URL, without /v1
-    engines: list[str]  # the vLLM servers behind it: the direct arm and the /metrics source
-    api_key: str | None = field(default=None, repr=False)  # the endpoint's
-    engine_key: str | None = field(default=None, repr=False)  # the engines'
-
-
-@dataclass(frozen=True)
 class EndpointInfo:
     model: str
     max_model_len: int | None
@@ -82,19 +72,6 @@ def fail(console: Console, message: str) -> typer.Exit:
 
 def base_url(url: str) -> str:
     return url.rstrip("/").removesuffix("/v1")
-
-
-def cluster_endpoints(name: str | None) -> Endpoints:
-    """The running cluster's gateway and its workers in service, from its daemon."""
-    state = find_cluster(state_root(), name)
-    if not daemon_answers(state):
-        raise ClusterNotFound(
-            f"cluster {state.cluster!r} is not running (its daemon does not answer); "
-            "`thunderctl up` starts it, or give --endpoint URL"
-        )
-    status = fetch_status(state)
-    api_key = load_profile(Path(state.profile_path)).gateway.auth().api_key
-    return Endpoints(base_url(status.endpoint), status.ready_urls(), api_key, read_worker_key(state.dir))
 
 
 def probe(endpoint: str, api_key: str | None) -> EndpointInfo:

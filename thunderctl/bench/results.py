@@ -10,12 +10,41 @@ import operator
 from collections.abc import Sequence
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields, replace
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from thunderctl.engines.vllm import EngineMetrics
 
-if TYPE_CHECKING:  # sandboxes.py builds on this module
-    from thunderctl.bench.sandboxes import SandboxSample, ToolRecord
+
+@dataclass(frozen=True)
+class ToolRecord:
+    """One tool step's exec: `wait_s` is its latency minus the command's own duration, the time the
+    step waited for its sandbox (readiness on a first exec, then the round trip)."""
+
+    program_id: str
+    step: int
+    start_s: float
+    latency_s: float
+    command_s: float | None
+    ok: bool
+    error: str | None = None
+
+    @property
+    def wait_s(self) -> float | None:
+        return None if self.command_s is None else max(0.0, self.latency_s - self.command_s)
+
+
+@dataclass(frozen=True)
+class SandboxSample:
+    """The pool's containers and disk at `t_s`, from the gateway's `/metrics`."""
+
+    t_s: float
+    containers: int
+    disk_bytes: dict[str, float]  # per host; measured by the pool's maintenance round
+    disk_age_s: dict[str, float] = field(default_factory=dict)  # per host: how long before t_s
+
+    def disk_measured_since(self, t_s: float) -> bool:
+        """Every host's disk figure was measured at or after `t_s` (as far as the gateway says)."""
+        return all(self.t_s - age >= t_s for age in self.disk_age_s.values())
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import httpx
 
 from thunderctl.bench.planning import ProgramPlan, StepPlan
-from thunderctl.bench.results import percentile
+from thunderctl.bench.results import SandboxSample, ToolRecord, percentile
 from thunderctl.integrations.cluster import ClusterClient, ClusterError
 from thunderctl.jsonapi import bearer_headers
 from thunderctl.prometheus import parse_samples
@@ -54,38 +54,6 @@ def tool_command(step: StepPlan, time_scale: float) -> str:
     """A busybox-compatible command that takes the step's tool time and writes its observation."""
     seconds = step.tool_seconds * time_scale
     return f"sleep {seconds:.3f}; head -c {step.observation_tokens * BYTES_PER_TOKEN} /dev/zero >> {OBSERVATION_FILE}"
-
-
-@dataclass(frozen=True)
-class ToolRecord:
-    """One tool step's exec: `wait_s` is its latency minus the command's own duration, the time the
-    step waited for its sandbox (readiness on a first exec, then the round trip)."""
-
-    program_id: str
-    step: int
-    start_s: float
-    latency_s: float
-    command_s: float | None
-    ok: bool
-    error: str | None = None
-
-    @property
-    def wait_s(self) -> float | None:
-        return None if self.command_s is None else max(0.0, self.latency_s - self.command_s)
-
-
-@dataclass(frozen=True)
-class SandboxSample:
-    """The pool's containers and disk at `t_s`, from the gateway's `/metrics`."""
-
-    t_s: float
-    containers: int
-    disk_bytes: dict[str, float]  # per host; measured by the pool's maintenance round
-    disk_age_s: dict[str, float] = field(default_factory=dict)  # per host: how long before t_s
-
-    def disk_measured_since(self, t_s: float) -> bool:
-        """Every host's disk figure was measured at or after `t_s` (as far as the gateway says)."""
-        return all(self.t_s - age >= t_s for age in self.disk_age_s.values())
 
 
 def read_sandbox_sample(t_s: float, metrics_text: str) -> SandboxSample:

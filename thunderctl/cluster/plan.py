@@ -15,7 +15,7 @@ from thunderctl.engines.local import (
     vllm_server_command,
     vllm_server_env,
 )
-from thunderctl.engines.sim_process import sim_command
+from thunderctl.engines.simulated.process import sim_command
 from thunderctl.engines.vllm import API_KEY_ENV
 from thunderctl.gateway.auth import is_loopback_host
 from thunderctl.profile import BUILTIN_TINY_MODEL, NodeSpec, Profile

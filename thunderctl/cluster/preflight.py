@@ -16,6 +16,7 @@ from thunderctl.cluster.gpus import (
     short_of_memory,
 )
 from thunderctl.cluster.install import HF_CACHE, image, venv_dir, vllm_probe
+from thunderctl.cluster.nodes import Transports
 from thunderctl.cluster.plan import (
     WorkerPlan,
     bind_host,
@@ -23,13 +24,7 @@ from thunderctl.cluster.plan import (
     ssh_target,
     worker_python,
 )
-from thunderctl.cluster.transport import (
-    Transport,
-    TransportError,
-    Transports,
-    free_gib,
-    in_parallel,
-)
+from thunderctl.cluster.transport import Transport, TransportError, free_gib, in_parallel
 from thunderctl.engines.local import EngineHome
 from thunderctl.processes import port_free
 from thunderctl.profile import BUILTIN_TINY_MODEL, NodeSpec, Profile, state_root

@@ -10,14 +10,12 @@ import shlex
 import shutil
 import signal
 import subprocess
-import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
-from typing import Self, TypeVar
+from typing import TypeVar
 
 from thunderctl.processes import (
     GroupStop,
@@ -207,39 +205,6 @@ def free_gib(path: Path) -> float:
     while not path.exists():
         path = path.parent
     return shutil.disk_usage(path).free / 2**30
-
-
-class Transports:
-    """The open transports of one command, one per node, closed together at the end.
-
-    Thread-safe: nodes are handled in parallel, and a node's connection is opened once.
-    """
-
-    def __init__(self) -> None:
-        self._open: dict[SshTarget | None, Transport] = {}
-        self._lock = threading.Lock()
-
-    def to(self, target: SshTarget | None) -> Transport:
-        """The node at `target`; None is this machine."""
-        # Imported here: the local-only commands (and the daemon) do not load paramiko.
-        from thunderctl.cluster.ssh import SshTransport
-
-        with self._lock:
-            if target not in self._open:
-                self._open[target] = LocalTransport() if target is None else SshTransport(target)
-            return self._open[target]
-
-    def close(self) -> None:
-        with self._lock:
-            for transport in self._open.values():
-                transport.close()
-            self._open.clear()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
-        self.close()
 
 
 def in_parallel(work: Callable[[T], R], items: list[T]) -> list[R]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
@@ -13,9 +13,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from thunderctl.cluster.lifecycle import stop_worker
-from thunderctl.cluster.state import WorkerRecord
-from thunderctl.cluster.transport import Transports
+from thunderctl.cluster.nodes import Transports
+from thunderctl.cluster.state import ClusterState, WorkerRecord
+from thunderctl.cluster.workers import stop_worker
 from thunderctl.daemon.status import (
     ClusterStatus,
     GatewayStatus,
@@ -24,11 +24,28 @@ from thunderctl.daemon.status import (
     SchedulerStatus,
     WorkerStatus,
 )
+from thunderctl.daemon.supervisor import RestartPlanner
+from thunderctl.gateway import Gateway
+from thunderctl.gateway.auth import GatewayAuth
 from thunderctl.jsonapi import BadRequest, bad_request, error, read_json_object, shown
 from thunderctl.scheduler import Phase, Status
 
-if TYPE_CHECKING:
-    from thunderctl.daemon.service import Daemon
+
+class Daemon(Protocol):
+    """What the control API reads and calls of the daemon that serves it (daemon/service.py)."""
+
+    state: ClusterState
+    gateway: Gateway
+    auth: GatewayAuth
+    restarts: RestartPlanner
+    started_at: float
+    stopping: bool
+
+    async def revive_workers(self, *, now: bool = False) -> list[str]: ...
+
+    def sandbox_stats(self) -> dict: ...
+
+    def request_exit(self) -> None: ...
 
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 60.0
@@ -73,18 +90,18 @@ def status_view(daemon: Daemon) -> ClusterStatus:
     gateway, scheduler = daemon.gateway, daemon.gateway.scheduler
     workers = []
     for record in daemon.state.workers:
-        upstream = gateway.upstreams[record.id]
-        metrics = upstream.metrics
+        link = gateway.links[record.id]
+        metrics = link.metrics
         workers.append(
             WorkerStatus(
                 id=record.id,
                 node=record.node,
                 url=record.url,
-                state=gateway.worker_state(upstream),
-                kv_capacity_tokens=upstream.capacity,
+                state=gateway.worker_state(link),
+                kv_capacity_tokens=link.capacity,
                 kv_reserved_tokens=scheduler.reserved_tokens(record.id),
-                programs_active=len(scheduler.backends[record.id].programs),
-                requests_in_flight=upstream.in_flight,
+                programs_active=len(scheduler.workers[record.id].programs),
+                requests_in_flight=link.in_flight,
                 prefix_cache_hit_rate=metrics.prefix_cache_hit_rate if metrics else None,
                 preemptions=metrics.preemptions if metrics else 0,
                 requests_running=metrics.requests_running if metrics else 0,
@@ -199,4 +216,4 @@ def build_control_app(daemon: Daemon) -> Starlette:
 
 
 def _quiet_in_flight(daemon: Daemon) -> bool:
-    return all(u.in_flight == 0 for u in daemon.gateway.upstreams.values())
+    return all(u.in_flight == 0 for u in daemon.gateway.links.values())

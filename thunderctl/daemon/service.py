@@ -14,14 +14,15 @@ from starlette.types import Receive, Scope, Send
 
 from thunderctl import aio
 from thunderctl.cluster.host_kv import counted_host_kv_tokens
-from thunderctl.cluster.lifecycle import revive_worker
+from thunderctl.cluster.nodes import Transports
 from thunderctl.cluster.plan import plan_workers
 from thunderctl.cluster.state import ClusterState, WorkerRecord
-from thunderctl.cluster.transport import TransportError, Transports
+from thunderctl.cluster.transport import TransportError
 from thunderctl.cluster.worker_key import read_worker_key
+from thunderctl.cluster.workers import revive_worker
 from thunderctl.daemon.control import build_control_app
 from thunderctl.daemon.supervisor import RestartPlanner
-from thunderctl.gateway import Gateway, Upstream, build_app
+from thunderctl.gateway import Gateway, WorkerLink, build_app
 from thunderctl.gateway.answers import resume_priority
 from thunderctl.gateway.server import server_config
 from thunderctl.jsonapi import BodyLimits
@@ -59,13 +60,13 @@ class Daemon:
     def __init__(self, state: ClusterState) -> None:
         self.state = state
         self.profile = load_profile(Path(state.profile_path))
-        upstreams = [
-            Upstream(w.id, w.url, stopped=w.stopped, host_kv_tokens=counted_host_kv_tokens(self.profile, w.node))
+        links = [
+            WorkerLink(w.id, w.url, stopped=w.stopped, host_kv_tokens=counted_host_kv_tokens(self.profile, w.node))
             for w in state.workers
         ]
         self.worker_key = read_worker_key(state.dir)
         self.gateway = Gateway(
-            upstreams, self.profile.scheduler, worker_key=self.worker_key,
+            links, self.profile.scheduler, worker_key=self.worker_key,
             resumed_priority=resume_priority(self.profile.engine.args),
         )  # fmt: skip
         self.auth = self.profile.gateway.auth()
@@ -146,11 +147,11 @@ class Daemon:
     def _revive_due(self, now: bool) -> list[str]:
         revived = []
         for worker in self.state.workers:
-            upstream = self.gateway.upstreams[worker.id]
+            link = self.gateway.links[worker.id]
             # Stopped or draining on purpose: the operator took it out of service.
-            if self.stopping or worker.stopped or upstream.stopped or upstream.draining or worker.id not in self.plans:
+            if self.stopping or worker.stopped or link.stopped or link.draining or worker.id not in self.plans:
                 continue
-            if self._revive(worker, upstream.healthy, now):
+            if self._revive(worker, link.healthy, now):
                 revived.append(worker.id)
         if revived:
             self.state.save()

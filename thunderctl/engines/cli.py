@@ -18,7 +18,7 @@ from thunderctl.engines.local import (
     LocalEngineConfig,
     install_engine,
 )
-from thunderctl.engines.sim_cli import engine_sim
+from thunderctl.engines.simulated.cli import engine_sim
 from thunderctl.terminal import fail, out
 
 engine_app = typer.Typer(

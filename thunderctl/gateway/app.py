@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from thunderctl.gateway.auth import GatewayAuth, RequireApiKey
-from thunderctl.gateway.gateway import BackendError, Gateway
+from thunderctl.gateway.gateway import Gateway, WorkerError
 from thunderctl.gateway.metrics import render_metrics
 from thunderctl.gateway.requests import (
     check_generation_fields,
@@ -79,7 +79,7 @@ def build_app(
             on_docker_ids(program_id, docker_ids)
         try:
             relayed = await gateway.relay(path, body, program_id, shape)
-        except (BackendError, httpx.HTTPError) as exc:
+        except (WorkerError, httpx.HTTPError) as exc:
             return error(502, str(exc), "backend_error")
         if isinstance(relayed.body, bytes):
             return Response(relayed.body, relayed.status, media_type=relayed.media_type)
@@ -88,7 +88,7 @@ def build_app(
     async def models(_: Request) -> Response:
         try:
             status, content = await gateway.get_models()
-        except BackendError as exc:
+        except WorkerError as exc:
             return error(502, str(exc), "backend_error")
         return Response(content, status, media_type="application/json")
 

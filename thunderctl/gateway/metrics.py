@@ -57,19 +57,17 @@ def gateway_families(gateway: Gateway) -> Iterator[Metric]:
         "Mean busy fraction of the workers in service.",
         round(gateway.last_utilization, 4),
     )
-    backend = ["backend"]
+    worker = ["backend"]
     reserved = GaugeMetricFamily(
-        "thunderctl_backend_reserved_tokens", "Physical KV tokens charged on the backend.", labels=backend
+        "thunderctl_backend_reserved_tokens", "Physical KV tokens charged on the worker.", labels=worker
     )
-    capacity = GaugeMetricFamily(
-        "thunderctl_backend_capacity_tokens", "KV cache tokens of the backend.", labels=backend
-    )
+    capacity = GaugeMetricFamily("thunderctl_backend_capacity_tokens", "KV cache tokens of the worker.", labels=worker)
     in_flight = GaugeMetricFamily(
-        "thunderctl_backend_requests_in_flight", "Requests relayed to the backend now.", labels=backend
+        "thunderctl_backend_requests_in_flight", "Requests relayed to the worker now.", labels=worker
     )
-    for upstream in gateway.upstreams.values():
-        reserved.add_metric([upstream.id], sched.reserved_tokens(upstream.id))
-        if upstream.capacity is not None:
-            capacity.add_metric([upstream.id], upstream.capacity)
-        in_flight.add_metric([upstream.id], upstream.in_flight)
+    for link in gateway.links.values():
+        reserved.add_metric([link.id], sched.reserved_tokens(link.id))
+        if link.capacity is not None:
+            capacity.add_metric([link.id], link.capacity)
+        in_flight.add_metric([link.id], link.in_flight)
     yield from (reserved, capacity, in_flight)

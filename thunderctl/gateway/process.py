@@ -18,15 +18,15 @@ class ServeProcess(ChildServer):
     what = "gateway"
 
     def __init__(
-        self, backends: Sequence[str], options: Sequence[str], log_path: Path, api_key: str | None = None
+        self, workers: Sequence[str], options: Sequence[str], log_path: Path, api_key: str | None = None
     ) -> None:
         """`api_key` defaults to $THUNDERCTL_API_KEY, which the gateway would read anyway."""
         self.api_key = api_key or env_api_key()
 
         def command(port: int) -> list[str]:
             command = [sys.executable, "-m", "thunderctl", "serve", "--port", str(port)]
-            for backend in backends:
-                command += ["--backend", backend]
+            for worker in workers:
+                command += ["--worker", worker]
             return [*command, *options]
 
         # The key goes in the environment, out of the command line that `ps` shows.

@@ -10,7 +10,7 @@ from starlette.types import ASGIApp
 
 from thunderctl.gateway.app import build_app
 from thunderctl.gateway.auth import GatewayAuth
-from thunderctl.gateway.gateway import AGENT_KEEPALIVE_S, Gateway, Upstream
+from thunderctl.gateway.gateway import AGENT_KEEPALIVE_S, Gateway, WorkerLink
 from thunderctl.jsonapi import BodyLimits
 
 # Connections the kernel queues for the gateway to accept: uvicorn's default (2,048) is no more
@@ -33,15 +33,15 @@ def server_config(app: ASGIApp, backlog: int = AGENT_BACKLOG, **bind: Any) -> uv
     )
 
 
-def parse_backend(spec: str, index: int) -> Upstream:
+def parse_worker(spec: str, index: int) -> WorkerLink:
     """`URL` or `ID=URL`; the id defaults to the URL's host:port."""
-    backend_id, sep, url = spec.partition("=")
+    worker_id, sep, url = spec.partition("=")
     if not sep:
-        backend_id, url = "", spec
+        worker_id, url = "", spec
     url = url.rstrip("/")
     if not url.startswith(("http://", "https://")):
         raise ValueError(f"backend {spec!r}: expected http://HOST:PORT (optionally ID=URL)")
-    return Upstream(backend_id or url.split("://", 1)[1] or f"backend-{index}", url)
+    return WorkerLink(worker_id or url.split("://", 1)[1] or f"backend-{index}", url)
 
 
 async def serve_gateway(
@@ -52,9 +52,9 @@ async def serve_gateway(
     auth: GatewayAuth = GatewayAuth(),
     limits: BodyLimits = BodyLimits(),
 ) -> None:
-    """Check the backends, then serve until interrupted; the gateway's loops stop with it."""
+    """Check the workers, then serve until interrupted; the gateway's loops stop with it."""
     try:
-        warnings = await gateway.start()  # a backend that does not answer raises here: close the client all the same
+        warnings = await gateway.start()  # a worker that does not answer raises here: close the client all the same
         server = uvicorn.Server(server_config(build_app(gateway, auth=auth, limits=limits), host=host, port=port))
         on_ready(warnings)
         await server.serve()

@@ -1,4 +1,4 @@
-"""A backend's SSE stream relayed as bytes: cut into whole events, read only where the gateway needs to.
+"""A worker's SSE stream relayed as bytes: cut into whole events, read only where the gateway needs to.
 
 The gateway learns the engine's usage from the last chunk and, for a program's request, the
 answer's first token and text (its tool) from its content chunks; everything else passes

@@ -1,5 +1,5 @@
 """How long the gateway's own work takes, as Prometheus histograms on its `/metrics`: each scheduler
-tick, each scheduled request's wait for admission (from its arrival to its backend being
+tick, each scheduled request's wait for admission (from its arrival to its worker being
 chosen: the scheduler's decision, plus the wait of a paused program for its resume), and how
 late its event loop runs (the time it was blocked, in which it accepted and answered nothing)."""
 
@@ -42,7 +42,7 @@ class GatewayTimings:
         )
         self.admission_wait = Histogram(
             ADMISSION_WAIT_SECONDS,
-            "Time from a scheduled request's arrival to its backend being chosen.",
+            "Time from a scheduled request's arrival to its worker being chosen.",
             buckets=log_buckets(1e-5, 3600),
             registry=self.registry,
         )

@@ -15,10 +15,9 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from thunderctl.bench.cli import cluster_endpoints
 from thunderctl.cluster.state import ClusterNotFound
 from thunderctl.gateway.auth import API_KEY_ENV
-from thunderctl.integrations.cluster import ClusterError
+from thunderctl.integrations.cluster import ClusterError, cluster_endpoints
 from thunderctl.integrations.tasks import AgentResult, TaskFileError, load_tasks
 from thunderctl.terminal import fail, out
 

@@ -6,12 +6,17 @@ from __future__ import annotations
 import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 
+from thunderctl.cluster.state import ClusterNotFound, find_cluster
+from thunderctl.cluster.worker_key import read_worker_key
+from thunderctl.daemon.client import daemon_answers, fetch_status
 from thunderctl.jsonapi import bearer_headers
+from thunderctl.profile import load_profile, state_root
 
 # Sandbox preparation can include an image pull; the gateway waits at most this long per call.
 READY_WAIT_S = 600.0
@@ -34,6 +39,27 @@ def gateway_url(endpoint: str) -> str:
     if not url.startswith(("http://", "https://")):
         raise ValueError(f"endpoint {endpoint!r} is not an http(s) URL; give it as `thunderctl status` prints it")
     return url.removesuffix("/v1")
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    endpoint: str  # OpenAI-compatible base URL, without /v1
+    engines: list[str]  # the vLLM servers behind it: the direct arm and the /metrics source
+    api_key: str | None = field(default=None, repr=False)  # the endpoint's
+    engine_key: str | None = field(default=None, repr=False)  # the engines'
+
+
+def cluster_endpoints(name: str | None) -> Endpoints:
+    """The running cluster's gateway and its workers in service, from its daemon."""
+    state = find_cluster(state_root(), name)
+    if not daemon_answers(state):
+        raise ClusterNotFound(
+            f"cluster {state.cluster!r} is not running (its daemon does not answer); "
+            "`thunderctl up` starts it, or give --endpoint URL"
+        )
+    status = fetch_status(state)
+    api_key = load_profile(Path(state.profile_path)).gateway.auth().api_key
+    return Endpoints(gateway_url(status.endpoint), status.ready_urls(), api_key, read_worker_key(state.dir))
 
 
 def new_program_id(name: str) -> str:

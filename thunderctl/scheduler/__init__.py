@@ -3,10 +3,10 @@
 from thunderctl.scheduler.config import Decay, PauseOrder, PlacementRule, SchedulerConfig
 from thunderctl.scheduler.events import EventKind, ProgramEvent
 from thunderctl.scheduler.policy import Scheduler
-from thunderctl.scheduler.program import Backend, Phase, Program, Status
+from thunderctl.scheduler.program import Phase, Program, Status, Worker
 
 __all__ = [
-    "Backend",
+    "Worker",
     "Decay",
     "PauseOrder",
     "PlacementRule",

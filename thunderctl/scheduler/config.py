@@ -19,12 +19,12 @@ class PauseOrder(StrEnum):
 
 
 class PlacementRule(StrEnum):
-    ROOMIEST = "roomiest"  # the reference: the backend with the most headroom that fits
-    AFFINITY = "affinity"  # where its KV is (last backend, else its hash home) while nobody else waits
+    ROOMIEST = "roomiest"  # the reference: the worker with the most headroom that fits
+    AFFINITY = "affinity"  # where its KV is (last worker, else its hash home) while nobody else waits
 
 
 class SchedulerConfig(BaseModel):
-    """Knobs of the policy; fractions are of a backend's KV capacity."""
+    """Knobs of the policy; fractions are of a worker's KV capacity."""
 
     model_config = {"extra": "forbid"}
 
@@ -62,7 +62,7 @@ class SchedulerConfig(BaseModel):
         500_000.0,
         gt=0,
         description="KV tokens per second a host tier loads back to the GPU (PCIe ≈ 63 GB/s per GPU "
-        "÷ KV bytes per token per GPU): what a paused program's return costs on a backend with one",
+        "÷ KV bytes per token per GPU): what a paused program's return costs on a worker with one",
     )
     tool_time_window: int = Field(256, ge=1, description="recent tool times kept per program, tool kind and cluster")
     tool_time_min_samples: int = Field(8, ge=1, description="tool times longer than the elapsed one to trust a key")
@@ -74,10 +74,10 @@ class SchedulerConfig(BaseModel):
     )
     new_program_delay_s: float = Field(60.0, ge=0, description="how far behind paused programs a new one queues")
     pause_order: PauseOrder = Field(
-        PauseOrder.LONGEST_IN_TOOL, description="which ACTING programs an overfull backend pauses first"
+        PauseOrder.LONGEST_IN_TOOL, description="which ACTING programs an overfull worker pauses first"
     )
     placement: PlacementRule = Field(
-        PlacementRule.AFFINITY, description="which backend a program that fits on several is placed on"
+        PlacementRule.AFFINITY, description="which worker a program that fits on several is placed on"
     )
     wait_bound_s: float | None = Field(
         400.0,

@@ -57,9 +57,9 @@ def mean_utilization(meters: Iterable[BusyMeter], now: float) -> float:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a woken request goes: its backend, or None to be served unscheduled."""
+    """Where a woken request goes: its worker, or None to be served unscheduled."""
 
-    backend: str | None
+    worker: str | None
 
 
 def woken(scheduler: Scheduler, program_id: str) -> Placement | None:
@@ -68,7 +68,7 @@ def woken(scheduler: Scheduler, program_id: str) -> Placement | None:
     if program is None:  # released while it waited: serve it unscheduled
         return Placement(None)
     if program.status is Status.ACTIVE:
-        return Placement(program.backend)
+        return Placement(program.worker)
     return None
 
 

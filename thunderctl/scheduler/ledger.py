@@ -1,4 +1,4 @@
-"""What a backend is charged: its programs' tokens, each shared prefix counted once, and the
+"""What a worker is charged: its programs' tokens, each shared prefix counted once, and the
 part of it that decodes (must sit on the GPU when a host KV tier holds the rest)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from thunderctl.scheduler.program import Phase, Program
 
 @dataclass
 class Load:
-    """Tokens charged on one backend, with each shared prefix counted once; `decoding` is the
+    """Tokens charged on one worker, with each shared prefix counted once; `decoding` is the
     part of them its REASONING programs (and the shared prefixes) need on the GPU."""
 
     tokens: float = 0.0
@@ -43,8 +43,8 @@ class Load:
 
 @dataclass
 class Ledger:
-    """A backend's charges, kept up to date as programs come, go and change, so that a
-    resume pass costs O(backends) rather than O(programs)."""
+    """A worker's charges, kept up to date as programs come, go and change, so that a
+    resume pass costs O(workers) rather than O(programs)."""
 
     private: int = 0  # Σ private tokens + buffer over its programs
     acting_private: int = 0  # Σ private tokens of its ACTING programs

@@ -14,14 +14,14 @@ from thunderctl.scheduler.events import Counters, EventKind, Listener, ProgramEv
 from thunderctl.scheduler.ledger import Ledger, Load
 from thunderctl.scheduler.ordering import WaitingQueue, acting_decay, pause_key
 from thunderctl.scheduler.placement import choose
-from thunderctl.scheduler.program import Backend, Phase, Program, Status
+from thunderctl.scheduler.program import Phase, Program, Status, Worker
 from thunderctl.scheduler.retention import PrefillRate, RetentionLaw, ToolTimes
 
 log = logging.getLogger(__name__)
 
 
 class Scheduler:
-    """Programs, backends and the policy over them."""
+    """Programs, workers and the policy over them."""
 
     def __init__(
         self,
@@ -33,7 +33,7 @@ class Scheduler:
         self.clock = clock
         self.listeners = list(listeners)
         self.programs: dict[str, Program] = {}
-        self.backends: dict[str, Backend] = {}
+        self.workers: dict[str, Worker] = {}
         self._ledgers: dict[str, Ledger] = {}
         self._waiting = WaitingQueue(self.config)
         cfg = self.config
@@ -47,26 +47,26 @@ class Scheduler:
         self._waited = False  # a request waited for admission since the last adapt()
         self._waiting_at_adapt = False
 
-    # ---- backends -------------------------------------------------------------------------
+    # ---- workers -------------------------------------------------------------------------
 
-    def add_backend(self, backend_id: str, capacity: int | None, host_capacity: int = 0) -> Backend:
-        """A backend of `capacity` GPU KV tokens, and `host_capacity` more in a host tier."""
-        backend = self.backends.setdefault(backend_id, Backend(backend_id, capacity))
-        self._ledgers.setdefault(backend_id, Ledger())
-        backend.capacity, backend.host_capacity = capacity, host_capacity
-        return backend
+    def add_worker(self, worker_id: str, capacity: int | None, host_capacity: int = 0) -> Worker:
+        """A worker of `capacity` GPU KV tokens, and `host_capacity` more in a host tier."""
+        worker = self.workers.setdefault(worker_id, Worker(worker_id, capacity))
+        self._ledgers.setdefault(worker_id, Ledger())
+        worker.capacity, worker.host_capacity = capacity, host_capacity
+        return worker
 
-    def set_schedulable(self, backend_id: str, schedulable: bool) -> None:
-        self.backends[backend_id].schedulable = schedulable
+    def set_schedulable(self, worker_id: str, schedulable: bool) -> None:
+        self.workers[worker_id].schedulable = schedulable
         if schedulable:
             self._resume_waiting()
 
-    def drain(self, backend_id: str) -> None:
+    def drain(self, worker_id: str) -> None:
         """Nothing new goes there; ACTING programs pause now (to resume elsewhere), REASONING
         ones at their next tool boundary. In-flight requests finish where they are."""
-        backend = self.backends[backend_id]
-        backend.schedulable = False
-        for program in [self.programs[i] for i in backend.programs]:
+        worker = self.workers[worker_id]
+        worker.schedulable = False
+        for program in [self.programs[i] for i in worker.programs]:
             if program.phase is Phase.ACTING:
                 self._pause(program)
             else:
@@ -74,7 +74,7 @@ class Scheduler:
         self._resume_waiting()
 
     def requeue(self, program_id: str) -> None:
-        """The program's request could not be served where it was placed (the backend died):
+        """The program's request could not be served where it was placed (the worker died):
         it waits at the head of the queue to resume elsewhere."""
         program = self.programs.get(program_id)
         if program is None or program.status is not Status.ACTIVE:
@@ -94,7 +94,7 @@ class Scheduler:
         prefix_key: str | None = None,
         prefix_tokens: int = 0,
     ) -> str | None:
-        """A request of the program arrived; returns its backend, or None while it must wait.
+        """A request of the program arrived; returns its worker, or None while it must wait.
 
         `prompt_tokens` is the gateway's estimate of the prompt; the engine's usage replaces
         it when the response ends.
@@ -116,7 +116,7 @@ class Scheduler:
         program.last_activity = now
         if program.status is Status.ACTIVE:
             if self._decode_fits(program):
-                return program.backend
+                return program.worker
             # Its KV waits in the host tier; it resumes, by a transfer, as GPU room frees.
             self._pause(program)
             self.counters.gpu_waits += 1
@@ -125,7 +125,7 @@ class Scheduler:
         if program.status is not Status.ACTIVE:
             self._waited = True
             return None
-        return program.backend
+        return program.worker
 
     def on_response(self, program_id: str, prompt_tokens: int, completion_tokens: int, tool: str | None = None) -> None:
         """A response ended: the engine's usage becomes the program's size; it now ACTs, in
@@ -150,7 +150,7 @@ class Scheduler:
         self._resume_waiting()
 
     def on_request_failed(self, program_id: str) -> None:
-        """The request ended without usage (backend error, client gone): the program ACTs."""
+        """The request ended without usage (worker error, client gone): the program ACTs."""
         program = self.programs.get(program_id)
         if program is None or program.status is Status.TERMINATED:
             return
@@ -189,7 +189,7 @@ class Scheduler:
         waited, waited_throughout = self._waited or waiting, waiting and self._waiting_at_adapt
         self._waited, self._waiting_at_adapt = False, waiting
         if self.config.adaptive:
-            self.tuner.retention_pays = self.config.retention and self.retention.pays(self.backends.values())
+            self.tuner.retention_pays = self.config.retention and self.retention.pays(self.workers.values())
             before = self.tuner.label
             self.tuner.observe(self.clock(), self.counters.steps, utilization, waited, waited_throughout)
             if self.tuner.label != before:
@@ -216,9 +216,9 @@ class Scheduler:
 
     # ---- views ----------------------------------------------------------------------------
 
-    def reserved_tokens(self, backend_id: str) -> int:
-        """Physical (undecayed) tokens charged on a backend."""
-        return round(self._load(self.backends[backend_id], physical=True).tokens)
+    def reserved_tokens(self, worker_id: str) -> int:
+        """Physical (undecayed) tokens charged on a worker."""
+        return round(self._load(self.workers[worker_id], physical=True).tokens)
 
     def paused(self) -> list[Program]:
         return [p for p in self.programs.values() if p.status is Status.PAUSED]
@@ -234,11 +234,11 @@ class Scheduler:
             return 1.0
         return self.acting_weight * acting_decay(self.config, max(self.clock() - program.acting_since, 0.0))
 
-    def _load(self, backend: Backend, physical: bool) -> Load:
+    def _load(self, worker: Worker, physical: bool) -> Load:
         if physical or self.config.acting_decay is Decay.OFF:
-            return self._ledgers[backend.id].load(1.0 if physical else self.acting_weight)
+            return self._ledgers[worker.id].load(1.0 if physical else self.acting_weight)
         load = Load()
-        for program_id in backend.programs:
+        for program_id in worker.programs:
             program = self.programs[program_id]
             load.add(program, self._weight(program, physical), self.config.buffer_tokens)
         return load
@@ -256,7 +256,7 @@ class Scheduler:
         self._resume(force_overdue=False, waiting_only=True)
 
     def _resume(self, force_overdue: bool = True, waiting_only: bool = False) -> None:
-        targets = [b for b in self.backends.values() if b.schedulable]
+        targets = [b for b in self.workers.values() if b.schedulable]
         if not targets:
             return
         if self._waiting:
@@ -272,7 +272,7 @@ class Scheduler:
         idle = [p for p in self.resume_queue() if p.waiting_since is None]
         self._place_all(self._admit_in_order(idle, targets, physical), targets, physical)
 
-    def _resume_waiting_programs(self, targets: list[Backend], force_overdue: bool) -> None:
+    def _resume_waiting_programs(self, targets: list[Worker], force_overdue: bool) -> None:
         # Lazily: admission stops at the first program that does not fit, and a response
         # triggers this pass, so it must not cost a walk over a long queue.
         waiting: Iterable[Program] = (self.programs[program_id] for program_id in self._waiting)
@@ -285,17 +285,17 @@ class Scheduler:
             waiting = self._force_overdue(list(waiting), targets, loads)
         self._place_all(self._admit_in_order(waiting, targets, loads), targets, loads)
 
-    def _place_all(self, chosen: list[Program], targets: list[Backend], loads: dict[str, Load]) -> None:
+    def _place_all(self, chosen: list[Program], targets: list[Worker], loads: dict[str, Load]) -> None:
         # The largest chosen program first. While others wait the room decides who is admitted:
         # best fit decreasing, onto the most headroom (placement.py).
         left_waiting = len(self._waiting) > sum(p.waiting_since is not None for p in chosen)
         contended = left_waiting or not all(any(self._fits(p, b, loads[b.id]) for b in targets) for p in chosen)
         for program in sorted(chosen, key=lambda p: p.tokens, reverse=True):
-            backend = self._fit(program, targets, loads, contended)
-            if backend is not None:
-                self._place(program, backend, loads[backend.id])
+            worker = self._fit(program, targets, loads, contended)
+            if worker is not None:
+                self._place(program, worker, loads[worker.id])
 
-    def _force_overdue(self, queue: list[Program], targets: list[Backend], loads: dict[str, Load]) -> list[Program]:
+    def _force_overdue(self, queue: list[Program], targets: list[Worker], loads: dict[str, Load]) -> list[Program]:
         deadline = self.clock() - self.config.resume_timeout_s
         waiting = []
         for program in queue:
@@ -306,14 +306,12 @@ class Scheduler:
         return waiting
 
     def _place_on_roomiest(
-        self, program: Program, targets: list[Backend], loads: dict[str, Load], forced: bool = False
+        self, program: Program, targets: list[Worker], loads: dict[str, Load], forced: bool = False
     ) -> None:
-        backend = max(targets, key=lambda b: self._headroom(b, loads[b.id]))
-        self._place(program, backend, loads[backend.id], forced=forced)
+        worker = max(targets, key=lambda b: self._headroom(b, loads[b.id]))
+        self._place(program, worker, loads[worker.id], forced=forced)
 
-    def _admit_in_order(
-        self, queue: Iterable[Program], targets: list[Backend], loads: dict[str, Load]
-    ) -> list[Program]:
+    def _admit_in_order(self, queue: Iterable[Program], targets: list[Worker], loads: dict[str, Load]) -> list[Program]:
         """The head of the queue that fits in the total headroom; nobody jumps the queue."""
         headroom = sum(self._headroom(b, loads[b.id]) for b in targets)
         chosen = []
@@ -325,44 +323,44 @@ class Scheduler:
             chosen.append(program)
         return chosen
 
-    def _headroom(self, backend: Backend, load: Load) -> float:
-        return headroom(backend, load, self.config.resume_threshold)
+    def _headroom(self, worker: Worker, load: Load) -> float:
+        return headroom(worker, load, self.config.resume_threshold)
 
     def _decode_fits(self, program: Program) -> bool:
-        backend = self.backends.get(program.backend or "")
-        if backend is None or self.tuner.gate_open:  # the open gate: the engine admits by its own cache
+        worker = self.workers.get(program.worker or "")
+        if worker is None or self.tuner.gate_open:  # the open gate: the engine admits by its own cache
             return True
         cfg = self.config
-        return decode_fits(backend, self._ledgers[backend.id], program, cfg.buffer_tokens, cfg.pause_threshold)
+        return decode_fits(worker, self._ledgers[worker.id], program, cfg.buffer_tokens, cfg.pause_threshold)
 
-    def _is_idle(self, backend: Backend) -> bool:
-        return not backend.programs
+    def _is_idle(self, worker: Worker) -> bool:
+        return not worker.programs
 
-    def _fits(self, program: Program, backend: Backend, load: Load) -> bool:
-        # An idle backend takes any program: otherwise one larger than the resume band
+    def _fits(self, program: Program, worker: Worker, load: Load) -> bool:
+        # An idle worker takes any program: otherwise one larger than the resume band
         # would wait for its forced resume while the engine sits empty.
         need = load.need(program, 1.0, self.config.buffer_tokens)
-        return self._is_idle(backend) or need <= self._headroom(backend, load)
+        return self._is_idle(worker) or need <= self._headroom(worker, load)
 
-    def _fit(self, program: Program, targets: list[Backend], loads: dict[str, Load], contended: bool) -> Backend | None:
-        home = self.backends.get(program.backend or "")
+    def _fit(self, program: Program, targets: list[Worker], loads: dict[str, Load], contended: bool) -> Worker | None:
+        home = self.workers.get(program.worker or "")
         if home is not None and home.host_capacity and home in targets:
             targets = [home]  # its KV waits in that host tier: back by a transfer there, by a prefill elsewhere
         fitting = [b for b in targets if self._fits(program, b, loads[b.id])]
         if not fitting:
             return None
         return choose(
-            self.config.placement, program, fitting, list(self.backends),
+            self.config.placement, program, fitting, list(self.workers),
             headroom=lambda b: self._headroom(b, loads[b.id]), contended=contended,
         )  # fmt: skip
 
-    def _place(self, program: Program, backend: Backend, load: Load, forced: bool = False) -> None:
+    def _place(self, program: Program, worker: Worker, load: Load, forced: bool = False) -> None:
         now = self.clock()
         load.add(program, 1.0, self.config.buffer_tokens)
-        backend.programs.add(program.id)
-        program.backend = backend.id
+        worker.programs.add(program.id)
+        program.worker = worker.id
         program.status = Status.ACTIVE
-        self._ledgers[backend.id].add(program, self.config.buffer_tokens)
+        self._ledgers[worker.id].add(program, self.config.buffer_tokens)
         self._waiting.remove(program)
         if program.paused_at is not None:
             program.paused_total_s += now - program.paused_at
@@ -378,40 +376,40 @@ class Scheduler:
         if self.tuner.gate_open:
             return  # the engine admits by its own cache: a pause would only delay a request
         cfg = self.config
-        for backend in self.backends.values():
-            if backend.capacity is None:
+        for worker in self.workers.values():
+            if worker.capacity is None:
                 continue
-            load = self._load(backend, physical=True)
-            if load.tokens <= backend.kv_capacity * cfg.pause_threshold:
+            load = self._load(worker, physical=True)
+            if load.tokens <= worker.kv_capacity * cfg.pause_threshold:
                 continue
-            target = backend.kv_capacity * cfg.pause_target
-            for program in self._acting_in_pause_order(backend):
+            target = worker.kv_capacity * cfg.pause_target
+            for program in self._acting_in_pause_order(worker):
                 load.remove(program, 1.0, cfg.buffer_tokens)
                 self._pause(program)
                 if load.tokens <= target:
                     break
             else:
                 # Nothing ACTING is left: the shortest decodes pause once their response is out.
-                for program in sorted((self.programs[i] for i in backend.programs), key=lambda p: (p.tokens, p.id)):
+                for program in sorted((self.programs[i] for i in worker.programs), key=lambda p: (p.tokens, p.id)):
                     if load.tokens <= target:
                         break
                     if program.phase is Phase.REASONING and program.status is Status.ACTIVE:
                         program.pause_at_boundary = True
                         load.remove(program, 1.0, cfg.buffer_tokens)
 
-    def _acting_in_pause_order(self, backend: Backend) -> list[Program]:
-        acting = [p for i in backend.programs if (p := self.programs[i]).phase is Phase.ACTING]
+    def _acting_in_pause_order(self, worker: Worker) -> list[Program]:
+        acting = [p for i in worker.programs if (p := self.programs[i]).phase is Phase.ACTING]
         return sorted(acting, key=pause_key(self.config.pause_order))
 
     def _make_room_for_overdue(self) -> None:
-        """A program that has waited `wait_bound_s` is admitted now onto the backend with the most
+        """A program that has waited `wait_bound_s` is admitted now onto the worker with the most
         headroom, ACTING programs there pausing for it in pause order: rotation where the cache
         is far smaller than the working set, so that no wait runs into the forced resume (which
         overbooks the cache) while others are admitted."""
         cfg = self.config
         if cfg.wait_bound_s is None or not self._waiting or self.tuner.gate_open:
             return
-        targets = [b for b in self.backends.values() if b.schedulable and b.capacity]
+        targets = [b for b in self.workers.values() if b.schedulable and b.capacity]
         deadline = self.clock() - cfg.wait_bound_s
         overdue = [
             program
@@ -422,18 +420,18 @@ class Scheduler:
             if not targets:
                 return
             loads = {b.id: self._load(b, physical=True) for b in targets}
-            backend = max(targets, key=lambda b: self._headroom(b, loads[b.id]))
-            load = loads[backend.id]
-            if load.need(program, 1.0, cfg.buffer_tokens) > gpu_room(backend, load, cfg.resume_threshold):
+            worker = max(targets, key=lambda b: self._headroom(b, loads[b.id]))
+            load = loads[worker.id]
+            if load.need(program, 1.0, cfg.buffer_tokens) > gpu_room(worker, load, cfg.resume_threshold):
                 continue  # what decodes fills the GPU: pausing ACTING programs frees none of it
-            for member in self._acting_in_pause_order(backend):
-                if load.need(program, 1.0, cfg.buffer_tokens) <= self._headroom(backend, load):
+            for member in self._acting_in_pause_order(worker):
+                if load.need(program, 1.0, cfg.buffer_tokens) <= self._headroom(worker, load):
                     break
                 load.remove(member, 1.0, cfg.buffer_tokens)
                 self._pause(member)
                 self.counters.bound_pauses += 1
-            if load.need(program, 1.0, cfg.buffer_tokens) <= self._headroom(backend, load):
-                self._place(program, backend, load)
+            if load.need(program, 1.0, cfg.buffer_tokens) <= self._headroom(worker, load):
+                self._place(program, worker, load)
 
     def _pause_priced(self) -> None:
         """While requests wait, pause the ACTING programs whose KV costs more to hold than to
@@ -442,11 +440,11 @@ class Scheduler:
             return
         demand = sum(self.programs[i].tokens + self.config.buffer_tokens for i in self._waiting)
         held = [
-            (self.programs[i], backend)
-            for backend in self.backends.values()
-            if backend.capacity
-            and not gpu_binds(backend, self._load(backend, physical=False), self.config.resume_threshold)
-            for i in backend.programs
+            (self.programs[i], worker)
+            for worker in self.workers.values()
+            if worker.capacity
+            and not gpu_binds(worker, self._load(worker, physical=False), self.config.resume_threshold)
+            for i in worker.programs
             if self.programs[i].phase is Phase.ACTING
         ]
         drops = self.retention.drops(held, demand, self.clock())
@@ -465,18 +463,18 @@ class Scheduler:
         self._emit(EventKind.PAUSED, program)
 
     def _detach(self, program: Program) -> None:
-        if program.status is Status.ACTIVE and program.backend in self.backends:
-            self.backends[program.backend].programs.discard(program.id)
-            self._ledgers[program.backend].remove(program, self.config.buffer_tokens)
+        if program.status is Status.ACTIVE and program.worker in self.workers:
+            self.workers[program.worker].programs.discard(program.id)
+            self._ledgers[program.worker].remove(program, self.config.buffer_tokens)
 
     @contextmanager
     def _recharged(self, program: Program) -> Iterator[None]:
-        """Around a change of a program's size or phase: its backend's ledger is debited
+        """Around a change of a program's size or phase: its worker's ledger is debited
         before and credited after, and a waiting program takes its place in the queue
         again, so ledgers and queue always match the programs."""
         ledger = None
-        if program.status is Status.ACTIVE and program.backend is not None:
-            ledger = self._ledgers.get(program.backend)
+        if program.status is Status.ACTIVE and program.worker is not None:
+            ledger = self._ledgers.get(program.worker)
         if ledger is not None:
             ledger.remove(program, self.config.buffer_tokens)
         waiting_since = program.waiting_since
@@ -498,12 +496,12 @@ class Scheduler:
         self._emit(kind, program)
 
     def _fail_open(self) -> None:
-        targets = [b for b in self.backends.values() if b.schedulable] or list(self.backends.values())
+        targets = [b for b in self.workers.values() if b.schedulable] or list(self.workers.values())
         if not targets:
             return
         for program in self.paused():
-            backend = min(targets, key=lambda b: len(b.programs))
-            self._place(program, backend, Load(), forced=True)
+            worker = min(targets, key=lambda b: len(b.programs))
+            self._place(program, worker, Load(), forced=True)
 
     def _emit(self, kind: EventKind, program: Program, forced: bool = False) -> None:
         event = ProgramEvent(kind, program, forced)

@@ -1,4 +1,4 @@
-"""The scheduler's view of an agent program and of a backend (one vLLM worker)."""
+"""The scheduler's view of an agent program and of a worker (one vLLM worker)."""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ class Program:
     tokens: int = 0  # context the engine holds for it: last prompt + completion, or an estimate
     phase: Phase = Phase.REASONING
     status: Status = Status.PAUSED
-    backend: str | None = None  # where it runs while ACTIVE; kept while PAUSED for reporting
+    worker: str | None = None  # where it runs while ACTIVE; kept while PAUSED for reporting
     # A prefix many programs share (the system prompt) sits once in the engine's prefix cache,
-    # so it is charged once per backend rather than once per program.
+    # so it is charged once per worker rather than once per program.
     prefix_key: str | None = None
     prefix_tokens: int = 0
     steps: int = 0
@@ -49,7 +49,7 @@ class Program:
 
 
 @dataclass
-class Backend:
+class Worker:
     id: str
     capacity: int | None  # KV tokens; None when the engine does not say (never paused there)
     # KV tokens of its host tier (vLLM's CPU offloading): ACTING programs' KV may spill there,

@@ -7,7 +7,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from thunderctl.scheduler.program import Backend, Program
+from thunderctl.scheduler.program import Program, Worker
 
 
 @dataclass
@@ -112,12 +112,12 @@ class PrefillRate:
 
 @dataclass(frozen=True)
 class Holding:
-    """An ACTING program's KV on its backend, as the law prices it."""
+    """An ACTING program's KV on its worker, as the law prices it."""
 
     program_id: str
     tokens: int  # private tokens: what a re-prefill recomputes (a shared prefix stays cached)
     remaining_s: float  # expected remaining tool time
-    capacity: int  # of its backend, tokens: GPU and host tier
+    capacity: int  # of its worker, tokens: GPU and host tier
     return_tokens_per_s: float  # how fast its KV comes back once dropped: prefill, or a host tier's transfer
 
 
@@ -184,25 +184,25 @@ class RetentionLaw:
         since = program.responded_at if program.responded_at is not None else program.acting_since
         return self.tool_times.remaining(program.id, program.tool, max(now - since, 0.0))
 
-    def return_tokens_per_s(self, backend: Backend) -> float:
+    def return_tokens_per_s(self, worker: Worker) -> float:
         """A paused program's KV is expected in the host tier where there is one: it comes back by
         a transfer, not a re-prefill."""
-        return self.transfer_tokens_per_s if backend.host_capacity else self.prefill.tokens_per_s
+        return self.transfer_tokens_per_s if worker.host_capacity else self.prefill.tokens_per_s
 
-    def drops(self, held: Iterable[tuple[Program, Backend]], demand_tokens: float, now: float) -> list[str]:
-        """Of the ACTING programs held (each with its backend, which has a capacity), those to pause."""
+    def drops(self, held: Iterable[tuple[Program, Worker]], demand_tokens: float, now: float) -> list[str]:
+        """Of the ACTING programs held (each with its worker, which has a capacity), those to pause."""
         holdings = [
             Holding(p.id, p.private_tokens, self.expected_tool_s(p, now), b.kv_capacity, self.return_tokens_per_s(b))
             for p, b in held
         ]
         return priced_drops(holdings, demand_tokens, self.returns.chance, self.price_scale)
 
-    def pays(self, backends: Iterable[Backend]) -> bool:
+    def pays(self, workers: Iterable[Worker]) -> bool:
         """Whether a typical tool call, at the full price of KV, costs less held than dropped on
-        every backend: its mean (cluster-wide) under the time to bring back the backend's whole
+        every worker: its mean (cluster-wide) under the time to bring back the worker's whole
         cache, times the chance of return."""
         mean_tool_s = self.tool_times.cluster.remaining(0.0, self.min_samples)
-        priced = [b for b in backends if b.capacity]
+        priced = [b for b in workers if b.capacity]
         if mean_tool_s is None or not priced:
             return False
         return all(

@@ -15,7 +15,7 @@ from typing import Protocol
 
 from thunderctl.sim.clock import VirtualClock
 from thunderctl.sim.engine import Request, TokenStream
-from thunderctl.sim.worker import Worker
+from thunderctl.sim.worker import SimWorker
 
 
 class Step(Protocol):
@@ -47,11 +47,11 @@ class Workload(Protocol):
 class Router(Protocol):
     """How a request finds its worker: one per arm."""
 
-    def send(self, program_id: str, prompt_tokens: int, shared_tokens: int, go: Callable[[Worker], None]) -> None:
+    def send(self, program_id: str, prompt_tokens: int, shared_tokens: int, go: Callable[[SimWorker], None]) -> None:
         """Place a request; `go(worker)` submits it there, now or once it is admitted."""
         ...
 
-    def done(self, program_id: str, worker: Worker, prompt_tokens: int, completion_tokens: int) -> None: ...
+    def done(self, program_id: str, worker: SimWorker, prompt_tokens: int, completion_tokens: int) -> None: ...
 
     def release(self, program_id: str) -> None: ...
 
@@ -144,7 +144,7 @@ class ClosedLoop:
         step = run.steps[run.next_step]
         start = self.clock.now
 
-        def submit(worker: Worker) -> None:
+        def submit(worker: SimWorker) -> None:
             admitted = self.clock.now
             request = Request(
                 run.stream, step.prompt_tokens, max(1, step.completion_tokens), arrival_s=start,
@@ -154,7 +154,7 @@ class ClosedLoop:
 
         self.router.send(run.program_id, step.prompt_tokens, self.workload.system_prompt_tokens, submit)
 
-    def _done(self, run: _Run, worker: Worker, request: Request, admitted_s: float) -> None:
+    def _done(self, run: _Run, worker: SimWorker, request: Request, admitted_s: float) -> None:
         step = run.steps[run.next_step]
         self.records.append(
             StepRecord(

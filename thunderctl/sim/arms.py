@@ -22,7 +22,7 @@ from thunderctl.sim.engine import Engine, EngineCounters
 from thunderctl.sim.kv import HostTier
 from thunderctl.sim.routing import LeastLoadedRouter, PolicyRouter, StickyRouter
 from thunderctl.sim.waits import percentile, program_fairness, waits_by_class
-from thunderctl.sim.worker import Worker
+from thunderctl.sim.worker import SimWorker
 
 GIB = 2**30
 PRICED_CONTEXT_TOKENS = 16_384  # an agent's context mid-run, at which re-prefill is priced
@@ -143,7 +143,7 @@ def subtract_counters(after: EngineCounters, before: EngineCounters) -> EngineCo
 
 
 def build_router(
-    arm: ArmName, workers: list[Worker], clock: VirtualClock, preset: Preset, host_kv_tokens: int = 0
+    arm: ArmName, workers: list[SimWorker], clock: VirtualClock, preset: Preset, host_kv_tokens: int = 0
 ) -> tuple[Router, PolicyRouter | None]:
     match arm:
         case ArmName.STICKY | ArmName.LIMIT:
@@ -179,7 +179,7 @@ def run_arm(arm: ArmName, spec: SimSpec, progress: Callable[[float], None] | Non
             preset.engine, preset.cost, host=host, transfer_seconds=preset.transfer_seconds,
             unbounded_kv=arm is ArmName.LIMIT,
         )  # fmt: skip
-        workers.append(Worker(f"w{index}", engine, clock))
+        workers.append(SimWorker(f"w{index}", engine, clock))
     router, policy = build_router(arm, workers, clock, preset, spec.host_blocks * preset.engine.block_size)
     loop = ClosedLoop(
         spec.workload, spec.seed, spec.concurrency, clock, router, preset.engine.block_size,

@@ -13,29 +13,29 @@ from thunderctl.scheduler import ProgramEvent, Scheduler, SchedulerConfig
 from thunderctl.scheduler.front import WAKING_EVENTS, BusyMeter, account, beat, mean_utilization, woken
 from thunderctl.scheduler.placement import home
 from thunderctl.sim.clock import VirtualClock
-from thunderctl.sim.worker import Worker
+from thunderctl.sim.worker import SimWorker
 
 # The key the gateway derives from a program's system message; every simulated program has it.
 SYSTEM_PREFIX_KEY = "system"
 
-Go = Callable[[Worker], None]
+Go = Callable[[SimWorker], None]
 
 
 class EngineRouter:
     """Requests go straight to the engines; counts what each worker has in flight."""
 
-    def __init__(self, workers: Sequence[Worker]) -> None:
+    def __init__(self, workers: Sequence[SimWorker]) -> None:
         self.workers = list(workers)
         self.in_flight = {worker.id: 0 for worker in self.workers}
 
-    def dispatch(self, worker: Worker, go: Go) -> None:
+    def dispatch(self, worker: SimWorker, go: Go) -> None:
         self.in_flight[worker.id] += 1
         go(worker)
 
-    def least_loaded(self) -> Worker:
+    def least_loaded(self) -> SimWorker:
         return min(self.workers, key=lambda w: self.in_flight[w.id])
 
-    def done(self, program_id: str, worker: Worker, prompt_tokens: int, completion_tokens: int) -> None:
+    def done(self, program_id: str, worker: SimWorker, prompt_tokens: int, completion_tokens: int) -> None:
         self.in_flight[worker.id] -= 1
 
     def release(self, program_id: str) -> None:
@@ -45,7 +45,7 @@ class EngineRouter:
 class StickyRouter(EngineRouter):
     """Each program pinned to one worker by a hash of its id, as agents and KV-aware routers do."""
 
-    def __init__(self, workers: Sequence[Worker]) -> None:
+    def __init__(self, workers: Sequence[SimWorker]) -> None:
         super().__init__(workers)
         self.by_id = {worker.id: worker for worker in self.workers}
 
@@ -65,7 +65,7 @@ class PolicyRouter(EngineRouter):
     """The project's scheduler in front of the workers, driven as the gateway drives it."""
 
     def __init__(
-        self, workers: Sequence[Worker], clock: VirtualClock, config: SchedulerConfig, host_kv_tokens: int = 0
+        self, workers: Sequence[SimWorker], clock: VirtualClock, config: SchedulerConfig, host_kv_tokens: int = 0
     ) -> None:
         super().__init__(workers)
         self.clock = clock
@@ -75,22 +75,22 @@ class PolicyRouter(EngineRouter):
         for worker in self.workers:
             # A host KV tier is a second level: ACTING programs' KV may spill there (a paused
             # program's comes back by a transfer), what decodes must fit the GPU's cache.
-            self.scheduler.add_backend(worker.id, worker.engine.shape.kv_capacity_tokens, host_kv_tokens)
+            self.scheduler.add_worker(worker.id, worker.engine.shape.kv_capacity_tokens, host_kv_tokens)
         self._waiting: dict[str, tuple[int, int, Go]] = {}
         clock.after(config.tick_interval_s, self._tick)
 
     def send(self, program_id: str, prompt_tokens: int, shared_tokens: int, go: Go) -> None:
-        backend = self.scheduler.on_request(program_id, prompt_tokens, SYSTEM_PREFIX_KEY, shared_tokens)
-        if backend is None:
+        worker_id = self.scheduler.on_request(program_id, prompt_tokens, SYSTEM_PREFIX_KEY, shared_tokens)
+        if worker_id is None:
             self._waiting[program_id] = (prompt_tokens, shared_tokens, go)
             return
-        self.dispatch(self.by_id[backend], go)
+        self.dispatch(self.by_id[worker_id], go)
 
-    def dispatch(self, worker: Worker, go: Go) -> None:
+    def dispatch(self, worker: SimWorker, go: Go) -> None:
         self.meters[worker.id].set(self.in_flight[worker.id] + 1, self.clock.now)
         super().dispatch(worker, go)
 
-    def done(self, program_id: str, worker: Worker, prompt_tokens: int, completion_tokens: int) -> None:
+    def done(self, program_id: str, worker: SimWorker, prompt_tokens: int, completion_tokens: int) -> None:
         super().done(program_id, worker, prompt_tokens, completion_tokens)
         self.meters[worker.id].set(self.in_flight[worker.id], self.clock.now)
         account(self.scheduler, program_id, {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens})
@@ -109,10 +109,10 @@ class PolicyRouter(EngineRouter):
         placement = woken(self.scheduler, program_id)
         if placement is None:
             self.send(program_id, prompt_tokens, shared_tokens, go)
-        elif placement.backend is None:
+        elif placement.worker is None:
             self.dispatch(self.least_loaded(), go)
         else:
-            self.dispatch(self.by_id[placement.backend], go)
+            self.dispatch(self.by_id[placement.worker], go)
 
     def _tick(self) -> None:
         beat(self.scheduler, mean_utilization(self.meters.values(), self.clock.now))

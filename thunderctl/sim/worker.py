@@ -6,7 +6,7 @@ from thunderctl.sim.clock import VirtualClock
 from thunderctl.sim.engine import Engine, Request
 
 
-class Worker:
+class SimWorker:
     """One DP replica. A request submitted mid-step is scheduled at the next step boundary."""
 
     def __init__(self, worker_id: str, engine: Engine, clock: VirtualClock) -> None:

@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from thunderctl.engines.sim_tokens import BlockIds, ContentStream, answer_words, token_ids
+from thunderctl.engines.simulated.tokens import BlockIds, ContentStream, answer_words, token_ids
 from thunderctl.sim.engine import Engine, Request
 
 IDS_PER_CACHED_BLOCK = 4

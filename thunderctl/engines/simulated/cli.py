@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from thunderctl import aio
-from thunderctl.engines.sim_server import DEFAULT_PRESET, SimConfigError, SimEngineConfig, SimServer
+from thunderctl.engines.simulated.server import DEFAULT_PRESET, SimConfigError, SimEngineConfig, SimServer
 from thunderctl.sim.presets import preset_names
 
 

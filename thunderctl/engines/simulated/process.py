@@ -9,7 +9,7 @@ from pathlib import Path
 from thunderctl.engines.child import ChildServer
 
 # The module `up` starts workers with: it skips importing the whole command line.
-SIM_MODULE = "thunderctl.engines.sim_cli"
+SIM_MODULE = "thunderctl.engines.simulated.cli"
 
 
 def sim_command(python: str, port: int, host: str, options: Sequence[str] = ()) -> list[str]:

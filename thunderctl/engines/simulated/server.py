@@ -25,10 +25,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from thunderctl.engines.sim_api import Answer, Kind, VllmError, no_room_to_answer, prompt_too_long, unknown_model
-from thunderctl.engines.sim_metrics import metrics_registry
-from thunderctl.engines.sim_runner import RealTimeEngine
-from thunderctl.engines.sim_tokens import render_chat, token_ids
+from thunderctl.engines.simulated.api import Answer, Kind, VllmError, no_room_to_answer, prompt_too_long, unknown_model
+from thunderctl.engines.simulated.metrics import metrics_registry
+from thunderctl.engines.simulated.runner import RealTimeEngine
+from thunderctl.engines.simulated.tokens import render_chat, token_ids
 from thunderctl.sim.cost import EngineShape, Preset
 from thunderctl.sim.engine import Engine
 from thunderctl.sim.presets import UnknownPreset, get_preset

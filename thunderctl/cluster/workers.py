@@ -1,57 +1,39 @@
-"""Bringing a cluster up and down: workers on their nodes, the daemon, and the state that lets
-`down` clean up. A node is this machine or an SSH host; both go through a Transport, and nodes
-are handled in parallel (one thread each)."""
+"""Workers on their nodes: install the engine, start, wait for health, stop, start again, follow
+their logs. A node is this machine or an SSH host; both go through a Transport, and nodes are
+handled in parallel (one thread each)."""
 
 from __future__ import annotations
 
 import os
 import shlex
-import shutil
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TypeVar
 
 import httpx
 
 from thunderctl.cluster.gpus import GpuQueryError, wait_released
-from thunderctl.cluster.install import (
-    INSTALL_TIMEOUT_S,
-    NODE_STATE_ROOT,
-    InstallStep,
-    install_step,
-    node_cluster_dir,
-)
+from thunderctl.cluster.install import INSTALL_TIMEOUT_S, NODE_STATE_ROOT, InstallStep, node_cluster_dir
+from thunderctl.cluster.nodes import Transports
 from thunderctl.cluster.plan import WorkerPlan
 from thunderctl.cluster.state import ClusterState, WorkerRecord
-from thunderctl.cluster.transport import (
-    Transport,
-    TransportError,
-    Transports,
-    in_parallel,
-)
+from thunderctl.cluster.transport import Transport, TransportError, in_parallel
 from thunderctl.cluster.tunnel import tunnel_command
-from thunderctl.cluster.worker_key import create_worker_key, read_worker_key
-from thunderctl.daemon.client import control_client, daemon_answers
+from thunderctl.cluster.worker_key import read_worker_key
 from thunderctl.engines.local import probe_health
 from thunderctl.jsonapi import bearer_headers
 from thunderctl.processes import (
     ProcessIdentity,
     StopError,
     pick_free_port,
-    poll_until,
     process_alive,
     spawn_detached,
     stop_recorded_group,
     tail_of_file,
 )
-from thunderctl.profile import Profile, state_root
 
-DAEMON_START_TIMEOUT_S = 30.0
-DAEMON_EXIT_TIMEOUT_S = 60.0
 WORKER_STOP_TIMEOUT_S = 15.0
 LOG_TAIL_LINES = 30
 HEALTH_POLL_S = 0.5
@@ -70,19 +52,6 @@ def by_node(workers: list[T], node_of: Callable[[T], str]) -> list[list[T]]:
     for worker in workers:
         groups.setdefault(node_of(worker), []).append(worker)
     return list(groups.values())
-
-
-def new_state(profile: Profile, profile_path: Path) -> ClusterState:
-    gateway = profile.gateway
-    return ClusterState(
-        cluster=profile.cluster,
-        dir=state_root(profile) / profile.cluster,
-        profile_path=str(profile_path.resolve()),
-        endpoint=f"http://{gateway.host}:{gateway.port}/v1",
-    )
-
-
-# ---- install and start ------------------------------------------------------------------
 
 
 def install_engines(
@@ -197,24 +166,6 @@ def wait_workers_healthy(state: ClusterState, timeout: float, report: Report, tr
                 time.sleep(HEALTH_POLL_S)
 
 
-def start_daemon(state: ClusterState) -> None:
-    process = spawn_detached(
-        [sys.executable, "-m", "thunderctl.daemon", str(state.dir)], dict(os.environ), state.daemon_log
-    )
-    daemon = ProcessIdentity.local(process.pid)
-    state.daemon_pid, state.daemon_start_ticks = daemon.pid, daemon.start_ticks
-    state.save()
-
-    def ended_or_answers() -> bool:
-        return process.poll() is not None or daemon_answers(state)
-
-    if not poll_until(ended_or_answers, DAEMON_START_TIMEOUT_S, 0.2) or process.poll() is not None:
-        raise LaunchError(f"the daemon did not start; log tail:\n{tail_of_file(state.daemon_log, LOG_TAIL_LINES)}")
-
-
-# ---- stop -------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class StopReport:
     worker_id: str
@@ -288,46 +239,6 @@ def remove_node_dir(transport: Transport, cluster: str) -> None:
     transport.run(f"rm -rf {shlex.quote(node_cluster_dir(cluster))}; rmdir {NODE_STATE_ROOT} 2> /dev/null; true")
 
 
-def stop_daemon(state: ClusterState, drain_timeout: float) -> dict | None:
-    """Ask the daemon to drain and exit; kill it if it does not. Returns its shutdown report."""
-    report = None
-    if daemon_answers(state):
-        try:
-            with control_client(state, timeout=drain_timeout + 30) as client:
-                report = client.post("/shutdown", json={"timeout": drain_timeout}).json()
-        except httpx.HTTPError:
-            report = None
-    # An acknowledged shutdown ends with the sandbox pool removing its containers: let it finish.
-    if report is not None:
-        poll_until(lambda: not process_alive(state.daemon_process), DAEMON_EXIT_TIMEOUT_S, HEALTH_POLL_S)
-    if process_alive(state.daemon_process):
-        try:
-            stop_recorded_group(state.daemon_process, timeout=10)
-        except StopError:
-            pass
-    state.socket_path.unlink(missing_ok=True)
-    return report
-
-
-def tear_down(
-    state: ClusterState, drain_timeout: float, transports: Transports
-) -> tuple[dict | None, list[StopReport]]:
-    """Daemon first (it drains and releases), then the workers, then the state itself."""
-    report = stop_daemon(state, drain_timeout)
-    stops = stop_workers(state, transports)
-    if all(s.ok for s in stops):
-        shutil.rmtree(state.dir, ignore_errors=True)
-    return report, stops
-
-
-# ---- an existing cluster ----------------------------------------------------------------
-
-
-def existing_state(profile: Profile) -> ClusterState | None:
-    directory = state_root(profile) / profile.cluster
-    return ClusterState.load(directory) if (directory / "state.json").is_file() else None
-
-
 def any_worker_alive(state: ClusterState, transports: Transports) -> bool:
     return any(transports.to(w.ssh).group_alive(w.process) for w in state.workers if not w.stopped)
 
@@ -360,87 +271,6 @@ def revive_dead_workers(
         if not worker.stopped and worker.id in by_id
         and revive_worker(state, worker, by_id[worker.id], transports.to(worker.ssh), worker_key)
     ]  # fmt: skip
-
-
-def recover(
-    state: ClusterState, plans: list[WorkerPlan], timeout: float, report: Report, transports: Transports
-) -> list[str]:
-    """A cluster whose daemon died: restart the workers that died with it (not those a drain
-    stopped on purpose) and their tunnels, then a new daemon. Returns the ids of the workers restarted."""
-    worker_key = read_worker_key(state.dir) or create_worker_key(state.dir)
-    revived = revive_dead_workers(state, plans, transports, worker_key)
-    state.save()
-    wait_workers_healthy(state, timeout, report, transports)
-    start_daemon(state)
-    return revived
-
-
-@dataclass(frozen=True)
-class Reconciliation:
-    """What `up` did to a running cluster, and what of the profile it cannot apply in place."""
-
-    restarted: list[str]
-    not_running: list[str]  # in the profile, not in the cluster
-    not_in_profile: list[str]
-
-    def summary(self) -> str:
-        done = (
-            f"restarted {', '.join(self.restarted)} (its process had exited)" if self.restarted else "nothing changed"
-        )
-        differs = [f"the profile's {', '.join(self.not_running)} not running"] if self.not_running else []
-        differs += [f"{', '.join(self.not_in_profile)} not in the profile"] if self.not_in_profile else []
-        if differs:
-            done += f"; {' and '.join(differs)}: `thunderctl down`, then `up`, to apply the profile"
-        return done
-
-
-def reconcile(
-    state: ClusterState, plans: list[WorkerPlan], timeout: float, report: Report, transports: Transports
-) -> Reconciliation:
-    """A running cluster: its daemon starts again, now, every worker that died (not those a drain
-    stopped), and `up` waits for them to be healthy."""
-    with control_client(state) as client:
-        restarted = client.post("/workers/revive").raise_for_status().json()["restarted"]
-    if restarted:
-        wait_workers_healthy(ClusterState.load(state.dir), timeout, report, transports)
-    planned, running = [p.id for p in plans], [w.id for w in state.workers]
-    return Reconciliation(restarted, [i for i in planned if i not in running], [i for i in running if i not in planned])
-
-
-def launch(
-    profile: Profile,
-    profile_path: Path,
-    plans: list[WorkerPlan],
-    timeout: float,
-    report: Report,
-    transports: Transports,
-) -> ClusterState:
-    """Install where needed, start workers, wait for their health, start the daemon; on any
-    failure stop all of it, and say whether that worked."""
-    state = new_state(profile, profile_path)
-    state.save()
-    worker_key = create_worker_key(state.dir)
-    try:
-        step = install_step(profile.engine)
-        if step is not None:
-            install_engines(state, plans, step, transports, report)
-        start_workers(state, plans, transports, worker_key)
-        wait_workers_healthy(state, timeout, report, transports)
-        start_daemon(state)
-    except BaseException as error:
-        _, stops = tear_down(state, drain_timeout=0, transports=transports)
-        if not isinstance(error, LaunchError | TransportError):
-            raise
-        raise LaunchError(f"{error}\n{rollback_note(stops, state)}") from error
-    return state
-
-
-def rollback_note(stops: list[StopReport], state: ClusterState) -> str:
-    left = [s for s in stops if not s.ok]
-    if not left:
-        return "everything this `up` started has been stopped"
-    reasons = "\n".join(f"  {s.worker_id}: {s.outcome}" for s in left)
-    return f"these could not be stopped (state kept in {state.dir}; `thunderctl down` retries):\n{reasons}"
 
 
 def follow_lines(transport: Transport, path: str, start: int) -> Iterator[str]:
