@@ -9,7 +9,7 @@ import pytest
 
 from thunderctl.bench.planning import plan_program
 from thunderctl.bench.shapes import AgentShape, Uniform
-from thunderctl.sim.agents import ClosedLoop, aged_start_fraction
+from thunderctl.sim.agents import VirtualAgents, aged_start_fraction
 from thunderctl.sim.clock import VirtualClock
 from thunderctl.sim.cost import EngineShape, LinearStepCost
 from thunderctl.sim.engine import Engine
@@ -58,7 +58,7 @@ CONCURRENCY = 6
 def first_records(*, aged: bool, seed: int = 3) -> dict[int, tuple[int, float]]:
     """Each program's first simulated step: (its index in the program, when it was sent)."""
     clock = VirtualClock()
-    loop = ClosedLoop(
+    loop = VirtualAgents(
         WORKLOAD, seed, CONCURRENCY, clock, StickyRouter([SimWorker("w0", Engine(SHAPE, COST), clock)]), SHAPE.block_size,
         age_initial_programs=aged,
     )  # fmt: skip

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from thunderctl.sim.agents import StepRecord
+from thunderctl.sim.agents import SimStep
 from thunderctl.sim.waits import context_class, program_fairness, waits_by_class
 
 
-def record(program: int, sent: float, admitted: float, prompt: int = 1_000) -> StepRecord:
-    return StepRecord(program, 0, sent, admitted + 1.0, "w0", admitted, prompt)
+def record(program: int, sent: float, admitted: float, prompt: int = 1_000) -> SimStep:
+    return SimStep(program, 0, sent, admitted + 1.0, "w0", admitted, prompt)
 
 
 @pytest.mark.parametrize(("tokens", "name"), [(8_192, "<=8k"), (8_193, "8-16k"), (32_768, "16-32k"), (90_000, ">32k")])

@@ -27,7 +27,7 @@ class Step(Protocol):
     def tool_s(self) -> float: ...
 
 
-class Program(Protocol):
+class AgentProgram(Protocol):
     @property
     def steps(self) -> Sequence[Step]: ...
     @property
@@ -41,7 +41,7 @@ class Workload(Protocol):
     def system_prompt_tokens(self) -> int: ...
     @property
     def max_context_tokens(self) -> int | None: ...
-    def program(self, seed: int, index: int) -> Program: ...
+    def program(self, seed: int, index: int) -> AgentProgram: ...
 
 
 class Router(Protocol):
@@ -57,7 +57,7 @@ class Router(Protocol):
 
 
 @dataclass(frozen=True)
-class StepRecord:
+class SimStep:
     program_index: int
     step: int
     start_s: float  # the agent sent the request
@@ -96,7 +96,7 @@ def steps_that_fit(steps: Sequence[Step], max_context_tokens: int | None) -> Seq
 
 
 @dataclass
-class _Run:
+class _AgentRun:
     index: int
     program_id: str
     stream: TokenStream
@@ -105,7 +105,7 @@ class _Run:
 
 
 @dataclass
-class ClosedLoop:
+class VirtualAgents:
     workload: Workload
     seed: int
     concurrency: int
@@ -115,7 +115,7 @@ class ClosedLoop:
     # The first `concurrency` programs start part-way through their life, with a history no
     # cache has seen, as the real load generator's do, so a short run starts near steady state.
     age_initial_programs: bool = False
-    records: list[StepRecord] = field(default_factory=list)
+    records: list[SimStep] = field(default_factory=list)
     programs_started: int = 0
     programs_completed: int = 0
     steps_cut: int = 0
@@ -134,13 +134,13 @@ class ClosedLoop:
         shared_blocks = self.workload.system_prompt_tokens // self.block_size
         aged = self.age_initial_programs and index < self.concurrency
         first_step = first_step_at(aged_start_fraction(self.seed, index), len(steps)) if aged else 0
-        run = _Run(index, f"sim-{self.seed}-{index}", TokenStream(index + 1, shared_blocks), steps, first_step)
+        run = _AgentRun(index, f"sim-{self.seed}-{index}", TokenStream(index + 1, shared_blocks), steps, first_step)
         self.programs_started += 1
         # A program that starts part-way has its environment already.
         prepare_s = (program.env_prep_s or 0.0) if first_step == 0 else 0.0
         self.clock.after(prepare_s, lambda: self._send(run))
 
-    def _send(self, run: _Run) -> None:
+    def _send(self, run: _AgentRun) -> None:
         step = run.steps[run.next_step]
         start = self.clock.now
 
@@ -154,10 +154,10 @@ class ClosedLoop:
 
         self.router.send(run.program_id, step.prompt_tokens, self.workload.system_prompt_tokens, submit)
 
-    def _done(self, run: _Run, worker: SimWorker, request: Request, admitted_s: float) -> None:
+    def _done(self, run: _AgentRun, worker: SimWorker, request: Request, admitted_s: float) -> None:
         step = run.steps[run.next_step]
         self.records.append(
-            StepRecord(
+            SimStep(
                 run.index,
                 run.next_step,
                 request.arrival_s,

@@ -15,7 +15,7 @@ from enum import StrEnum
 from typing import Any
 
 from thunderctl.scheduler import PauseOrder, PlacementRule, SchedulerConfig
-from thunderctl.sim.agents import ClosedLoop, Router, StepRecord, Workload
+from thunderctl.sim.agents import Router, SimStep, VirtualAgents, Workload
 from thunderctl.sim.clock import VirtualClock
 from thunderctl.sim.cost import Preset
 from thunderctl.sim.engine import Engine, EngineCounters
@@ -76,7 +76,7 @@ class ArmResult:
     arm: str
     workers: int
     window_s: float
-    records: list[StepRecord]
+    records: list[SimStep]
     window: EngineCounters  # summed over workers, steady window only
     occupancy: list[OccupancySample]
     programs_started: int
@@ -84,7 +84,7 @@ class ArmResult:
     steps_cut: int
     scheduler_counters: dict[str, int] = field(default_factory=dict)
 
-    def steady(self, warmup_s: float) -> list[StepRecord]:
+    def steady(self, warmup_s: float) -> list[SimStep]:
         end = warmup_s + self.window_s
         return [r for r in self.records if r.start_s >= warmup_s and r.end_s <= end]
 
@@ -181,7 +181,7 @@ def run_arm(arm: ArmName, spec: SimSpec, progress: Callable[[float], None] | Non
         )  # fmt: skip
         workers.append(SimWorker(f"w{index}", engine, clock))
     router, policy = build_router(arm, workers, clock, preset, spec.host_blocks * preset.engine.block_size)
-    loop = ClosedLoop(
+    loop = VirtualAgents(
         spec.workload, spec.seed, spec.concurrency, clock, router, preset.engine.block_size,
         age_initial_programs=spec.age_initial_programs,
     )  # fmt: skip

@@ -71,7 +71,7 @@ class HostTier:
 
 
 @dataclass(slots=True)
-class _Run:
+class _BlockRun:
     """Cached blocks of hashes lo..hi-1, all in one state."""
 
     lo: int
@@ -94,7 +94,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.host = host
         self._starts: list[int] = []  # every run's lo, sorted
-        self._runs: dict[int, _Run] = {}  # lo -> run
+        self._runs: dict[int, _BlockRun] = {}  # lo -> run
         self._queue: list[tuple[int, int, int]] = []  # (release, -top, CACHED or DUPLICATE)
         self._duplicates: dict[tuple[int, int], int] = {}  # (release, top) -> lo of freed duplicates
         self._releases = 0
@@ -209,7 +209,7 @@ class BlockPool:
 
     # ---- runs -----------------------------------------------------------------------------
 
-    def _run_at(self, block_hash: int) -> _Run | None:
+    def _run_at(self, block_hash: int) -> _BlockRun | None:
         index = bisect_right(self._starts, block_hash) - 1
         if index >= 0:
             run = self._runs[self._starts[index]]
@@ -217,13 +217,13 @@ class BlockPool:
                 return run
         return None
 
-    def _overlapping(self, lo: int, hi: int) -> list[_Run]:
+    def _overlapping(self, lo: int, hi: int) -> list[_BlockRun]:
         starts = self._starts
         first = max(0, bisect_right(starts, lo) - 1)
         runs = [self._runs[start] for start in starts[first : bisect_left(starts, hi)]]
         return runs if not runs or runs[0].hi > lo else runs[1:]
 
-    def _pieces(self, lo: int, hi: int) -> list[_Run]:
+    def _pieces(self, lo: int, hi: int) -> list[_BlockRun]:
         """The runs that make up lo..hi-1 exactly (all cached), split where they stick out."""
         self._split(lo)
         self._split(hi)
@@ -234,18 +234,18 @@ class BlockPool:
         run = self._run_at(at)
         if run is None or run.lo == at:
             return
-        upper = _Run(at, run.hi, run.refs, run.released)
+        upper = _BlockRun(at, run.hi, run.refs, run.released)
         run.hi = at
         self._insert(upper)
         if not run.refs:  # the upper part keeps the entry for the old top
             heapq.heappush(self._queue, (run.released, -at, CACHED))
 
     def _add_held(self, lo: int, hi: int) -> None:
-        run = _Run(lo, hi, 1)
+        run = _BlockRun(lo, hi, 1)
         self._insert(run)
         self._coalesce_over([run], hi)
 
-    def _coalesce_over(self, pieces: list[_Run], hi: int) -> None:
+    def _coalesce_over(self, pieces: list[_BlockRun], hi: int) -> None:
         """Merge neighbours in the same state at the bounds of `pieces` (which end at `hi`)."""
         for at in [run.lo for run in pieces] + [hi]:
             upper = self._runs.get(at)
@@ -256,11 +256,11 @@ class BlockPool:
                 lower.hi = upper.hi
                 self._remove(upper)
 
-    def _insert(self, run: _Run) -> None:
+    def _insert(self, run: _BlockRun) -> None:
         insort(self._starts, run.lo)
         self._runs[run.lo] = run
 
-    def _remove(self, run: _Run) -> None:
+    def _remove(self, run: _BlockRun) -> None:
         del self._starts[bisect_left(self._starts, run.lo)]
         del self._runs[run.lo]
 

@@ -6,7 +6,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from thunderctl.sim.agents import StepRecord
+from thunderctl.sim.agents import SimStep
 
 # Upper bounds (prompt tokens) of the context-size classes waits are reported by; the last is open.
 CONTEXT_CLASSES: tuple[tuple[str, int | None], ...] = (
@@ -32,7 +32,7 @@ def context_class(prompt_tokens: int) -> str:
     raise AssertionError("the last class is open")
 
 
-def waits_by_class(records: Sequence[StepRecord]) -> dict[str, dict[str, Any]]:
+def waits_by_class(records: Sequence[SimStep]) -> dict[str, dict[str, Any]]:
     """Per class of prompt size: requests, and their admission wait's p50, p99 and max (seconds)."""
     by_class: dict[str, list[float]] = {name: [] for name, _ in CONTEXT_CLASSES}
     for record in records:
@@ -48,7 +48,7 @@ def waits_by_class(records: Sequence[StepRecord]) -> dict[str, dict[str, Any]]:
     }
 
 
-def program_fairness(records: Sequence[StepRecord]) -> dict[str, Any]:
+def program_fairness(records: Sequence[SimStep]) -> dict[str, Any]:
     """Each program's longest admission wait: the longest of any program against the median program's.
 
     `ratio` is None when the median program never waited (nothing to compare: either nobody
@@ -68,7 +68,7 @@ def program_fairness(records: Sequence[StepRecord]) -> dict[str, Any]:
     }
 
 
-def first_answers(records: Sequence[StepRecord], first_step: int = 0) -> list[tuple[int, float]]:
+def first_answers(records: Sequence[SimStep], first_step: int = 0) -> list[tuple[int, float]]:
     """(prompt tokens, seconds from send to answer) of each program's step `first_step`, in program order."""
     firsts = sorted((r for r in records if r.step == first_step), key=lambda r: r.program_index)
     return [(r.prompt_tokens, r.latency_s) for r in firsts]
