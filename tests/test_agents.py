@@ -27,7 +27,7 @@ from minisweagent.exceptions import Submitted
 from typer.testing import CliRunner
 
 import thunderctl.integrations
-from test_cluster import Cli, consecutive_free_ports, write_profile
+from support import Cli, consecutive_free_ports, write_profile
 from thunderctl.cli import app
 from thunderctl.integrations.cluster import ClusterClient, ClusterError
 from thunderctl.integrations.tasks import AgentTask, TaskFileError, load_tasks

@@ -14,7 +14,7 @@ from pathlib import Path
 import docker
 import pytest
 
-from test_cluster import Cli, consecutive_free_ports, write_profile
+from support import Cli, consecutive_free_ports, write_profile
 from thunderctl.bench.planning import StepPlan
 from thunderctl.bench.results import ToolRecord
 from thunderctl.bench.sandboxes import (

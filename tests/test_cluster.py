@@ -6,111 +6,20 @@ order of a cluster's life: up, use, drain, lose a worker, lose the daemon, down.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import secrets
 import signal
 import socket
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-import yaml
-from click.testing import Result
-from typer.testing import CliRunner
 
-from thunderctl.bench.closed_loop import LoadSpec, Target, run_load
-from thunderctl.bench.results import LoadResult
-from thunderctl.bench.shapes import AgentShape, Uniform
-from thunderctl.cli import app
-from thunderctl.daemon.status import ClusterStatus
-from thunderctl.processes import pick_free_port, pid_alive, port_free
-from thunderctl.profile import DEFAULT_PROFILE
-
-SHAPE = AgentShape(
-    system_prompt_tokens=200,
-    task_tokens=Uniform(100, 200),
-    observation_tokens=Uniform(80, 160),
-    completion_tokens=Uniform(8, 16),
-    steps=Uniform(5, 7),
-    tool_seconds=Uniform(0.2, 0.6),
-    max_context_tokens=3500,
-)
-
-
-def consecutive_free_ports(count: int) -> int:
-    while True:
-        base = pick_free_port()
-        if base + count < 65000 and all(port_free("127.0.0.1", base + i) for i in range(count)):
-            return base
-
-
-class Cli:
-    def __init__(self, state_dir: Path) -> None:
-        self.settings = {"THUNDERCTL_STATE_DIR": str(state_dir), "COLUMNS": "200"}
-        self.env = os.environ | self.settings
-
-    def in_process(self, *args: str) -> Result:
-        """The command in this process (CliRunner), for one that ends before leaving anything running:
-        it saves the second or two a fresh interpreter spends importing thunderctl."""
-        return CliRunner(env=self.settings).invoke(app, list(args))
-
-    def __call__(self, *args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-        result = subprocess.run(
-            [sys.executable, "-m", "thunderctl", *args], env=self.env, capture_output=True, text=True, timeout=timeout
-        )
-        if check and result.returncode != 0:
-            raise AssertionError(
-                f"thunderctl {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
-            )
-        return result
-
-    def status(self) -> ClusterStatus:
-        """`thunderctl status --json`, read as the model the daemon answers with."""
-        return ClusterStatus.model_validate_json(self("status", "--json").stdout)
-
-
-def write_profile(directory: Path, restart: dict | None = None, **changes) -> Path:
-    profile = yaml.safe_load(DEFAULT_PROFILE.read_text())
-    profile["engine"].update(kv_blocks=128, block_size=32, max_model_len=4064)
-    if restart is not None:
-        profile["engine"]["restart"] = restart
-    profile["scheduler"] = {"tick_interval_s": 0.5, "buffer_tokens": 64}
-    for key, value in changes.items():
-        profile[key] = value
-    path = directory / "profile.yaml"
-    path.write_text(yaml.safe_dump(profile))
-    return path
-
-
-def run_load_in_background(endpoint: str, programs: int) -> tuple[threading.Thread, list[LoadResult]]:
-    results: list[LoadResult] = []
-    spec = LoadSpec(concurrency=4, programs=programs, shape=SHAPE, seed=5)
-    gateway_url = endpoint.removesuffix("/v1")
-
-    def work() -> None:
-        results.append(asyncio.run(run_load(Target.gateway(gateway_url), spec, [])))
-
-    thread = threading.Thread(target=work)
-    thread.start()
-    return thread, results
-
-
-def processes_mentioning(text: str) -> list[int]:
-    found = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                if text in (proc / "cmdline").read_bytes().decode(errors="replace"):
-                    found.append(int(proc.name))
-            except OSError:
-                continue
-    return [pid for pid in found if pid_alive(pid)]
+from support import Cli, consecutive_free_ports, processes_mentioning, run_load_in_background, write_profile
+from thunderctl.processes import pick_free_port, pid_alive
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import psutil
 
-from test_gateway_vllm import wait_until
+from support import wait_until
 
 MODEL = "sim"
 

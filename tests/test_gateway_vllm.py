@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-from collections.abc import Callable
 
 import httpx
 import pytest
 
+from support import wait_until
 from thunderctl.bench.closed_loop import LoadSpec, Target, run_load
 from thunderctl.bench.shapes import AgentShape, Uniform
 from thunderctl.traceformat import read_trace
@@ -33,14 +32,6 @@ def complete_ids(gateway, program_id: str, n_tokens: int, seed: int) -> dict:
     response = gateway.http.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
     return response.json()
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.1)
 
 
 @pytest.fixture

@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from support import live_group_members, wait_for
 from thunderctl.engines.local import (
     TINY_MODEL_SCRIPT,
     EngineHome,
@@ -20,33 +20,6 @@ from thunderctl.engines.local import (
     install_engine,
     run_install_step,
 )
-
-
-def live_group_members(pgid: int) -> dict[int, str]:
-    """pid → command name of the non-zombie processes in a process group, read from /proc.
-
-    Written apart from LocalProcessGroups.group_members on purpose: the test must not trust the code
-    it checks.
-    """
-    members = {}
-    for stat_file in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat_file.read_text()
-        except OSError:
-            continue
-        name = text[text.index("(") + 1 : text.rindex(")")]
-        state, _ppid, pgrp = text[text.rindex(")") + 2 :].split()[:3]
-        if int(pgrp) == pgid and state != "Z":
-            members[int(stat_file.parent.name)] = name
-    return members
-
-
-def wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.2)
 
 
 @pytest.mark.engine

@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from test_cluster import Cli
-from test_local_engine import live_group_members, wait_for
+from support import Cli, live_group_members, wait_for
 from thunderctl.cluster.nodes import Transports
 from thunderctl.cluster.state import ClusterState, WorkerRecord
 from thunderctl.cluster.transport import SshTarget

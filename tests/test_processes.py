@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from test_local_engine import live_group_members, wait_for
+from support import live_group_members, wait_for
 from thunderctl.processes import (
     GroupStop,
     LocalProcessGroups,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_cluster import Cli, consecutive_free_ports, processes_mentioning
+from support import Cli, consecutive_free_ports, processes_mentioning
 from thunderctl.processes import pick_free_port, pid_alive
 from thunderctl.profile import PROFILES_DIR
 from thunderctl.sim.presets import h100_tp4_32b

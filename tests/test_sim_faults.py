@@ -21,8 +21,7 @@ import psutil
 import pytest
 import yaml
 
-from test_cluster import SHAPE, Cli, processes_mentioning
-from test_local_engine import wait_for
+from support import SHAPE, Cli, processes_mentioning, wait_for
 from thunderctl.bench.closed_loop import LoadSpec, Target, run_load
 from thunderctl.bench.results import LoadResult, StepRecord
 from thunderctl.bench.shapes import AgentShape, Uniform

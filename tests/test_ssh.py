@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import httpx
 import pytest
 
-from test_cluster import Cli, processes_mentioning, write_profile
+from support import Cli, processes_mentioning, write_profile
 from thunderctl.cluster.install import node_cluster_dir
 from thunderctl.engines.local import EngineHome
 from thunderctl.processes import LocalProcessGroups, pick_free_port, pid_alive, port_free

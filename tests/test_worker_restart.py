@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from test_cluster import Cli, consecutive_free_ports, run_load_in_background, write_profile
-from test_local_engine import wait_for
+from support import Cli, consecutive_free_ports, run_load_in_background, wait_for, write_profile
 from thunderctl.daemon.service import SUPERVISE_INTERVAL_S
 from thunderctl.processes import pick_free_port, pid_alive
 
