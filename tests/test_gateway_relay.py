@@ -34,11 +34,13 @@ def sse(*chunks: dict) -> bytes:
 class Workers:
     """vLLM workers behind a MockTransport, by host name. `dead` ones refuse connections to
     their completion routes (health and metrics, asked at start, still answer); `fail_next`
-    refuses the next completion request whichever worker it goes to."""
+    refuses the next completion request whichever worker it goes to; `time_out_next` times the
+    next one's connect out."""
 
     stream_body: bytes = field(default_factory=lambda: sse(CONTENT_CHUNK, USAGE_CHUNK))
     dead: set[str] = field(default_factory=set)
     fail_next: int = 0
+    time_out_next: int = 0
     status: int = 200
     attempts: list[str] = field(default_factory=list)  # worker of every completion request
     bodies: list[dict] = field(default_factory=list)  # what the ones answered were sent
@@ -56,6 +58,9 @@ class Workers:
         if worker in self.dead or self.fail_next:
             self.fail_next = max(0, self.fail_next - 1)
             raise httpx.ConnectError("connection refused", request=request)
+        if self.time_out_next:
+            self.time_out_next -= 1
+            raise httpx.ConnectTimeout("connect timed out", request=request)
         body = json.loads(request.content)
         self.bodies.append(body)
         if self.status != 200:
@@ -137,6 +142,16 @@ async def test_a_worker_that_refuses_is_failed_over_once_to_another(gateway_over
     # The program's next request goes to the worker that answered, at once.
     assert (await client.post("/v1/chat/completions", json=chat())).status_code == 200
     assert workers.attempts[2:] == [served]
+
+
+async def test_a_connect_timeout_goes_again_and_leaves_the_worker_in_service(gateway_over) -> None:
+    workers = Workers(time_out_next=1)
+    client, gateway = await gateway_over(workers, names=("a",))
+    response = await client.post("/v1/chat/completions", json=chat())
+    assert response.status_code == 200 and response.json()["usage"] == USAGE
+    assert workers.attempts == ["a", "a"]
+    assert gateway.links["a"].healthy and gateway.worker_state(gateway.links["a"]) == "ready"
+    assert program(gateway, "p1")["steps"] == 1
 
 
 async def test_no_second_retry_when_the_other_worker_refuses_too(gateway_over) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator
 
 import httpx
@@ -76,6 +77,34 @@ async def test_a_worker_that_went_away_is_failed_over_to_the_other(start_sim) ->
         assert response.status_code == 200 and response.text.endswith("data: [DONE]\n\n")
         assert not gateway.links["gone"].healthy and gateway.links["live"].healthy
     finally:
+        await client.aclose()
+        await gateway.stop()
+
+
+async def test_a_connect_timed_out_by_a_blocked_event_loop_goes_again_and_kills_no_worker(start_sim) -> None:
+    sim = start_sim("--time-scale", "0", "--served-model-name", MODEL)
+    # No connection is reused, so the completion connects anew, after start's health checks.
+    gateway = Gateway([WorkerLink("w0", sim.url)], transport=AiohttpTransport(keepalive_s=0), connect_timeout_s=0.2)
+    client = await gateway_client(gateway)
+    loop = asyncio.get_running_loop()
+    connect = loop.create_connection
+    blocked: list[float] = []
+
+    async def connect_on_a_blocked_loop(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if not blocked:
+            # The loop is held up past the connect timeout just as the connect starts: the worker
+            # accepts at once, but the timer fires before the loop sees the connection made.
+            blocked.append(0.5)
+            time.sleep(0.5)
+        return await connect(*args, **kwargs)
+
+    loop.create_connection = connect_on_a_blocked_loop  # type: ignore[method-assign]
+    try:
+        response = await client.post("/v1/chat/completions", json=chat())
+        assert blocked and response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 12
+        assert gateway.links["w0"].healthy and gateway.worker_state(gateway.links["w0"]) == "ready"
+    finally:
+        del loop.create_connection
         await client.aclose()
         await gateway.stop()
 

@@ -54,6 +54,8 @@ class WorkerError(RuntimeError):
 
 # Consecutive failed health/metrics polls before a worker is taken out of scheduling.
 UNHEALTHY_AFTER = 3
+# How long a connect to a worker may take. Its timing out is no verdict on the worker (see _fail_over).
+WORKER_CONNECT_TIMEOUT_S = 10.0
 # vLLM's API server (uvicorn) closes a connection idle for 5 s. A pooled connection is dropped
 # before that, or a request sent on it as the worker closes it fails (ReadError) and the worker
 # looks dead.
@@ -134,6 +136,7 @@ class Gateway:
         worker_key: str | None = None,
         resumed_priority: int | None = None,
         transport: httpx.AsyncBaseTransport | None = None,  # the workers' HTTP; tests pass a fake
+        connect_timeout_s: float = WORKER_CONNECT_TIMEOUT_S,
     ) -> None:
         if not links:
             raise ValueError("the gateway needs at least one backend")
@@ -154,7 +157,7 @@ class Gateway:
         # Every call to a worker (relay, health, metrics) carries the cluster's worker key.
         self._client = httpx.AsyncClient(
             headers=bearer_headers(worker_key),
-            timeout=httpx.Timeout(None, connect=10.0),
+            timeout=httpx.Timeout(None, connect=connect_timeout_s),
             transport=transport or AiohttpTransport(keepalive_s=WORKER_KEEPALIVE_S),
         )
 
@@ -376,8 +379,8 @@ class Gateway:
                 break
             except (httpx.TransportError, WorkerStalled) as exc:
                 link.add_in_flight(-1, self._clock())
-                if attempt == 1 and self._fail_over(link, program_id, stalled=isinstance(exc, WorkerStalled)):
-                    log.warning("worker %s failed (%r); retrying on another worker", link.id, exc)
+                if attempt == 1 and self._fail_over(link, program_id, exc):
+                    log.warning("worker %s failed (%r); the request goes again", link.id, exc)
                     continue
                 self._finish_failed(program_id)
                 raise WorkerError(f"backend {link.id} ({link.url}) failed: {exc!r}") from exc
@@ -415,10 +418,13 @@ class Gateway:
             relay.settle()
             self._finish(link, program_id, shape, relay.usage, answer.tool, answer.ttft_s)
 
-    def _fail_over(self, link: WorkerLink, program_id: str | None, stalled: bool) -> bool:
+    def _fail_over(self, link: WorkerLink, program_id: str | None, exc: Exception) -> bool:
         """Take a worker that refused a connection out of scheduling (a stalled one is out already);
-        is there another?"""
-        if not stalled:
+        the request goes back to the queue. Is there a worker to try it on?"""
+        # A connect timeout is no verdict: on a starved event loop the timer fires before the loop
+        # sees the connection the worker made at once. The request goes again, perhaps to the same
+        # worker, and the health poll decides whether it is dead.
+        if not isinstance(exc, WorkerStalled | httpx.ConnectTimeout):
             self.mark_unhealthy(link)
         if program_id is not None:
             self.scheduler.requeue(program_id)
