@@ -50,9 +50,11 @@ def metrics(url: str) -> EngineMetrics:
     return parse_metrics(httpx.get(f"{url}/metrics").text)
 
 
-def complete(url: str, prompt: str | list[int], max_tokens: int = 1, **extra) -> httpx.Response:
+def complete(url: str, prompt: str | list[int], max_tokens: int = 1, timeout: float = 60, **extra) -> httpx.Response:
     return httpx.post(
-        f"{url}/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, **extra}, timeout=60
+        f"{url}/v1/completions",
+        json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, **extra},
+        timeout=timeout,
     )
 
 
@@ -166,6 +168,31 @@ def test_tokens_stream_as_the_engine_steps_produce_them(start_sim) -> None:
     # The 5 decode steps after the first token each last at least the model's fixed cost, times 15.
     assert content[-1][1] - content[0][1] >= 5 * CPU_TINY_COST.base_s * 15 * 0.95
     assert len(content) >= 2  # the answer came in pieces, not at the end
+
+
+def answering(url: str) -> bool:
+    """Whether the engine holds a request (running or waiting) or any KV block."""
+    now = metrics(url)
+    return now.requests_running + now.requests_waiting > 0 or now.kv_usage > 0
+
+
+def test_a_stream_whose_client_went_away_is_aborted_and_its_blocks_freed(start_sim) -> None:
+    sim = start_sim("--preset", "cpu-tiny", "--time-scale", "1")  # 2,000 tokens: minutes at this pace
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2000, "stream": True}
+    with httpx.stream("POST", f"{sim.url}/v1/chat/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()  # kept: a dropped iterator closes the connection
+        assert next(lines).startswith("data: ")
+        assert answering(sim.url)
+    assert poll_until(lambda: not answering(sim.url), timeout_s=10)
+    assert metrics(sim.url).generation_tokens < 1000  # it stopped short of its answer
+
+
+def test_a_whole_answer_whose_client_went_away_is_aborted_and_its_blocks_freed(start_sim) -> None:
+    sim = start_sim("--preset", "cpu-tiny", "--time-scale", "1")
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+        complete(sim.url, " ".join(WORDS), max_tokens=2000, timeout=1.0)
+    assert poll_until(lambda: not answering(sim.url), timeout_s=10)
+    assert metrics(sim.url).generation_tokens < 1000  # it stopped short of its answer
 
 
 def test_a_full_cache_queues_and_preempts_and_every_request_still_finishes(start_sim) -> None:

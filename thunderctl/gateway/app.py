@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from thunderctl.gateway.auth import GatewayAuth, RequireApiKey
+from thunderctl.gateway.disconnects import CountDisconnects
 from thunderctl.gateway.gateway import Gateway, WorkerError
 from thunderctl.gateway.metrics import render_metrics
 from thunderctl.gateway.requests import (
@@ -123,5 +124,8 @@ def build_app(
             Route("/health", health, methods=["GET"]),
             *extra_routes,
         ],
-        middleware=[Middleware(RequireApiKey, auth=auth)],
+        middleware=[
+            Middleware(CountDisconnects, on_disconnect=gateway.count_client_disconnect),
+            Middleware(RequireApiKey, auth=auth),
+        ],
     )

@@ -154,6 +154,7 @@ class Gateway:
         self.stalls = StallWatch(self.scheduler.config.stall_timeout_s)
         self.unanswered = UnansweredRequests()
         self._tasks: list[asyncio.Task[None]] = []
+        self.client_disconnects = 0  # clients gone before their request's body had arrived
         # Every call to a worker (relay, health, metrics) carries the cluster's worker key.
         self._client = httpx.AsyncClient(
             headers=bearer_headers(worker_key),
@@ -459,6 +460,10 @@ class Gateway:
         except httpx.HTTPError as exc:
             raise WorkerError(f"backend {link.id} ({link.url}) failed: {exc!r}") from exc
         return response.status_code, response.content
+
+    def count_client_disconnect(self) -> int:
+        self.client_disconnects += 1
+        return self.client_disconnects
 
     # ---- views ----------------------------------------------------------------------------
 

@@ -42,6 +42,11 @@ def gateway_families(gateway: Gateway) -> Iterator[Metric]:
             sched.counters.expired,
         ),
         ("thunderctl_scheduler_tick_failures_total", "Scheduler ticks that raised.", sched.counters.tick_failures),
+        (
+            "thunderctl_client_disconnects_total",
+            "Requests whose client went away before their body had arrived.",
+            gateway.client_disconnects,
+        ),
     ]:
         yield CounterMetricFamily(name, documentation, value=value)
     yield GaugeMetricFamily(

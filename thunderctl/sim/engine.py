@@ -104,6 +104,7 @@ class EngineCounters:
     prefill_tokens: int = 0  # prompt tokens computed, recompute included
     decode_tokens: int = 0
     finished: int = 0
+    aborted: int = 0
 
     @property
     def hit_rate(self) -> float | None:
@@ -167,6 +168,27 @@ class Engine:
                 f"of {self.block_size}: give the engine more blocks or the workload a smaller max context"
             )
         self.waiting.append(request)
+
+    def abort(self, request: Request) -> bool:
+        """Between steps: a request whose client went away leaves the engine, as vLLM aborts it,
+        and its blocks are freed (what it computed stays in the prefix cache). False when it had
+        finished already."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+            if request.ready_s is not None:  # its host-tier load never landed: nothing new to cache
+                request.computed_tokens = request.registered_blocks * self.block_size
+                request.ready_s = None
+        elif request in self.running:
+            self.running.remove(request)
+            if request.decoding:
+                self._stop_decoding(request, self.step_index)
+            else:
+                self._prefilling.remove(request)
+        else:
+            return False
+        self._release_blocks(request)
+        self.counters.aborted += 1
+        return True
 
     @property
     def kv_usage(self) -> float:

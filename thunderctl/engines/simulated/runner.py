@@ -41,6 +41,10 @@ class Generation:
             self._sampled = sampled
             self._progress.set()
 
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
     def finish(self) -> None:
         self._finished = True
         self._sampled = len(self.words)
@@ -74,6 +78,7 @@ class RealTimeEngine:
         self.engine = engine
         self.time_scale = time_scale
         self._streaming: set[Generation] = set()
+        self._aborted: list[Request] = []  # to leave the engine at the next step boundary
         self._work = asyncio.Event()
         self._unstalled = asyncio.Event()
         self._unstalled.set()
@@ -95,6 +100,14 @@ class RealTimeEngine:
         self.engine.submit(request)
         self._work.set()
         return generation
+
+    def abort(self, generation: Generation) -> None:
+        """Its client went away: the request leaves the engine at the next step boundary (a step
+        in flight computes it still), its blocks freed. Nothing happens to a finished one."""
+        self._streaming.discard(generation)
+        if not generation.finished:
+            self._aborted.append(generation.request)
+            self._work.set()  # an idle loop (a request that cannot be scheduled) wakes to drop it
 
     @property
     def stalled(self) -> bool:
@@ -118,6 +131,9 @@ class RealTimeEngine:
         engine = self.engine
         while True:
             await self._unstalled.wait()
+            for request in self._aborted:
+                engine.abort(request)
+            self._aborted.clear()
             start = loop.time()
             seconds = engine.begin_step(start)
             if seconds is None:

@@ -14,7 +14,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -27,7 +27,7 @@ from starlette.routing import Route
 
 from thunderctl.engines.simulated.api import Answer, Kind, VllmError, no_room_to_answer, prompt_too_long, unknown_model
 from thunderctl.engines.simulated.metrics import metrics_registry
-from thunderctl.engines.simulated.runner import RealTimeEngine
+from thunderctl.engines.simulated.runner import Generation, RealTimeEngine
 from thunderctl.engines.simulated.tokens import render_chat, token_ids
 from thunderctl.sim.cost import EngineShape, Preset
 from thunderctl.sim.engine import Engine
@@ -92,6 +92,22 @@ async def json_body(request: Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise VllmError("the request body must be a JSON object")
     return body
+
+
+async def finished_before_disconnect(generation: Generation, request: Request) -> bool:
+    """Wait for the whole answer, or for the client to go away first (False), as vLLM's
+    `with_cancellation` does for a request that is not streamed."""
+    done = asyncio.ensure_future(generation.done())
+    gone = asyncio.ensure_future(disconnected(request))
+    await asyncio.wait((done, gone), return_when=asyncio.FIRST_COMPLETED)
+    for task in (done, gone):
+        task.cancel()
+    return generation.finished
+
+
+async def disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def answer_length(body: dict[str, Any], kind: Kind, prompt_tokens: int, max_model_len: int) -> int:
@@ -172,9 +188,20 @@ class SimServer:
         answer = Answer(kind, self.config.served_model_name, len(prompt), max_tokens)
         if stream:
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(answer.stream(generation.pieces(), include_usage), media_type="text/event-stream")
-        await generation.done()
+            chunks = answer.stream(generation.pieces(), include_usage)
+            return StreamingResponse(self._aborted_if_gone(chunks, generation), media_type="text/event-stream")
+        if not await finished_before_disconnect(generation, request):
+            self.runner.abort(generation)
+            return Response(status_code=499)  # nobody reads it: the client is gone
         return JSONResponse(answer.whole(" ".join(generation.words)))
+
+    async def _aborted_if_gone(self, chunks: AsyncIterator[bytes], generation: Generation) -> AsyncIterator[bytes]:
+        """The stream; a client gone mid-answer cancels it (Starlette) and the request is aborted."""
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            self.runner.abort(generation)
 
     async def chat(self, request: Request) -> Response:
         return await self.generate(request, Kind.CHAT, chat_prompt)
