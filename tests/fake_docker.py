@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import secrets
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -41,6 +42,7 @@ class FakeContainer:
     labels: dict[str, str]
     running: bool = True
     size_bytes: int = 0  # its writable layer
+    created: float = 0.0  # Unix time, on the engine's clock
 
 
 @dataclass
@@ -60,6 +62,7 @@ class FakeEngine:
     containers: dict[str, FakeContainer] = field(default_factory=dict)
     commands: dict[str, Command] = field(default_factory=dict)  # unknown ones print nothing, exit 0
     answering: bool = True
+    clock: Callable[[], float] = time.time  # the host's clock, which stamps a container's creation
     created: list[FakeContainer] = field(default_factory=list)  # in the order they were made
     pulls: list[str] = field(default_factory=list)
     execs: list[ExecCall] = field(default_factory=list)
@@ -74,7 +77,7 @@ class FakeEngine:
 
     def run(self, image: str, labels: dict[str, str], running: bool = True) -> FakeContainer:
         """A container started outside the pool (by an agent, a worker, an older daemon)."""
-        container = FakeContainer(secrets.token_hex(32), image, labels, running)
+        container = FakeContainer(secrets.token_hex(32), image, labels, running, created=self.clock())
         self.containers[container.id] = container
         return container
 
@@ -185,7 +188,9 @@ class FakeHost:
 
     @staticmethod
     def _info(container: FakeContainer) -> ContainerInfo:
-        return ContainerInfo(container.id, dict(container.labels), container.running, container.image)
+        return ContainerInfo(
+            container.id, dict(container.labels), container.running, container.image, container.created
+        )
 
 
 def fake_hosts(engines: dict[str, FakeEngine]) -> Callable[[str, SandboxConfig, str], SandboxHost]:

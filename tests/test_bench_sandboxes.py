@@ -179,6 +179,7 @@ async def test_the_sample_counts_an_adopted_container_once(
     start_pool, sandbox_image: str, docker_client: docker.DockerClient
 ) -> None:
     pool = await start_pool()
+    pool.program_began("p1")
     agents_own = docker_client.containers.run(
         sandbox_image, ["sleep", "600"], detach=True, network_mode="none", labels={"thunderctl.test": "1"}
     )

@@ -198,14 +198,20 @@ async def test_restart_after_kill_9_reaps_every_orphan_and_nothing_else(
         assert bystander.status == "running"
 
 
+def run_by_hand(client: docker.DockerClient, image: str, **labels: str):
+    """A container started outside the pool (by an agent, by hand, by another cluster)."""
+    return client.containers.run(
+        image, ["sleep", "600"], detach=True, network_mode="none", labels={"thunderctl.test": "1", **labels}
+    )
+
+
 async def test_adopted_container_is_collected_with_its_program(
     start_pool, serve_pool, sandbox_image, docker_client
 ) -> None:
     pool = await start_pool()
     http = await serve_pool(pool)
-    agents_own = docker_client.containers.run(
-        sandbox_image, ["sleep", "600"], detach=True, network_mode="none", labels={"thunderctl.test": "1"}
-    )
+    pool.program_began("p1")  # its first request, before its agent starts the container
+    agents_own = run_by_hand(docker_client, sandbox_image)
 
     adopted = await http.post("/v1/sandboxes/adopt", json={"program_id": "p1", "docker_ids": [agents_own.short_id]})
     assert adopted.status_code == 200
@@ -221,15 +227,41 @@ async def test_adopted_container_is_collected_with_its_program(
     assert unknown.status_code == 404 and "f00dfeed" in unknown.json()["error"]["message"]
 
 
+async def test_a_container_older_than_the_program_or_another_clusters_survives_adopt_and_release(
+    start_pool, serve_pool, sandbox_image, docker_client
+) -> None:
+    bystander = run_by_hand(docker_client, sandbox_image)  # a database, say, started before the program
+    pool = await start_pool()
+    http = await serve_pool(pool)
+    pool.program_began("p1")
+    other_clusters = run_by_hand(
+        docker_client, sandbox_image, **{"thunderctl.cluster": "prod", "thunderctl.role": "worker"}
+    )
+    agents_own = run_by_hand(docker_client, sandbox_image)
+    try:
+        for refused, why in [(bystander, "before program 'p1' began"), (other_clusters, "cluster 'prod'")]:
+            answer = await http.post("/v1/sandboxes/adopt", json={"program_id": "p1", "docker_ids": [refused.short_id]})
+            assert answer.status_code == 403 and why in answer.json()["error"]["message"]
+        taken = await http.post("/v1/sandboxes/adopt", json={"program_id": "p1", "docker_ids": [agents_own.id]})
+        assert taken.status_code == 200
+
+        await pool.program_ended("p1")
+        assert container_exists(docker_client, bystander.id) and container_exists(docker_client, other_clusters.id)
+        assert not container_exists(docker_client, agents_own.id)
+    finally:
+        for container in (bystander, other_clusters, agents_own):
+            with contextlib.suppress(NotFound):
+                container.remove(force=True)
+
+
 async def test_restart_collects_containers_adopted_before_a_crash(
     start_pool, sandbox_config, sandbox_cluster, sandbox_image, docker_client, tmp_path
 ) -> None:
     state_path = tmp_path / "sandboxes.json"
-    agents_own = docker_client.containers.run(
-        sandbox_image, ["sleep", "600"], detach=True, network_mode="none", labels={"thunderctl.test": "1"}
-    )
     first = SandboxPool(sandbox_config(), cluster=sandbox_cluster, state_path=state_path)
     await first.start()
+    first.program_began("p1")
+    agents_own = run_by_hand(docker_client, sandbox_image)
     await first.adopt("p1", [agents_own.id])
     # The first daemon "dies" here: nothing released, only its state file is left for the next.
 

@@ -13,7 +13,14 @@ import pytest
 from fake_docker import Command, FakeEngine, fake_hosts
 from thunderctl.docker_labels import LABEL_CLUSTER, LABEL_LEASE, LABEL_PROGRAM, LABEL_ROLE, ROLE_WORKER
 from thunderctl.prometheus import parse_samples
-from thunderctl.sandbox import PoolUnavailable, SandboxConfig, SandboxFailed, SandboxNotFound, SandboxPool
+from thunderctl.sandbox import (
+    AdoptionRefused,
+    PoolUnavailable,
+    SandboxConfig,
+    SandboxFailed,
+    SandboxNotFound,
+    SandboxPool,
+)
 from thunderctl.sandbox.metrics import render_sandbox_metrics
 from thunderctl.sim.clock import VirtualClock
 
@@ -31,13 +38,16 @@ def anyio_backend() -> str:
 
 
 @pytest.fixture
-def engines() -> dict[str, FakeEngine]:
-    return {LOCAL: FakeEngine(images={IMAGE: 4_000_000}), OTHER: FakeEngine(images={IMAGE: 4_000_000})}
+def clock() -> VirtualClock:
+    return VirtualClock(now=1000.0)
 
 
 @pytest.fixture
-def clock() -> VirtualClock:
-    return VirtualClock(now=1000.0)
+def engines(clock: VirtualClock) -> dict[str, FakeEngine]:
+    return {
+        LOCAL: FakeEngine(images={IMAGE: 4_000_000}, clock=clock),
+        OTHER: FakeEngine(images={IMAGE: 4_000_000}, clock=clock),
+    }
 
 
 @pytest.fixture
@@ -49,7 +59,7 @@ async def start_pool(
 
     async def start(state_path: Path | None = None, **overrides: object) -> SandboxPool:
         config = SandboxConfig(**({"image": IMAGE, "hosts": [LOCAL], "maintenance_interval_s": 3600} | overrides))
-        pool = SandboxPool(config, CLUSTER, state_path, host_factory=fake_hosts(engines), clock=clock)
+        pool = SandboxPool(config, CLUSTER, state_path, host_factory=fake_hosts(engines), clock=clock, wall_clock=clock)
         pools.append(pool)
         await pool.start()
         return pool
@@ -321,14 +331,21 @@ async def test_reaper_removes_orphans_of_this_cluster_and_nothing_else(start_poo
     assert engine.exists(kept.container_id) and pool.stats()["reaped"] == 2
 
 
-async def test_adopted_container_is_collected_with_its_program(start_pool, engines) -> None:
+def started_by_the_agent(engine: FakeEngine, clock: VirtualClock, pool: SandboxPool, program_id: str):
+    """A container the program's agent started after its first request."""
+    pool.program_began(program_id)
+    clock.run_until(clock.now + 1)
+    return engine.run(IMAGE, {})
+
+
+async def test_adopted_container_is_collected_with_its_program(start_pool, engines, clock) -> None:
     engine = engines[LOCAL]
-    agents_own = engine.run(IMAGE, {})
     pool = await start_pool()
+    agents_own = started_by_the_agent(engine, clock, pool, "p1")
 
     [sandbox] = await pool.adopt("p1", [agents_own.id[:12]])
     assert sandbox.adopted and sandbox.container_id == agents_own.id and sandbox.state == "ready"
-    assert await pool.adopt("p1", [agents_own.id]) == [sandbox]  # the same container, once
+    assert await pool.adopt("p1", [agents_own.id, agents_own.id[:12]]) == [sandbox]  # the same container, once
     assert pool.stats()["adopted"] == 1
 
     await pool.program_ended("p1")
@@ -337,20 +354,69 @@ async def test_adopted_container_is_collected_with_its_program(start_pool, engin
         await pool.adopt("p1", ["f00dfeed"])
 
 
-async def test_a_sandbox_or_worker_of_the_cluster_cannot_be_adopted(start_pool, engines) -> None:
+async def test_a_container_older_than_the_program_or_another_clusters_survives_adopt_and_release(
+    start_pool, engines, clock
+) -> None:
     engine = engines[LOCAL]
-    worker = engine.run(IMAGE, {LABEL_CLUSTER: CLUSTER, LABEL_ROLE: ROLE_WORKER})
+    bystander = engine.run(IMAGE, {})  # started by hand before the program
+    clock.run_until(clock.now + 1)
     pool = await start_pool()
-    with pytest.raises(SandboxNotFound, match=worker.id[:12]):
+    agents_own = started_by_the_agent(engine, clock, pool, "p1")
+    other_clusters = engine.run(IMAGE, {LABEL_CLUSTER: "prod", LABEL_ROLE: ROLE_WORKER})
+
+    with pytest.raises(AdoptionRefused, match=rf"{bystander.id[:12]} was created 1.0 s before program 'p1' began"):
+        await pool.adopt("p1", [agents_own.id, bystander.id])
+    with pytest.raises(AdoptionRefused, match="belongs to thunderctl cluster 'prod'"):
+        await pool.adopt("p1", [other_clusters.id[:12]])
+    assert pool.sandboxes("p1") == []  # all or none: not even the agent's own was taken
+
+    await pool.adopt("p1", [agents_own.id])
+    await pool.program_ended("p1")
+    assert engine.exists(bystander.id) and engine.exists(other_clusters.id) and not engine.exists(agents_own.id)
+
+
+async def test_a_program_that_first_speaks_by_adopting_owns_nothing_older(start_pool, engines, clock) -> None:
+    engine = engines[LOCAL]
+    pool = await start_pool()
+    older = engine.run(IMAGE, {})
+    clock.run_until(clock.now + 1)
+    with pytest.raises(AdoptionRefused, match="before program 'new' began"):
+        await pool.adopt("new", [older.id])
+
+
+async def test_adopt_any_takes_an_older_container_and_off_takes_none(start_pool, engines, clock) -> None:
+    engine = engines[LOCAL]
+    bystander = engine.run(IMAGE, {})
+    anything = await start_pool(adopt="any")
+    agents_own = started_by_the_agent(engine, clock, anything, "p1")
+    [adopted] = await anything.adopt("p1", [bystander.id])
+    assert adopted.container_id == bystander.id
+
+    nothing = await start_pool(adopt="off")
+    nothing.program_began("p2")
+    with pytest.raises(AdoptionRefused, match=r"sandboxes.adopt: off"):
+        await nothing.adopt("p2", [agents_own.id])
+
+
+async def test_a_sandbox_or_worker_of_the_cluster_cannot_be_adopted(start_pool, engines, clock) -> None:
+    engine = engines[LOCAL]
+    pool = await start_pool(adopt="any")
+    pool.program_began("p1")
+    clock.run_until(clock.now + 1)
+    worker = engine.run(IMAGE, {LABEL_CLUSTER: CLUSTER, LABEL_ROLE: ROLE_WORKER})
+    orphan = engine.run(IMAGE, {LABEL_CLUSTER: CLUSTER, LABEL_ROLE: "sandbox", LABEL_LEASE: "sbx-dead"})
+    with pytest.raises(AdoptionRefused, match=rf"{worker.id[:12]} is this cluster's own worker"):
         await pool.adopt("p1", [worker.id[:12]])
+    with pytest.raises(AdoptionRefused, match="this cluster's own sandbox, held by no live program"):
+        await pool.adopt("p1", [orphan.id])
     assert engine.exists(worker.id)
 
 
-async def test_restart_collects_containers_adopted_before_a_crash(start_pool, engines, tmp_path) -> None:
+async def test_restart_collects_containers_adopted_before_a_crash(start_pool, engines, clock, tmp_path) -> None:
     engine = engines[LOCAL]
     state_path = tmp_path / "sandboxes.json"
-    agents_own = engine.run(IMAGE, {})
     first = await start_pool(state_path=state_path)
+    agents_own = started_by_the_agent(engine, clock, first, "p1")
     await first.adopt("p1", [agents_own.id])
     # The first daemon "dies" here: only its state file is left for the next.
 

@@ -28,7 +28,7 @@ from thunderctl.gateway.server import server_config
 from thunderctl.jsonapi import BodyLimits
 from thunderctl.processes import process_alive
 from thunderctl.profile import ProfileError, load_profile
-from thunderctl.sandbox import SandboxPool, render_sandbox_metrics, sandbox_routes
+from thunderctl.sandbox import SandboxError, SandboxPool, render_sandbox_metrics, sandbox_routes
 from thunderctl.scheduler import EventKind, ProgramEvent
 
 log = logging.getLogger(__name__)
@@ -115,14 +115,25 @@ class Daemon:
         task.add_done_callback(self._background.discard)
 
     def _on_program_event(self, event: ProgramEvent) -> None:
-        if event.kind is EventKind.EXPIRED:  # releases come through _collect
+        if event.kind is EventKind.CREATED:
+            self.sandboxes.program_began(event.program.id)
+        elif event.kind is EventKind.EXPIRED:  # releases come through _collect
             self._collect(event.program.id)
 
     def _collect(self, program_id: str) -> None:
         self._spawn(self.sandboxes.program_ended(program_id))
 
     def _adopt(self, program_id: str, docker_ids: list[str]) -> None:
-        self._spawn(self.sandboxes.adopt(program_id, docker_ids))
+        self.sandboxes.program_began(program_id)  # before the request reaches the scheduler
+
+        async def adopt() -> None:
+            # The LLM request goes on whatever the answer; a refusal is the operator's to see.
+            try:
+                await self.sandboxes.adopt(program_id, docker_ids)
+            except SandboxError as exc:
+                log.warning("docker_ids of program %r not adopted: %s", program_id, exc)
+
+        self._spawn(adopt())
 
     async def _follow_resume_queue(self) -> None:
         """Prepare sandboxes in the order programs will get GPU memory."""

@@ -1,6 +1,6 @@
 """Docker sandboxes tied to agent programs: a pool over Docker engines and its HTTP routes."""
 
-from thunderctl.sandbox.config import SandboxConfig
+from thunderctl.sandbox.config import AdoptPolicy, SandboxConfig
 from thunderctl.sandbox.host import (
     ExecResult,
     HostUnavailable,
@@ -8,6 +8,7 @@ from thunderctl.sandbox.host import (
     SandboxError,
 )
 from thunderctl.sandbox.lease import (
+    AdoptionRefused,
     PoolUnavailable,
     Sandbox,
     SandboxFailed,
@@ -19,6 +20,8 @@ from thunderctl.sandbox.pool import SandboxPool
 from thunderctl.sandbox.routes import sandbox_routes
 
 __all__ = [
+    "AdoptPolicy",
+    "AdoptionRefused",
     "ExecResult",
     "HostUnavailable",
     "ImageUnavailable",

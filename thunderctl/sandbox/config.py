@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 from docker.utils import parse_bytes
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -9,6 +11,15 @@ LOCAL_DOCKER = "unix:///var/run/docker.sock"
 # Threads for short Docker calls (create, start, remove, list), apart from the exec threads so
 # that long-running commands never hold up a release or a new sandbox.
 CONTROL_THREADS = 16
+
+
+class AdoptPolicy(StrEnum):
+    """Which containers a program may adopt (`POST /v1/sandboxes/adopt`, `docker_ids` in a request);
+    an adopted container is removed with its program."""
+
+    RECENT = "recent"  # created after the program began, and no thunderctl container of another cluster or role
+    ANY = "any"  # any container on a sandbox host but this cluster's own workers and sandboxes
+    OFF = "off"  # none
 
 
 class SandboxConfig(BaseModel):
@@ -41,6 +52,15 @@ class SandboxConfig(BaseModel):
     disk_high_watermark: str = Field(default="20g", description="per host: above it, evict images the pool pulled")
     docker_timeout_s: float = Field(default=60.0, gt=0, description="per Docker API call")
     max_execs: int = Field(default=64, ge=1, description="commands running at once over all sandboxes")
+    adopt: AdoptPolicy = Field(
+        default=AdoptPolicy.RECENT,
+        description=(
+            "containers a program may adopt, to be removed with it: `recent` (created after the program's "
+            "first request, and not another thunderctl cluster's or a worker), `any` (any container on a "
+            "sandbox host but this cluster's own: whoever holds the gateway key can then have a database, "
+            "another team's service or another cluster's workers removed), `off` (none)"
+        ),
+    )
 
     @field_validator("memory", "disk_high_watermark")
     @classmethod

@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from datetime import datetime
 from typing import cast
 
 import docker
@@ -189,6 +190,7 @@ class DockerHost:
             labels=data["Config"].get("Labels") or {},
             running=data["State"]["Running"],
             image=data["Config"]["Image"],
+            created=datetime.fromisoformat(data["Created"]).timestamp(),
         )
 
     def sandbox_containers(self) -> list[ContainerInfo]:
@@ -200,7 +202,13 @@ class DockerHost:
             for c in self.api.containers(all=True, filters={"label": selector})
         }
         return [
-            ContainerInfo(id=c["Id"], labels=c.get("Labels") or {}, running=c["State"] == "running", image=c["Image"])
+            ContainerInfo(
+                id=c["Id"],
+                labels=c.get("Labels") or {},
+                running=c["State"] == "running",
+                image=c["Image"],
+                created=float(c["Created"]),
+            )
             for c in listed.values()
         ]
 

@@ -36,6 +36,7 @@ class ContainerInfo:
     labels: dict[str, str]
     running: bool
     image: str
+    created: float  # Unix time, on the Docker host's clock
 
 
 @dataclass

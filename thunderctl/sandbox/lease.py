@@ -32,6 +32,10 @@ class PoolUnavailable(SandboxError):
     pass
 
 
+class AdoptionRefused(SandboxError):
+    """A container the program may not adopt (`sandboxes.adopt`); the message says why."""
+
+
 @dataclass(eq=False)
 class Sandbox:
     id: str  # also the container's `thunderctl.lease` label

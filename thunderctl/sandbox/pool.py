@@ -16,13 +16,14 @@ from collections.abc import Callable
 from pathlib import Path
 from string import hexdigits
 
-from thunderctl.docker_labels import LABEL_CLUSTER, LABEL_LEASE
+from thunderctl.sandbox.adoption import adoption_refusal
 from thunderctl.sandbox.calls import HostCalls
 from thunderctl.sandbox.config import SandboxConfig
 from thunderctl.sandbox.docker_host import DOCKER_ERRORS, DockerHost
 from thunderctl.sandbox.host import ContainerInfo, ExecResult, HostFactory, SandboxError, SandboxHost
 from thunderctl.sandbox.lease import (
     FAILURES,
+    AdoptionRefused,
     PoolUnavailable,
     Sandbox,
     SandboxNotFound,
@@ -46,12 +47,15 @@ class SandboxPool:
         state_path: Path | None = None,
         host_factory: HostFactory = DockerHost,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,  # to compare with Docker's creation times
     ) -> None:
         self.config = config
         self.cluster = cluster
         self.state_path = state_path
         self.hosts: list[SandboxHost] = [host_factory(url, config, cluster) for url in config.hosts]
         self._clock = clock
+        self._wall_clock = wall_clock
+        self._began: dict[str, float] = {}  # program -> when it was first heard of (wall clock)
         self._sandboxes: dict[str, Sandbox] = {}  # bound, warm and adopted, by lease id
         self._maintenance: asyncio.Task | None = None
         self._calls = HostCalls(config)
@@ -109,6 +113,7 @@ class SandboxPool:
     ) -> Sandbox:
         """A sandbox for the program, at once: ready from the warm pool, else preparing."""
         self._require_available()
+        self.program_began(program_id)
         image = image or self.config.image
         sandbox = self._claim_warm(image)
         if sandbox is None:
@@ -128,16 +133,27 @@ class SandboxPool:
         return sandbox
 
     async def adopt(self, program_id: str, docker_ids: list[str]) -> list[Sandbox]:
-        """Take containers an agent started itself into the program: collected when it ends."""
+        """Take containers an agent started itself into the program: collected when it ends.
+        All or none: `AdoptionRefused` (why, for the client) if one of them may not be adopted."""
         self._require_available()
-        adopted = []
+        self.program_began(program_id)  # when an adoption is its first word, older containers are not its own
+        taken: dict[str, Sandbox | tuple[SandboxHost, ContainerInfo]] = {}
         for docker_id in docker_ids:
             sandbox = self._by_container(docker_id)
+            if sandbox is not None:
+                taken[sandbox.container_id or docker_id] = sandbox
+                continue
+            host, info = await self._find_container(docker_id)
+            sandbox = self._by_container(info.id)
             if sandbox is None:
-                host, info = await self._find_container(docker_id)
-                sandbox = self._by_container(info.id) or self._adopt_container(program_id, host, info)
-            adopted.append(sandbox)
-        return adopted
+                refusal = adoption_refusal(info, self.cluster, self.config.adopt, program_id, self._began[program_id])
+                if refusal is not None:
+                    raise AdoptionRefused(refusal)
+            taken.setdefault(info.id, sandbox or (host, info))
+        return [
+            found if isinstance(found, Sandbox) else self._adopt_container(program_id, *found)
+            for found in taken.values()
+        ]
 
     def get(self, sandbox_id: str) -> Sandbox:
         sandbox = self._sandboxes.get(sandbox_id)
@@ -183,8 +199,14 @@ class SandboxPool:
 
     # ---- what the daemon tells it ----------------------------------------------------------
 
+    def program_began(self, program_id: str) -> None:
+        """The program's first request (the daemon calls this on the scheduler's `created`, the
+        pool on a program's first sandbox request): it may adopt only containers made after it."""
+        self._began.setdefault(program_id, self._wall_clock())
+
     async def program_ended(self, program_id: str) -> int:
         """Release (kill and remove) every sandbox and adopted container of the program."""
+        self._began.pop(program_id, None)
         ended = self.sandboxes(program_id)
         for sandbox in ended:
             del self._sandboxes[sandbox.id]
@@ -294,11 +316,8 @@ class SandboxPool:
     async def _find_container(self, docker_id: str) -> tuple[SandboxHost, ContainerInfo]:
         for host in (h for h in self.hosts if h.available):
             info = await self._calls.run(host.inspect, docker_id)
-            if info is None:
-                continue
-            if info.labels.get(LABEL_CLUSTER) == self.cluster and info.labels.get(LABEL_LEASE) not in self._sandboxes:
-                break  # a sandbox of ours about to be reaped, or a worker: not the agent's to keep
-            return host, info
+            if info is not None:
+                return host, info
         urls = ", ".join(h.url for h in self.hosts)
         raise SandboxNotFound(f"container {docker_id!r} is on no Docker host of this pool ({urls})")
 

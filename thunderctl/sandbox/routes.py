@@ -21,7 +21,7 @@ from thunderctl.jsonapi import (
     valid_program_id,
 )
 from thunderctl.sandbox.host import HostUnavailable, ImageUnavailable, SandboxError
-from thunderctl.sandbox.lease import PoolUnavailable, SandboxFailed, SandboxNotFound, SandboxState
+from thunderctl.sandbox.lease import AdoptionRefused, PoolUnavailable, SandboxFailed, SandboxNotFound, SandboxState
 from thunderctl.sandbox.pool import SandboxPool
 
 Endpoint = Callable[[Request], Awaitable[Response]]
@@ -44,6 +44,8 @@ def error_response(exc: Exception) -> JSONResponse:
             return error(exc.status, str(exc), "invalid_request_error")
         case SandboxNotFound():
             return error(404, str(exc), "not_found")
+        case AdoptionRefused():
+            return error(403, str(exc), "adoption_refused")
         case SandboxFailed() | ImageUnavailable():
             return error(422, str(exc), "sandbox_failed")
         case PoolUnavailable() | HostUnavailable():
