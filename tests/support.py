@@ -64,8 +64,12 @@ class Cli:
         return result
 
     def status(self) -> ClusterStatus:
-        """`thunderctl status --json`, read as the model the daemon answers with."""
-        return ClusterStatus.model_validate_json(self("status", "--json").stdout)
+        """`thunderctl status --json`, read as the model the daemon answers with. In this process:
+        tests poll it, and a fresh interpreter would cost its imports at every look."""
+        result = self.in_process("status", "--json")
+        if result.exit_code != 0:
+            raise AssertionError(f"thunderctl status --json exited {result.exit_code}:\n{result.output}")
+        return ClusterStatus.model_validate_json(result.stdout)
 
 
 def write_profile(directory: Path, restart: dict | None = None, **changes) -> Path:

@@ -18,7 +18,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from support import Cli, consecutive_free_ports, processes_mentioning, run_load_in_background, write_profile
+from support import (
+    Cli,
+    consecutive_free_ports,
+    processes_mentioning,
+    run_load_in_background,
+    wait_for,
+    write_profile,
+)
 from thunderctl.processes import pick_free_port, pid_alive
 
 
@@ -100,7 +107,7 @@ def test_a_programs_sandbox_is_collected_when_it_is_released(cluster, sandbox_im
 def test_drain_with_programs_in_flight_loses_no_request(cluster) -> None:
     cli, _, _ = cluster
     thread, results = run_load_in_background(cli.status().endpoint, programs=8)
-    time.sleep(3)
+    wait_for(lambda: cli.status().workers[0].programs_active > 0, 120, "programs on local/0")
     drained = cli("drain", "local/0", "--wait", "--timeout", "120")
     assert "drained local/0" in drained.stdout
     assert cli.status().workers[0].state == "drained"
@@ -116,7 +123,7 @@ def test_worker_killed_mid_run_loses_no_request(cluster) -> None:
     state = json.loads((Path(cli.env["THUNDERCTL_STATE_DIR"]) / cli.status().cluster / "state.json").read_text())
     victim = state["workers"][1]
     thread, results = run_load_in_background(cli.status().endpoint, programs=8)
-    time.sleep(4)
+    wait_for(lambda: cli.status().workers[1].programs_active > 0, 120, "programs on local/1")
     os.killpg(victim["pid"], signal.SIGKILL)
     thread.join(timeout=300)
     (result,) = results
