@@ -191,3 +191,40 @@ def test_a_request_larger_than_the_cache_is_refused_with_the_fix() -> None:
     engine = Engine(shape(blocks=4), LinearCost())
     with pytest.raises(ValueError, match="does not fit a KV cache of 4 blocks"):
         engine.submit(req(1, 30))
+
+
+def step(engine: Engine, now: float) -> float:
+    """One whole step at `now`; returns when it ended."""
+    seconds = engine.begin_step(now)
+    assert seconds is not None
+    now += seconds
+    engine.end_step(now)
+    return now
+
+
+def test_an_aborted_request_leaves_between_steps_and_frees_its_blocks_while_the_others_go_on() -> None:
+    engine = Engine(shape(blocks=16), LinearCost())
+    gone, kept = req(1, 8, answer=12), req(2, 8, answer=12)
+    engine.submit(gone)
+    engine.submit(kept)
+    now = 0.0
+    for _ in range(4):  # the prefill and three decode steps
+        now = step(engine, now)
+    in_use, its_blocks = engine.pool.in_use, gone.num_blocks
+    assert gone.decoding and its_blocks > 0
+
+    assert engine.abort(gone)
+    assert gone not in engine.running and engine.pool.in_use == in_use - its_blocks
+    while kept.finished_s is None:
+        now = step(engine, now)
+    assert gone.finished_s is None and kept.output_tokens == 12 and engine.pool.in_use == 0
+    assert engine.counters.aborted == 1 and engine.counters.finished == 1
+    assert not engine.abort(gone) and not engine.abort(kept)  # gone already, finished
+
+
+def test_a_request_aborted_while_it_waits_never_runs() -> None:
+    engine = Engine(shape(), LinearCost())
+    waiting = req(1, 8, answer=4)
+    engine.submit(waiting)
+    assert engine.abort(waiting)
+    assert engine.begin_step(0.0) is None and engine.waiting == [] and engine.pool.in_use == 0
