@@ -14,10 +14,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import docker
+import httpx
 import pytest
 import yaml
 from docker.errors import NotFound
 
+from support import Cli, wait_for
+from thunderctl.bench.soak import MODEL, SoakSpec, soak_profile
 from thunderctl.cluster.install import docker_command
 from thunderctl.cluster.state import ClusterState
 from thunderctl.daemon.service import collect_orphaned_sandboxes
@@ -502,3 +505,45 @@ async def test_sandbox_containers_carry_the_sandbox_role(start_pool, docker_clie
     sandbox = await pool.wait_ready((await pool.acquire("p1")).id, 30)
     labels = docker_client.containers.get(sandbox.container_id).labels
     assert labels["thunderctl.role"] == "sandbox" and labels["thunderctl.lease"] == sandbox.id
+
+
+def test_through_the_daemon_a_chat_adopts_the_agents_own_container_and_not_an_older_one(
+    sandbox_image, sandbox_cluster, docker_client, tmp_path
+) -> None:
+    """`docker_ids` in a chat body, as an agent sends them: what it started after its first request
+    goes with the program, a container from before is left alone and the refusal is logged."""
+    bystander = run_by_hand(docker_client, sandbox_image)
+    profile = soak_profile(SoakSpec(workers=1, engine_time_scale=0.0), sandbox_cluster)
+    profile["sandboxes"] = {"image": sandbox_image, "memory": "64m", "pids": 64, "cpus": 0.5}
+    path = tmp_path / "profile.yaml"
+    path.write_text(yaml.safe_dump(profile))
+    cli = Cli(tmp_path / "state")
+    cli("up", "-f", str(path))
+    gateway = f"http://127.0.0.1:{profile['gateway']['port']}"
+    agents_own = None
+    try:
+        body = {"model": MODEL, "program_id": "agent", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+        assert httpx.post(f"{gateway}/v1/chat/completions", json=body, timeout=60).status_code == 200
+        agents_own = run_by_hand(docker_client, sandbox_image)
+        for container in (bystander, agents_own):
+            sent = body | {"docker_ids": [container.short_id]}
+            assert httpx.post(f"{gateway}/v1/chat/completions", json=sent, timeout=60).status_code == 200
+
+        def adopted() -> list[str]:
+            listed = httpx.get(f"{gateway}/v1/sandboxes", params={"program_id": "agent"}, timeout=30).json()
+            return [sandbox["container_id"] for sandbox in listed["sandboxes"]]
+
+        wait_for(lambda: adopted() == [agents_own.id], 30, "the agent's own container adopted")
+        daemon_log = ClusterState.load(tmp_path / "state" / sandbox_cluster).daemon_log
+        wait_for(lambda: "not adopted" in daemon_log.read_text(), 30, "the refusal logged")
+        assert f"{bystander.short_id} was created" in daemon_log.read_text()
+
+        httpx.post(f"{gateway}/programs/release", json={"program_id": "agent"}, timeout=30).raise_for_status()
+        wait_for(lambda: not container_exists(docker_client, agents_own.id), 30, "the adopted container removed")
+        assert container_exists(docker_client, bystander.id)
+    finally:
+        cli("down", check=False)
+        for container in (bystander, agents_own):
+            if container is not None:
+                with contextlib.suppress(NotFound):
+                    container.remove(force=True)
