@@ -23,6 +23,7 @@ import docker
 import httpx
 import pytest
 import yaml
+from minisweagent.agents.default import AgentConfig
 from minisweagent.exceptions import Submitted
 from typer.testing import CliRunner
 
@@ -258,6 +259,14 @@ def test_ctrl_c_stops_the_batch_and_releases_every_program(
     assert "interrupted: the running agents were stopped and their programs released" in stderr
     assert agents_cluster.tracked(prefix) == []
     assert agents_cluster.wait_for_no_containers() == []
+
+
+def test_a_config_setting_alone_applies_on_top_of_the_default_config(integration: ModuleType) -> None:
+    # `agents run --config agent.step_limit=4`: mini-swe-agent's own -c would drop the default
+    # config, and every agent would then fail on its missing prompts ("system_template: Field required").
+    agent = AgentConfig(**integration.load_config(["agent.step_limit=4"])["agent"])
+    assert agent.step_limit == 4
+    assert agent.system_template == integration.load_config()["agent"]["system_template"]
 
 
 def test_task_files_take_swe_bench_records_and_name_the_bad_one(tmp_path: Path) -> None:

@@ -328,7 +328,7 @@ def test_bench_sends_the_gateway_key_and_the_engines_key(fake_backend, start_gat
     ]
     # In this process: the engine-tier test below runs `bench` with keys as a command of its own.
     keyless = CliRunner(env={"THUNDERCTL_API_KEY": None, "VLLM_API_KEY": None, "COLUMNS": "200"}).invoke(app, command)
-    assert keyless.exit_code == 1 and "401" in keyless.stdout and "--api-key" in keyless.stdout
+    assert keyless.exit_code == 1 and "401" in keyless.stderr and "--api-key" in keyless.stderr
     keyed = CliRunner(env={"THUNDERCTL_API_KEY": KEY, "VLLM_API_KEY": "engine-key", "COLUMNS": "200"}).invoke(
         app, command
     )

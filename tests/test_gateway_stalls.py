@@ -68,7 +68,7 @@ def gateway_backends(gateway) -> dict[str, str]:
 @pytest.mark.slow  # three processes and the stall bound waited out, twice: the tests above keep the logic fast
 def test_a_stalled_workers_unanswered_requests_are_answered_by_the_other(start_sim, start_gateway) -> None:
     stuck, other = start_sim("--time-scale", "0.1"), start_sim("--time-scale", "0.1")
-    gateway = start_gateway([f"stuck={stuck.url}", f"other={other.url}"], "--stall-timeout", "1")
+    gateway = start_gateway([f"stuck={stuck.url}", f"other={other.url}"], "--scheduler", "stall_timeout_s=1")
     assert httpx.post(f"{stuck.url}/sim/stall").json() == {"stalled": True}
     assert httpx.get(f"{stuck.url}/health").status_code == 200
 
