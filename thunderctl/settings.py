@@ -37,7 +37,7 @@ def _parts(field: FieldInfo) -> tuple[Any, bool]:
 
 
 def allowed(field: FieldInfo) -> str:
-    """What a value of `field` may be, in words: `a number > 0, ≤ 1.5`, `shortest or longest-in-tool`."""
+    """What a value of `field` may be, in words: `a number > 0 and ≤ 1.5`, `shortest or longest-in-tool`."""
     kind, optional = _parts(field)
     if isinstance(kind, type) and issubclass(kind, Enum):
         text = " or ".join(str(member.value) for member in kind)
@@ -56,6 +56,7 @@ def allowed(field: FieldInfo) -> str:
 
 
 def shown(value: Any) -> str:
+    """A value as one would type it after KEY=."""
     if value is None:
         return "none"
     if isinstance(value, Enum):
@@ -71,7 +72,7 @@ def parse_settings(model: type[Model], specs: list[str], option: str, base: dict
     given: dict[str, tuple[str, str]] = {}  # field name -> (the spec as typed, its value)
     for spec in specs:
         key, sep, value = spec.partition("=")
-        name = key.strip().replace("-", "_")
+        name = key.strip()
         if not sep or not name:
             first, field = next(iter(fields.items()))
             raise SettingError(f"{option} {spec!r}: give KEY=VALUE, e.g. {option} {first}={shown(field.default)}")
@@ -102,7 +103,7 @@ def _explain(error: Any, given: dict[str, tuple[str, str]], fields: dict[str, Fi
 
 
 def settings_help(model: type[BaseModel], option: str) -> str:
-    """Every setting of `model`, one per line of `--help` (rich markup; paragraphs as typer's epilog joins them)."""
+    """Every setting of `model`, one per line, for a typer command's epilog (rich markup)."""
     lines = [f"[bold]{option} KEY=VALUE[/] settings, repeatable (KEY = default: allowed values; what it does):"]
     for name, field in model.model_fields.items():
         lines.append(
