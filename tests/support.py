@@ -22,8 +22,8 @@ from thunderctl.bench.results import LoadResult
 from thunderctl.bench.shapes import AgentShape, Uniform
 from thunderctl.cli import app
 from thunderctl.daemon.status import ClusterStatus
-from thunderctl.processes import pick_free_port, pid_alive, port_free
-from thunderctl.profile import DEFAULT_PROFILE
+from thunderctl.processes import pick_free_port, pick_free_ports, pid_alive, port_free
+from thunderctl.profile import DEFAULT_PROFILE, PROFILES_DIR
 
 SHAPE = AgentShape(
     system_prompt_tokens=200,
@@ -79,6 +79,20 @@ def write_profile(directory: Path, restart: dict | None = None, **changes) -> Pa
     path = directory / "profile.yaml"
     path.write_text(yaml.safe_dump(profile))
     return path
+
+
+def sim_profile(cluster: str, workers: int, **engine: float) -> dict:
+    """The shipped profiles/sim.yaml as a cluster of `workers` simulated workers on free ports, one node
+    each (no two ports need be adjacent); `engine` overrides its engine settings (time_scale, …)."""
+    profile = yaml.safe_load((PROFILES_DIR / "sim.yaml").read_text())
+    profile["cluster"] = cluster
+    profile["engine"].update(engine)
+    profile["nodes"] = [
+        {"name": f"sim-{i}", "transport": "local", "replicas": 1, "base_port": port}
+        for i, port in enumerate(pick_free_ports(workers))
+    ]
+    profile["gateway"]["port"] = pick_free_port()
+    return profile
 
 
 def run_load_in_background(endpoint: str, programs: int) -> tuple[threading.Thread, list[LoadResult]]:

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
-from thunderctl.scheduler import PauseOrder, PlacementRule, SchedulerConfig
 from thunderctl.percentiles import percentile
+from thunderctl.scheduler import PauseOrder, PlacementRule, SchedulerConfig
 from thunderctl.sim.agents import Router, SimStep, VirtualAgents, Workload
 from thunderctl.sim.clock import VirtualClock
 from thunderctl.sim.cost import Preset
