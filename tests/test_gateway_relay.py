@@ -77,11 +77,15 @@ class SimEngine(httpx.ASGITransport):
         self.server = SimServer(SimEngineConfig(port=0, time_scale=0))
         super().__init__(app=self.server.app())
         self.bodies: list[dict] = []
+        self.answers: list[str] = []  # what it answered them
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        if request.url.path.startswith("/v1/") and request.method == "POST":
-            self.bodies.append(json.loads(await request.aread()))
-        return await super().handle_async_request(request)
+        if not (request.url.path.startswith("/v1/") and request.method == "POST"):
+            return await super().handle_async_request(request)
+        self.bodies.append(json.loads(await request.aread()))
+        response = await super().handle_async_request(request)
+        self.answers.append((await response.aread()).decode())
+        return httpx.Response(response.status_code, headers=response.headers, content=self.answers[-1].encode())
 
 
 @pytest.fixture
@@ -130,12 +134,11 @@ async def test_a_reply_is_relayed_as_is_and_its_usage_accounted(gateway_over, en
     client, gateway = await gateway_over(engine)
     response = await client.post("/v1/chat/completions", json=chat())
     assert response.status_code == 200 and response.headers["content-type"] == "application/json"
-    usage = response.json()["usage"]
-    assert usage["completion_tokens"] == chat()["max_tokens"] and response.json()["choices"][0]["message"]["content"]
+    assert response.text == engine.answers[0]
     assert "program_id" not in engine.bodies[0]  # the engine never sees the field
     assert engine.bodies[0]["messages"] == chat()["messages"]
     seen = program(gateway, "p1")
-    assert (seen["tokens"], seen["steps"], seen["phase"]) == (usage["total_tokens"], 1, "acting")
+    assert (seen["tokens"], seen["steps"], seen["phase"]) == (response.json()["usage"]["total_tokens"], 1, "acting")
     assert all(u.in_flight == 0 for u in gateway.links.values())
 
 
@@ -187,20 +190,24 @@ async def test_the_only_worker_refusing_is_a_502_without_a_retry(gateway_over) -
     assert workers.attempts == ["a"]
 
 
-def events(text: str) -> list[str]:
-    return [line.removeprefix("data: ") for line in text.split("\n") if line]
+def usage_event(stream: str) -> str:
+    """The engine's usage-only event (no choices), as sent."""
+    return next(event + "\n\n" for event in stream.split("\n\n") if '"choices":[]' in event)
+
+
+def total_tokens(event: str) -> int:
+    return json.loads(event.removeprefix("data: "))["usage"]["total_tokens"]
 
 
 async def test_stream_asks_for_usage_and_drops_the_chunk_the_client_did_not_ask_for(gateway_over, engine) -> None:
     client, gateway = await gateway_over(engine)
-    whole = (await client.post("/v1/chat/completions", json=chat("whole"))).json()["usage"]
     response = await client.post("/v1/chat/completions", json=chat(stream=True))
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
-    assert engine.bodies[1]["stream_options"] == {"include_usage": True}
-    # The content chunks as the engine sent them; its usage-only chunk gone.
-    *chunks, done = events(response.text)
-    assert done == "[DONE]" and chunks and all("usage" not in json.loads(chunk) for chunk in chunks)
-    assert program(gateway, "p1")["tokens"] == whole["total_tokens"]  # the same request's usage, streamed
+    assert engine.bodies[0]["stream_options"] == {"include_usage": True}
+    # The content chunks as the engine sent them; its usage-only chunk (and that event's blank line) gone.
+    usage = usage_event(engine.answers[0])
+    assert response.text == engine.answers[0].replace(usage, "") != engine.answers[0]
+    assert program(gateway, "p1")["tokens"] == total_tokens(usage)
     assert all(u.in_flight == 0 for u in gateway.links.values())
 
 
@@ -209,8 +216,8 @@ async def test_stream_keeps_the_usage_chunk_a_client_asked_for(gateway_over, eng
     options = {"include_usage": True, "continuous_usage_stats": False}
     response = await client.post("/v1/chat/completions", json=chat(stream=True, stream_options=options))
     assert engine.bodies[0]["stream_options"] == options
-    *_, last, done = events(response.text)
-    assert done == "[DONE]" and program(gateway, "p1")["tokens"] == json.loads(last)["usage"]["total_tokens"]
+    assert response.text == engine.answers[0]
+    assert program(gateway, "p1")["tokens"] == total_tokens(usage_event(engine.answers[0]))
 
 
 async def test_stream_strips_usage_riding_on_a_content_chunk_the_client_did_not_ask_for(gateway_over) -> None:
