@@ -33,6 +33,7 @@ from thunderctl.cli import app
 from thunderctl.integrations.cluster import ClusterClient, ClusterError
 from thunderctl.integrations.tasks import AgentTask, TaskFileError, load_tasks
 from thunderctl.processes import pick_free_port
+from thunderctl.processes.poll import poll_until
 from thunderctl.profile import DEFAULT_PROFILE
 
 STEPS = 5
@@ -85,10 +86,8 @@ class AgentsCluster:
     def wait_for_no_containers(self, timeout_s: float = 30) -> list:
         """The cluster's containers once there are none, or those still there after timeout_s: a
         sandbox released while its container was being made is removed when the make ends."""
-        deadline = time.monotonic() + timeout_s
-        while (left := self.containers()) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        return left
+        poll_until(lambda: not self.containers(), timeout_s)
+        return self.containers()
 
     def tracked(self, prefix: str) -> list[dict]:
         programs = httpx.get(f"{self.client.url}/programs", timeout=10).json()["programs"]

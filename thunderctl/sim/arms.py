@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
+from thunderctl.percentiles import percentile
 from thunderctl.scheduler import SchedulerConfig
 from thunderctl.sim.agents import Router, SimStep, VirtualAgents, Workload
 from thunderctl.sim.clock import VirtualClock
@@ -21,7 +22,7 @@ from thunderctl.sim.cost import Preset
 from thunderctl.sim.engine import Engine, EngineCounters
 from thunderctl.sim.kv import HostTier
 from thunderctl.sim.routing import LeastLoadedRouter, PolicyRouter, StickyRouter
-from thunderctl.sim.waits import percentile, program_fairness, waits_by_class
+from thunderctl.sim.waits import program_fairness, waits_by_class
 from thunderctl.sim.worker import SimWorker
 
 GIB = 2**30
