@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -53,6 +54,7 @@ async def resend_unanswered(
     for_s: float,
     on_resend: Callable[[Exception], None],
     retry_on: tuple[type[Exception], ...] = UNANSWERED_ERRORS,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
 ) -> T:
     """`send()`, sent again (backing off) for up to `for_s` after its first error while it fails with one of
     `retry_on` (by default: got no byte of its answer); `on_resend` is told each error that was retried.
@@ -82,6 +84,7 @@ async def resend_unanswered(
         stop=out_of_time,
         before_sleep=told,
         reraise=True,
+        sleep=sleep,
     )
 
     async def attempt() -> T:  # tenacity awaits only a coroutine function's result; `send` may be a lambda
