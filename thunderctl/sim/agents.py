@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from thunderctl.sim.clock import VirtualClock
-from thunderctl.sim.engine import Request, TokenStream
+from thunderctl.sim.requests import Request, TokenStream
 from thunderctl.sim.worker import SimWorker
 
 

@@ -22,7 +22,14 @@ from thunderctl.sim.clock import VirtualClock
 from thunderctl.sim.cost import Preset
 from thunderctl.sim.engine import Engine, EngineCounters, EngineMode
 from thunderctl.sim.kv import HostTier
-from thunderctl.sim.peers import AutellixPLAS, AutellixRouter, ContinuumTTL, DynamoQueue, DynamoRouter, PrefixAwareRouter
+from thunderctl.sim.peers import (
+    AutellixPLAS,
+    AutellixRouter,
+    ContinuumTTL,
+    DynamoQueue,
+    DynamoRouter,
+    PrefixAwareRouter,
+)
 from thunderctl.sim.routing import LeastLoadedRouter, PolicyRouter, StickyRouter
 from thunderctl.sim.waits import percentile, program_fairness, waits_by_class
 from thunderctl.sim.worker import SimWorker
