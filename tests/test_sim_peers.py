@@ -88,15 +88,19 @@ def test_continuum_unpins_a_program_whose_tool_outlasts_its_ttl() -> None:
     assert worker.engine.pool.in_use == 0
 
 
-def test_autellix_runs_the_least_served_program_first() -> None:
-    worker, clock = worker_with(AutellixPLAS())
+def served_and_new(mode: EngineMode | None) -> tuple[float, float]:
+    """When a program served once and a new one finish, both sent together (the served one first)
+    to an engine that runs one sequence at a time."""
+    worker, clock = worker_with(mode)
     run_steps(worker, clock, "served", uid=1, tool_s=0.0, steps=1)
-    # Both arrive together, the served program's first; one sequence at a time.
     served = send(worker, clock, "served", uid=1, prompt=1200)
     new = send(worker, clock, "new", uid=2, prompt=1000)
-    clock.run_until(clock.now + 60)
-    assert new.finished_s is not None and served.finished_s is not None
-    assert new.finished_s < served.finished_s
+    return until_finished(clock, served), until_finished(clock, new)
+
+
+def test_autellix_runs_the_least_served_program_first() -> None:
+    served_s, new_s = served_and_new(AutellixPLAS())
+    assert new_s < served_s
 
 
 def test_autellix_preempts_a_more_served_program_for_a_less_served_one() -> None:
@@ -112,13 +116,8 @@ def test_autellix_preempts_a_more_served_program_for_a_less_served_one() -> None
 
 
 def test_vllm_alone_serves_the_same_pair_first_come_first_served() -> None:
-    worker, clock = worker_with(None)
-    run_steps(worker, clock, "served", uid=1, tool_s=0.0, steps=1)
-    served = send(worker, clock, "served", uid=1, prompt=1200)
-    new = send(worker, clock, "new", uid=2, prompt=1000)
-    clock.run_until(clock.now + 60)
-    assert served.finished_s is not None and new.finished_s is not None
-    assert served.finished_s < new.finished_s
+    served_s, new_s = served_and_new(None)
+    assert served_s < new_s
 
 
 @pytest.mark.parametrize(("charged", "demoted"), [(0.50, False), (0.85, True)])
