@@ -37,9 +37,9 @@ SLOW_PREFILL = Preset(
 )
 
 
-def worker_with(mode: EngineMode | None, preset: Preset = SLOW_PREFILL) -> tuple[SimWorker, VirtualClock]:
-    clock = VirtualClock()
-    return SimWorker("w0", Engine(preset.engine, preset.cost, mode=mode), clock), clock
+def worker_with(mode: EngineMode | None, clock: VirtualClock | None = None) -> tuple[SimWorker, VirtualClock]:
+    clock = clock or VirtualClock()
+    return SimWorker("w0", Engine(SLOW_PREFILL.engine, SLOW_PREFILL.cost, mode=mode), clock), clock
 
 
 def send(
@@ -123,7 +123,7 @@ def test_vllm_alone_serves_the_same_pair_first_come_first_served() -> None:
 @pytest.mark.parametrize(("charged", "demoted"), [(0.50, False), (0.85, True)])
 def test_dynamo_demotes_the_programs_of_a_worker_in_its_soft_band(charged: float, demoted: bool) -> None:
     worker, clock = worker_with(None)
-    queue = DynamoQueue()
+    queue = DynamoQueue(clock)
     router = DynamoRouter([worker], clock, queue)
     prompt = int(charged * worker.engine.shape.kv_capacity_tokens)
     router.send("p", prompt, 0, lambda _: None)  # charged, reasoning; its request never ends
@@ -132,8 +132,8 @@ def test_dynamo_demotes_the_programs_of_a_worker_in_its_soft_band(charged: float
 
 
 def test_a_demoted_request_queues_behind_one_that_arrives_up_to_two_seconds_later() -> None:
-    queue = DynamoQueue(demoted_until={"hot": 100.0})
-    worker, clock = worker_with(queue)
+    clock = VirtualClock()
+    worker, _ = worker_with(DynamoQueue(clock, demoted_until={"hot": 100.0}), clock)
     busy = send(worker, clock, "busy", uid=1, prompt=1000)  # holds the only sequence slot
     hot = send(worker, clock, "hot", uid=2, prompt=100)
     clock.run_until(DYNAMO_DEMOTE_JUMP_S / 2)

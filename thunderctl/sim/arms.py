@@ -162,7 +162,7 @@ def subtract_counters(after: EngineCounters, before: EngineCounters) -> EngineCo
     return EngineCounters(**{name: value - getattr(before, name) for name, value in vars(after).items()})
 
 
-def engine_mode(arm: ArmName, preset: Preset) -> EngineMode | None:
+def engine_mode(arm: ArmName, preset: Preset, clock: VirtualClock) -> EngineMode | None:
     """The peer scheduling inside the engines of an arm, shared by its workers (None: vLLM's)."""
     match arm:
         case ArmName.CONTINUUM:
@@ -170,7 +170,7 @@ def engine_mode(arm: ArmName, preset: Preset) -> EngineMode | None:
         case ArmName.AUTELLIX:
             return AutellixPLAS()
         case ArmName.DYNAMO_TA:
-            return DynamoQueue()
+            return DynamoQueue(clock)
     return None
 
 
@@ -218,7 +218,7 @@ def run_arm(arm: ArmName, spec: SimSpec, progress: Callable[[float], None] | Non
     clock = VirtualClock()
     preset = spec.preset
     workers = []
-    mode = engine_mode(arm, preset)
+    mode = engine_mode(arm, preset, clock)
     for index in range(spec.workers):
         host = HostTier(spec.host_blocks) if spec.host_blocks and arm.engine_bounded else None
         engine = Engine(

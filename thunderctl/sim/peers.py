@@ -96,9 +96,11 @@ def dynamo_config() -> SchedulerConfig:
 
 @dataclass
 class DynamoQueue:
-    """The router's priority queue, seen in the engine's waiting queue: a request's place is its
-    arrival, 2 s later while its program is soft-demoted, 1 s earlier just after a resume."""
+    """The router's priority queue, seen in the engine's waiting queue: a request's place is when
+    it reaches the queue (after any pause), 2 s later while its program is soft-demoted, 1 s
+    earlier just after a resume."""
 
+    clock: VirtualClock
     demoted_until: dict[str, float] = field(default_factory=dict)
     boosted: set[str] = field(default_factory=set)
     ordered: bool = True
@@ -109,9 +111,10 @@ class DynamoQueue:
         program = request.program or ""
         jump = -DYNAMO_RESUME_BOOST_S if program in self.boosted else 0.0
         self.boosted.discard(program)
-        if self.demoted_until.get(program, 0.0) > request.arrival_s:
+        now = self.clock.now
+        if self.demoted_until.get(program, 0.0) > now:
             jump += DYNAMO_DEMOTE_JUMP_S
-        request.priority = request.arrival_s + jump
+        request.priority = now + jump
 
     def finished(self, request: Request, now: float, engine: Engine) -> float:
         return 0.0
