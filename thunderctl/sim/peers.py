@@ -11,7 +11,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from thunderctl.scheduler import PauseOrder, PlacementRule, SchedulerConfig
+from thunderctl.scheduler import SchedulerConfig
 from thunderctl.sim.clock import VirtualClock
 from thunderctl.sim.cost import Preset
 from thunderctl.sim.engine import Engine, Request
@@ -85,12 +85,10 @@ def dynamo_config() -> SchedulerConfig:
     """Dynamo's ThunderAgentConfig in the project's scheduler: the reference's pause and resume
     (smallest ACTING first, best fit on resume, no admission law, no priced retention) with its
     own band: pause above 0.95 down to 0.80, resume below 0.95 − 0.10, forced resume at 1,800 s."""
-    return SchedulerConfig(
-        adaptive=False, retention=False, resume_aging_tokens_per_s=None, wait_bound_s=None,
+    return SchedulerConfig.reference(
         pause_threshold=DYNAMO_PAUSE_THRESHOLD, pause_target=DYNAMO_PAUSE_TARGET,
         resume_threshold=DYNAMO_PAUSE_THRESHOLD - DYNAMO_RESUME_HYSTERESIS,
         resume_timeout_s=DYNAMO_FORCED_RESUME_S, buffer_tokens=DYNAMO_BUFFER_TOKENS,
-        pause_order=PauseOrder.SHORTEST, placement=PlacementRule.ROOMIEST,
     )  # fmt: skip
 
 
