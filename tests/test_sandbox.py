@@ -19,8 +19,7 @@ import pytest
 import yaml
 from docker.errors import NotFound
 
-from support import Cli, wait_for
-from thunderctl.bench.soak import MODEL, SoakSpec, soak_profile
+from support import Cli, eventually, sim_profile, wait_for
 from thunderctl.cluster.install import docker_command
 from thunderctl.cluster.state import ClusterState
 from thunderctl.daemon.service import collect_orphaned_sandboxes
@@ -52,13 +51,6 @@ def container_exists(client: docker.DockerClient, container_id: str) -> bool:
     except NotFound:
         return False
     return True
-
-
-async def eventually(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.05)
 
 
 async def test_acquire_exec_release_round_trip_over_http(start_pool, serve_pool, docker_client) -> None:
@@ -293,7 +285,7 @@ async def test_preparation_follows_the_resume_queue(start_pool) -> None:
 async def test_warm_pool_hands_out_at_once_and_refills(start_pool, serve_pool, sandbox_cluster, docker_client) -> None:
     pool = await start_pool(warm=2)
     http = await serve_pool(pool)
-    await eventually(lambda: pool.stats()["warm"] == 2)
+    await eventually(lambda: pool.stats()["warm"] == 2, timeout=30)
 
     started = time.monotonic()
     created = (await http.post("/v1/sandboxes", json={"program_id": "p1"})).json()
@@ -301,7 +293,7 @@ async def test_warm_pool_hands_out_at_once_and_refills(start_pool, serve_pool, s
     ran = await http.post(f"/v1/sandboxes/{created['id']}/exec", json={"cmd": "echo warm"})
     assert ran.json()["output"] == "warm\n"
     assert time.monotonic() - started < 1.0  # no container was made on the way
-    await eventually(lambda: pool.stats()["warm"] == 2)
+    await eventually(lambda: pool.stats()["warm"] == 2, timeout=30)
     assert pool.stats()["bound"] == 1
     metrics = {(s.name, tuple(s.labels.items())): s.value for s in parse_samples(render_sandbox_metrics(pool.stats()))}
     assert metrics[("thunderctl_sandboxes", (("state", "warm"),))] == 2
@@ -313,7 +305,7 @@ async def test_warm_pool_hands_out_at_once_and_refills(start_pool, serve_pool, s
     assert len(warm) == 2
     warm[0].kill()
     await pool.maintain()
-    await eventually(lambda: pool.stats()["warm"] == 2)
+    await eventually(lambda: pool.stats()["warm"] == 2, timeout=30)
     assert not container_exists(docker_client, warm[0].id)
     assert len(labelled(docker_client, sandbox_cluster)) == 3  # two warm, one bound
 
@@ -376,7 +368,7 @@ async def test_idle_sandbox_expires(start_pool, docker_client) -> None:
     sandbox = await pool.wait_ready((await pool.acquire("p1")).id, 30)
     await asyncio.sleep(1.0)
     await pool.maintain()
-    await eventually(lambda: not container_exists(docker_client, sandbox.container_id))
+    await eventually(lambda: not container_exists(docker_client, sandbox.container_id), timeout=30)
     assert pool.sandboxes("p1") == []
 
 
@@ -513,7 +505,7 @@ def test_through_the_daemon_a_chat_adopts_the_agents_own_container_and_not_an_ol
     """`docker_ids` in a chat body, as an agent sends them: what it started after its first request
     goes with the program, a container from before is left alone and the refusal is logged."""
     bystander = run_by_hand(docker_client, sandbox_image)
-    profile = soak_profile(SoakSpec(workers=1, engine_time_scale=0.0), sandbox_cluster)
+    profile = sim_profile(sandbox_cluster, workers=1, time_scale=0.0)
     profile["sandboxes"] = {"image": sandbox_image, "memory": "64m", "pids": 64, "cpus": 0.5}
     path = tmp_path / "profile.yaml"
     path.write_text(yaml.safe_dump(profile))
@@ -522,7 +514,12 @@ def test_through_the_daemon_a_chat_adopts_the_agents_own_container_and_not_an_ol
     gateway = f"http://127.0.0.1:{profile['gateway']['port']}"
     agents_own = None
     try:
-        body = {"model": MODEL, "program_id": "agent", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+        body = {
+            "model": profile["model"]["served_name"],
+            "program_id": "agent",
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": "hi"}],
+        }
         assert httpx.post(f"{gateway}/v1/chat/completions", json=body, timeout=60).status_code == 200
         agents_own = run_by_hand(docker_client, sandbox_image)
         for container in (bystander, agents_own):
