@@ -124,7 +124,7 @@ async def test_the_status_on_the_wire_keeps_every_key_scripts_read_and_reads_bac
     assert WIRE_KEYS <= set(daemon_wire)
     assert all(WORKER_KEYS <= set(worker) for worker in daemon_wire["workers"])
     assert SCHEDULER_KEYS <= set(daemon_wire["scheduler"])
-    assert set(daemon_wire["scheduler"]["programs"]) == {"reasoning", "acting", "paused"}
+    assert set(daemon_wire["scheduler"]["programs"]) == {"reasoning", "acting", "paused", "derived"}
     assert {"available", "warm", "bound", "preparing"} <= set(daemon_wire["sandboxes"])
     # What `thunderctl status --json` prints is the model's dump: the same answer, key for key.
     assert ClusterStatus.model_validate(daemon_wire).wire() == daemon_wire
