@@ -86,7 +86,7 @@ def build_app(
         except (WorkerError, httpx.HTTPError) as exc:
             return error(502, str(exc), "backend_error")
         # The client learns the program it was given, to release it or to name it from now on.
-        headers = {PROGRAM_HEADER: program_id} if claim is not None else None
+        headers = {PROGRAM_HEADER: claim.program_id} if claim is not None else None
         if isinstance(relayed.body, bytes):
             return Response(relayed.body, relayed.status, headers=headers, media_type=relayed.media_type)
         return RelayedStream(relayed.body, relayed.status, media_type=relayed.media_type, headers=headers)

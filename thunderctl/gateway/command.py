@@ -25,9 +25,9 @@ from thunderctl.processes import pick_free_port
 from thunderctl.scheduler import Decay, PlacementRule, SchedulerConfig
 from thunderctl.terminal import err, fail, out
 
-DEFAULTS = SchedulerConfig()
+DEFAULTS = SchedulerConfig()  # what `serve` runs with when given no option: the profile's defaults too
 IDENTITY = IdentityConfig()
-IDENTITY_HELP = {name: info.description for name, info in IdentityConfig.model_fields.items()}  # what `serve` runs with when given no option: the profile's defaults too
+IDENTITY_HELP = {name: info.description for name, info in IdentityConfig.model_fields.items()}
 
 
 def serve(

@@ -10,7 +10,9 @@ agent carries that history, and hashing it finds the program again:
   `name` added, reasoning dropped). A request continues a program when its messages up to an
   assistant message hash to a conversation remembered there, or, when the client rewrote its
   history (condensed it, truncated old observations), when its latest assistant message is the
-  program's last answer (first under the same opening messages, then under any);
+  program's last answer under the same opening (the first message and the first user message, the
+  task, which condensers keep). An answer alone is not enough: agents often answer alike (the same
+  first command), and a conversation forgotten must not join another program;
 - completions: the prompt (text, or token ids as RL rollout workers send) continues a program when
   it starts with that program's last prompt and completion. It is found through a hash of the
   prompt's head (the first 2^k units, k as large as the prompt allows), which leads to the few
@@ -217,7 +219,7 @@ class ConversationIndex:
         opening = _opening(messages, digests)
         assistants = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"]
         keys = [b"C" + chains[i] for i in reversed(assistants)]
-        rewritten = [b"O" + _digest(opening, digests[assistants[-1]]), b"A" + digests[assistants[-1]]] if assistants else []
+        rewritten = [b"O" + _digest(opening, digests[assistants[-1]])] if assistants else []
         program = self._first(keys)
         match = Match.HISTORY
         if program is None:
@@ -292,7 +294,7 @@ class ConversationIndex:
     def answered_chat(self, claim: Claim, message: dict[str, Any]) -> None:
         """Remember the conversation as it stands after this answer (an assistant message)."""
         answer = message_digest({"role": "assistant", **message})
-        keys = (b"C" + _digest(claim._chain, answer), b"O" + _digest(claim._opening, answer), b"A" + answer)
+        keys = (b"C" + _digest(claim._chain, answer), b"O" + _digest(claim._opening, answer))
         self._remember(claim.program_id, _Conversation(keys))
 
     def answered_completion(self, claim: Claim, text: str, token_ids: list[int] | None) -> None:
