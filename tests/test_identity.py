@@ -71,9 +71,7 @@ def test_whitespace_around_and_inside_an_echoed_answer_still_matches() -> None:
 def test_content_sent_back_as_a_list_of_parts_still_matches() -> None:
     index = ConversationIndex(100)
     program = started(index)
-    parts = [
-        {**m, "content": [{"type": "text", "text": m["content"]}]} for m in (SYSTEM, TASK, ANSWER, OBSERVATION)
-    ]
+    parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in (SYSTEM, TASK, ANSWER, OBSERVATION)]
     assert program_of(index, parts) == program
 
 
