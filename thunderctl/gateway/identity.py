@@ -105,7 +105,7 @@ class _Bucket:
         return next(reversed(self.continued)) if self.continued else None
 
 
-def _digest(*parts: bytes) -> bytes:
+def _digest(*parts: bytes | memoryview) -> bytes:
     return blake2b(b"".join(parts), digest_size=DIGEST_BYTES).digest()
 
 
@@ -146,30 +146,38 @@ def message_digest(message: Any) -> bytes:
         function = call.get("function") if isinstance(call, dict) else None
         if isinstance(function, dict):
             calls.append([function.get("name"), _arguments(function.get("arguments"))])
-    role = message.get("role")
-    normal = json.dumps([role, _text(message.get("content")), calls])  # ASCII escapes: surrogates hash too
-    return _digest(normal.encode())
+    normal = f"{message.get('role')}\0{_text(message.get('content'))}\0{json.dumps(calls) if calls else ''}"
+    return _digest(normal.encode(errors="surrogatepass"))
 
 
 def _units(prompt: Any) -> tuple[bytes, bool] | None:
     """A completions prompt as bytes of fixed width per unit (a character or a token id), or None
     for what cannot be followed (a batch of prompts)."""
-    if isinstance(prompt, str):
-        return prompt.encode("utf-32-le", "surrogatepass"), False
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        try:
+    if isinstance(prompt, str):  # prompt + completion encode as the prompt's bytes, then the completion's
+        return prompt.encode(errors="surrogatepass"), False
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str):
+        try:  # array checks every id is an integer that fits, at C speed
             return array("q", prompt).tobytes(), True
-        except OverflowError:
+        except (TypeError, OverflowError):
             return None
     return None
 
 
 def _width(token_ids: bool) -> int:
-    return 8 if token_ids else 4
+    """Bytes per unit: a token id's 8, a text's bytes themselves (UTF-8)."""
+    return 8 if token_ids else 1
 
 
-def _head_key(units: bytes, width: int, head_units: int, token_ids: bool) -> bytes:
-    return b"H" + bytes([token_ids]) + _digest(units[: head_units * width])
+def _heads(units: bytes, width: int, token_ids: bool) -> tuple[list[bytes], Any]:
+    """The keys of the prompt's heads (see _head_lengths), and a hasher fed with the whole prompt:
+    one pass over it."""
+    view, hasher, done, keys = memoryview(units), blake2b(digest_size=DIGEST_BYTES), 0, []
+    for length in _head_lengths(len(units) // width):
+        hasher.update(view[done : length * width])
+        done = length * width
+        keys.append(b"H" + bytes([token_ids]) + hasher.copy().digest())
+    hasher.update(view[done:])
+    return keys, hasher
 
 
 def _head_lengths(units: int) -> list[int]:
@@ -233,7 +241,7 @@ class ConversationIndex:
         units, token_ids = found
         width = _width(token_ids)
         count = len(units) // width
-        heads = [_head_key(units, width, n, token_ids) for n in _head_lengths(count)]
+        heads, hasher = _heads(units, width, token_ids)
         candidates: dict[int, list[tuple[bytes, str]]] = {}  # conversation length → (digest, program)
         for head in heads:
             bucket = self._index.get(head)
@@ -245,7 +253,7 @@ class ConversationIndex:
                     candidates.setdefault(conversation.length, []).append((conversation.digest, program))
         found_program, fallback = None, None
         for length in sorted(candidates, reverse=True):  # the longest conversation continued first
-            digest = _digest(units[: length * width])
+            digest = _digest(memoryview(units)[: length * width])
             for expected, program in candidates[length]:
                 if expected == digest:
                     fallback = fallback or program
@@ -254,10 +262,7 @@ class ConversationIndex:
                         break
             if found_program is not None:
                 break
-        hasher = blake2b(digest_size=DIGEST_BYTES)
-        hasher.update(units)
-        head = heads[-1] if heads else b""
-        pending = Claim("", Match.NEW, _prompt=hasher, _prompt_units=count, _head=head, _token_ids=token_ids)
+        pending = Claim("", Match.NEW, _prompt=hasher, _prompt_units=count, _head=heads[-1], _token_ids=token_ids)
         return self._claimed(found_program or fallback, Match.HISTORY, pending)
 
     def _first(self, keys: list[bytes]) -> str | None:
