@@ -192,6 +192,9 @@ def filled_index(remembered: int) -> ConversationIndex:
     return index
 
 
+TURN = [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "obs"}]
+
+
 def index_cost(rounds: int = 30) -> dict[str, float]:
     """Milliseconds per request and its answer, at 64k-token histories, by how many are remembered."""
     rng = random.Random(0)
@@ -202,7 +205,7 @@ def index_cost(rounds: int = 30) -> dict[str, float]:
     for remembered in (1_000, 65_536):
         index = filled_index(remembered)
         for kind, first, step in (
-            ("chat", {"messages": chat}, lambda n: {"messages": [*chat, *[{"role": "assistant", "content": "ok"}, {"role": "user", "content": "obs"}] * n]}),
+            ("chat", {"messages": chat}, lambda n: {"messages": [*chat, *TURN * n]}),
             ("text", {"prompt": text}, lambda n: {"prompt": text + " ok obs" * n}),
             ("ids", {"prompt": ids}, lambda n: {"prompt": ids + [1, 2] * n}),
         ):  # fmt: skip
