@@ -10,6 +10,9 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from thunderctl.daemon.control import build_control_app
+from thunderctl.daemon.status import ClusterStatus
+
 MODEL = "sim"
 STEPS = 6
 TOOLS = [
@@ -23,6 +26,11 @@ TOOLS = [
     }
 ]
 SYSTEM = {"role": "system", "content": "You are a software engineer. Use the bash tool. " * 20}
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
 
 
 @pytest.fixture
@@ -123,3 +131,33 @@ def test_a_named_program_is_not_listed_as_derived(served) -> None:
     body = {"model": MODEL, "messages": [SYSTEM], "max_tokens": 4, "program_id": "named-1"}
     assert gateway.http.post("/v1/chat/completions", json=body).status_code == 200
     assert gateway.programs()["named-1"]["derived"] is False
+
+
+def test_a_released_derived_program_is_not_continued(served) -> None:
+    gateway = served()
+    messages = [SYSTEM, {"role": "user", "content": "Fix it."}]
+    first = gateway.http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 4})
+    program = first.headers["x-program-id"]
+    assert gateway.http.post("/programs/release", json={"program_id": program}).json()["released"]
+    messages = [*messages, first.json()["choices"][0]["message"], {"role": "user", "content": "more"}]
+    after = gateway.http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 4})
+    assert after.headers["x-program-id"] != program
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("derive", [True, False])
+async def test_a_clusters_profile_decides_whether_programs_are_derived(daemon_of, derive: bool) -> None:
+    daemon = daemon_of(derive_programs=derive)
+    await daemon.gateway.start()
+    try:
+        body = {"model": "fake", "messages": [SYSTEM], "max_tokens": 2}
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=daemon.app), base_url="http://gw:8300"
+        ) as client:
+            assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+        control = httpx.ASGITransport(app=build_control_app(daemon))
+        async with httpx.AsyncClient(transport=control, base_url="http://control") as client:
+            view = ClusterStatus.model_validate((await client.get("/status")).json())
+    finally:
+        await daemon.gateway.stop()
+    assert view.scheduler.programs.derived == (1 if derive else 0)
