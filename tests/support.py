@@ -25,6 +25,19 @@ from thunderctl.daemon.status import ClusterStatus
 from thunderctl.processes import pick_free_port, pid_alive, port_free
 from thunderctl.profile import DEFAULT_PROFILE
 
+
+def mini_swe_agent_overrides(steps: int) -> list[str]:
+    """On top of a mini-swe-agent config, for the tiny model: short, deterministic answers, the first
+    word of each taken as the command (every answer is a step), and an end after `steps` LLM calls."""
+    return [
+        f"agent.step_limit={steps}",
+        "agent.max_consecutive_format_errors=0",
+        "model.model_kwargs.max_tokens=12",
+        "model.model_kwargs.temperature=0",
+        r"model.action_regex=\A\W*(\w+)",
+    ]
+
+
 SHAPE = AgentShape(
     system_prompt_tokens=200,
     task_tokens=Uniform(100, 200),

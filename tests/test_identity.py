@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from thunderctl.gateway.identity import ConversationIndex, Match
+from thunderctl.gateway.identity import Claim, ConversationIndex, Match
 
 SYSTEM = {"role": "system", "content": "You are a careful software engineer."}
 TASK = {"role": "user", "content": "Fix the failing test in utils.py"}
@@ -41,6 +41,16 @@ def program_of(index: ConversationIndex, messages: list[dict[str, Any]]) -> str:
     claim = index.claim({"messages": messages})
     assert claim is not None
     return claim.program_id
+
+
+def completed(
+    index: ConversationIndex, prompt: str | list[int], text: str, token_ids: list[int] | None = None
+) -> Claim:
+    """Send a completions request and its answer through the index; its claim."""
+    claim = index.claim({"prompt": prompt})
+    assert claim is not None
+    index.answered_completion(claim, text, token_ids)
+    return claim
 
 
 def started(index: ConversationIndex, answer: dict[str, Any] = ANSWER) -> str:
@@ -128,9 +138,7 @@ def test_a_request_sent_again_stays_with_its_program() -> None:
 
 def test_a_completions_prompt_that_extends_prompt_and_completion_continues_its_program() -> None:
     index = ConversationIndex(100)
-    claim = index.claim({"prompt": "Task: fix utils.py\nThought:"})
-    assert claim is not None
-    index.answered_completion(claim, " read the file\nAction: cat utils.py\n", None)
+    claim = completed(index, "Task: fix utils.py\nThought:", " read the file\nAction: cat utils.py\n")
     follow = index.claim({"prompt": "Task: fix utils.py\nThought: read the file\nAction: cat utils.py\nObs: ok\n"})
     assert follow is not None and follow.program_id == claim.program_id
 
@@ -138,28 +146,21 @@ def test_a_completions_prompt_that_extends_prompt_and_completion_continues_its_p
 def test_a_token_id_prompt_that_extends_prompt_and_completion_ids_continues_its_program() -> None:
     index = ConversationIndex(100)
     prompts = [list(range(1000 * k, 1000 * k + 300)) for k in range(3)]
-    claims = [index.claim({"prompt": p}) for p in prompts]
-    for claim in claims:
-        assert claim is not None
-        index.answered_completion(claim, "", [7, 8, 9])
+    claims = [completed(index, p, "", [7, 8, 9]) for p in prompts]
     follow = index.claim({"prompt": [*prompts[1], 7, 8, 9, 42, 43]})
-    assert follow is not None and follow.program_id == claims[1].program_id != claims[0].program_id  # type: ignore[union-attr]
+    assert follow is not None and follow.program_id == claims[1].program_id != claims[0].program_id
 
 
 def test_a_token_id_prompt_whose_completion_ids_are_unknown_continues_by_its_prompt() -> None:
     index = ConversationIndex(100)
-    claim = index.claim({"prompt": list(range(50))})
-    assert claim is not None
-    index.answered_completion(claim, "text only", None)
+    claim = completed(index, list(range(50)), "text only")
     follow = index.claim({"prompt": [*range(50), 99, 98]})
     assert follow is not None and follow.program_id == claim.program_id
 
 
 def test_a_completion_that_does_not_extend_the_earlier_one_starts_a_new_program() -> None:
     index = ConversationIndex(100)
-    claim = index.claim({"prompt": "Task: fix utils.py\nThought:"})
-    assert claim is not None
-    index.answered_completion(claim, " read the file", None)
+    claim = completed(index, "Task: fix utils.py\nThought:", " read the file")
     other = index.claim({"prompt": "Task: fix utils.py\nThought: write a test first"})
     assert other is not None and other.match is Match.NEW and other.program_id != claim.program_id
 

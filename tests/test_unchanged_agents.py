@@ -16,18 +16,12 @@ from types import ModuleType
 
 import pytest
 
+from support import mini_swe_agent_overrides
 from thunderctl.engines.local import LocalEngine, LocalEngineConfig
 from thunderctl.processes import pick_free_port
 
 AGENTS = 4
 STEPS = 6
-CONFIG_OVERRIDES = [
-    f"agent.step_limit={STEPS}",
-    "agent.max_consecutive_format_errors=0",
-    "model.model_kwargs.max_tokens=12",
-    "model.model_kwargs.temperature=0",
-    r"model.action_regex=\A\W*(\w+)",
-]
 # mini-swe-agent's SWE-bench prompt is ~2,500 of the tiny model's tokens: room for four agents at once.
 ENGINE = {"block_size": 32, "num_gpu_blocks": 1024, "max_model_len": 8192}
 
@@ -60,7 +54,9 @@ def test_four_mini_swe_agents_as_shipped_are_four_programs_of_six_steps(
     from minisweagent.utils.serialize import recursive_merge
 
     gateway = start_gateway([engine.url])
-    config = recursive_merge(*(get_config_from_spec(s) for s in ["swebench_backticks.yaml", *CONFIG_OVERRIDES]))
+    config = recursive_merge(
+        *(get_config_from_spec(s) for s in ["swebench_backticks.yaml", *mini_swe_agent_overrides(STEPS)])
+    )
     model_config = recursive_merge(
         {"model_class": "litellm_textbased", "cost_tracking": "ignore_errors"},
         config["model"],
