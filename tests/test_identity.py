@@ -179,3 +179,10 @@ def test_memory_holds_the_most_recently_continued_conversations_only() -> None:
 
 def test_a_batch_of_prompts_is_not_followed() -> None:
     assert ConversationIndex(10).claim({"prompt": ["one", "two"]}) is None
+
+
+def test_a_batch_of_one_prompt_is_followed_as_that_prompt() -> None:
+    index = ConversationIndex(10)
+    claim = completed(index, ["Task: fix it\nThought:"], " read")
+    follow = index.claim({"prompt": ["Task: fix it\nThought: read\nObs: ok"]})
+    assert follow is not None and follow.program_id == claim.program_id

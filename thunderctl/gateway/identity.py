@@ -152,7 +152,9 @@ def message_digest(message: Any) -> bytes:
 
 def _units(prompt: Any) -> tuple[bytes, bool] | None:
     """A completions prompt as bytes of fixed width per unit (a character or a token id), or None
-    for what cannot be followed (a batch of prompts)."""
+    for what cannot be followed (a batch of several prompts)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):  # prompt + completion encode as the prompt's bytes, then the completion's
         return prompt.encode(errors="surrogatepass"), False
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str):
@@ -307,7 +309,10 @@ class ConversationIndex:
         them, the prompt alone)."""
         hasher = claim._prompt.copy()
         units = claim._prompt_units
-        completion = _units(token_ids if claim._token_ids else text) if (token_ids or not claim._token_ids) else None
+        if claim._token_ids:
+            completion = _units(token_ids) if token_ids else None
+        else:
+            completion = _units(text)
         if completion is not None:
             hasher.update(completion[0])
             units += len(completion[0]) // _width(claim._token_ids)
