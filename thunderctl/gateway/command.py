@@ -91,7 +91,7 @@ def serve(
         float, typer.Option(help="A worker with requests in flight and no progress this long is taken out as stalled.")
     ] = DEFAULTS.stall_timeout_s,
     derive_programs: Annotated[
-        bool, typer.Option(help=f"A request that names no program: {IDENTITY_HELP['derive_programs']}.")
+        bool, typer.Option(help=f"{IDENTITY_HELP['derive_programs'].capitalize()}.")
     ] = IDENTITY.derive_programs,
     remembered_conversations: Annotated[
         int, typer.Option(min=1, help=f"With --derive-programs: {IDENTITY_HELP['remembered_conversations']}.")

@@ -40,6 +40,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 DIGEST_BYTES = 16
+WHITESPACE = b" \t\n\r\x0b\x0c"
 
 
 class IdentityConfig(BaseModel):
@@ -105,12 +106,14 @@ class _Bucket:
         return next(reversed(self.continued)) if self.continued else None
 
 
-def _digest(*parts: bytes | memoryview) -> bytes:
+def _digest(*parts: bytes) -> bytes:
     return blake2b(b"".join(parts), digest_size=DIGEST_BYTES).digest()
 
 
-def _text(content: Any) -> str:
-    """Content as one string with its whitespace collapsed; a list of parts joined."""
+def _text(content: Any) -> bytes:
+    """Content as UTF-8 without its whitespace (so however a client spaced it); a list of parts
+    joined. Deleting whitespace is one pass in C, where collapsing runs of it would build a string
+    per word."""
     if isinstance(content, list):
         pieces = []
         for part in content:
@@ -120,20 +123,20 @@ def _text(content: Any) -> str:
                 pieces.append(part)
             else:  # an image or other non-text part counts as it is
                 pieces.append(json.dumps(part, sort_keys=True))
-        content = " ".join(pieces)
+        content = "".join(pieces)
     elif not isinstance(content, str):
         content = "" if content is None else json.dumps(content, sort_keys=True)
-    return " ".join(content.split())
+    return content.encode(errors="surrogatepass").translate(None, WHITESPACE)
 
 
-def _arguments(arguments: Any) -> str:
+def _arguments(arguments: Any) -> bytes:
     """Tool-call arguments in one canonical JSON form, however the client serialised them."""
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
         except ValueError:
-            return " ".join(arguments.split())
-    return json.dumps(arguments, sort_keys=True, separators=(",", ":"))
+            return _text(arguments)
+    return json.dumps(arguments, sort_keys=True, separators=(",", ":")).encode()
 
 
 def message_digest(message: Any) -> bytes:
@@ -141,16 +144,17 @@ def message_digest(message: Any) -> bytes:
     fields left out."""
     if not isinstance(message, dict):
         return _digest(json.dumps(message, sort_keys=True).encode())
-    calls = []
+    hasher = blake2b(str(message.get("role")).encode(errors="surrogatepass"), digest_size=DIGEST_BYTES)
+    hasher.update(b"\0" + _text(message.get("content")))
     for call in message.get("tool_calls") or []:
         function = call.get("function") if isinstance(call, dict) else None
         if isinstance(function, dict):
-            calls.append([function.get("name"), _arguments(function.get("arguments"))])
-    normal = f"{message.get('role')}\0{_text(message.get('content'))}\0{json.dumps(calls) if calls else ''}"
-    return _digest(normal.encode(errors="surrogatepass"))
+            hasher.update(b"\0" + str(function.get("name")).encode(errors="surrogatepass"))
+            hasher.update(b"\0" + _arguments(function.get("arguments")))
+    return hasher.digest()
 
 
-def _units(prompt: Any) -> tuple[bytes, bool] | None:
+def _units(prompt: Any) -> tuple[bytes | memoryview, bool] | None:
     """A completions prompt as bytes of fixed width per unit (a character or a token id), or None
     for what cannot be followed (a batch of several prompts)."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
@@ -159,7 +163,7 @@ def _units(prompt: Any) -> tuple[bytes, bool] | None:
         return prompt.encode(errors="surrogatepass"), False
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str):
         try:  # array checks every id is an integer that fits, at C speed
-            return array("q", prompt).tobytes(), True
+            return memoryview(array("q", prompt)).cast("B"), True
         except (TypeError, OverflowError):
             return None
     return None
@@ -170,7 +174,7 @@ def _width(token_ids: bool) -> int:
     return 8 if token_ids else 1
 
 
-def _heads(units: bytes, width: int, token_ids: bool) -> tuple[list[bytes], Any]:
+def _heads(units: bytes | memoryview, width: int, token_ids: bool) -> tuple[list[bytes], Any]:
     """The keys of the prompt's heads (see _head_lengths), and a hasher fed with the whole prompt:
     one pass over it."""
     view, hasher, done, keys = memoryview(units), blake2b(digest_size=DIGEST_BYTES), 0, []
@@ -255,7 +259,7 @@ class ConversationIndex:
                     candidates.setdefault(conversation.length, []).append((conversation.digest, program))
         found_program, fallback = None, None
         for length in sorted(candidates, reverse=True):  # the longest conversation continued first
-            digest = _digest(memoryview(units)[: length * width])
+            digest = blake2b(memoryview(units)[: length * width], digest_size=DIGEST_BYTES).digest()
             for expected, program in candidates[length]:
                 if expected == digest:
                     fallback = fallback or program
