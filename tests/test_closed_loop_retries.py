@@ -132,7 +132,7 @@ def test_resends_back_off_doubling_to_a_cap_so_a_crowd_does_not_come_back_at_onc
     async def recorded_sleep(seconds: float) -> None:
         waits.append(seconds)
 
-    monkeypatch.setattr(requests.asyncio, "sleep", recorded_sleep)
+    monkeypatch.setattr(asyncio, "sleep", recorded_sleep)  # where tenacity looks it up, at each wait
     attempts = iter(range(7))
 
     async def refused_six_times() -> str:

@@ -39,7 +39,7 @@ def served(start_sim, start_gateway):
 
     def start(*options: str):
         sim = start_sim("--time-scale", "0", "--served-model-name", MODEL)
-        return start_gateway([sim.url], "--tick-interval", "0.1", *options)
+        return start_gateway([sim.url], "--scheduler", "tick_interval_s=0.1", *options)
 
     return start
 
