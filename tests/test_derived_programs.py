@@ -161,3 +161,23 @@ async def test_a_clusters_profile_decides_whether_programs_are_derived(daemon_of
     finally:
         await daemon.gateway.stop()
     assert view.scheduler.programs.derived == (1 if derive else 0)
+
+
+def test_a_streamed_tool_calling_loop_is_one_program_per_conversation(served) -> None:
+    gateway = served()
+    client = OpenAI(base_url=f"{gateway.url}/v1", api_key="-")
+    conversations = [[SYSTEM, {"role": "user", "content": f"Fix bug number {i}."}] for i in range(2)]
+    for step in range(3):
+        for messages in conversations:
+            stream = client.chat.completions.create(
+                model=MODEL, messages=messages, tools=TOOLS, max_tokens=8, stream=True
+            )
+            call = {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
+            for chunk in stream:  # the client puts the streamed call back together, as SDK users do
+                for delta in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+                    call["id"] = call["id"] or delta.id or ""
+                    call["function"]["name"] += delta.function.name or ""
+                    call["function"]["arguments"] += delta.function.arguments or ""
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": f"ran step {step}"})
+    assert sorted(p["steps"] for p in gateway.programs().values()) == [3, 3]
