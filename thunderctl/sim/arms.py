@@ -15,8 +15,9 @@ from enum import StrEnum
 from typing import Any
 
 from thunderctl.scheduler import PauseOrder, PlacementRule, SchedulerConfig
-from thunderctl.sim.agents import Router, SimStep, VirtualAgents, Workload
+from thunderctl.sim.agents import ProgramRun, Router, SimStep, VirtualAgents, Workload
 from thunderctl.sim.clock import VirtualClock
+from thunderctl.sim.completions import makespan, program_figures
 from thunderctl.sim.cost import Preset
 from thunderctl.sim.engine import Engine, EngineCounters
 from thunderctl.sim.kv import HostTier
@@ -83,6 +84,8 @@ class ArmResult:
     programs_completed: int
     steps_cut: int
     scheduler_counters: dict[str, int] = field(default_factory=dict)
+    completed: list[ProgramRun] = field(default_factory=list)
+    first_wave: int = 0  # programs that started together at 0 from step 0 (none when aged)
 
     def steady(self, warmup_s: float) -> list[SimStep]:
         end = warmup_s + self.window_s
@@ -100,9 +103,12 @@ class ArmResult:
             "p99_s": percentile(latencies, 99),
             "preemptions": w.preemptions,
             "steady_steps": len(latencies),
+            "steps_answered": sum(r.end_s <= warmup_s + self.window_s for r in self.records),  # warm-up included
             "programs_started": self.programs_started,
             "programs_completed": self.programs_completed,
             "steps_cut": self.steps_cut,
+            **program_figures(self.completed, warmup_s, warmup_s + self.window_s),
+            "makespan_s": makespan(self.completed, self.first_wave) if self.first_wave else None,
             "prefill_tokens": w.prefill_tokens,
             "decode_tokens": w.decode_tokens,
             "host_hit_tokens": w.host_hit_tokens,
@@ -220,5 +226,6 @@ def run_arm(arm: ArmName, spec: SimSpec, progress: Callable[[float], None] | Non
     return ArmResult(
         arm=arm.value, workers=spec.workers, window_s=spec.duration_s - spec.warmup_s, records=loop.records, window=window,
         occupancy=occupancy, programs_started=loop.programs_started, programs_completed=loop.programs_completed,
-        steps_cut=loop.steps_cut, scheduler_counters=scheduler_counters,
+        steps_cut=loop.steps_cut, scheduler_counters=scheduler_counters, completed=loop.completed,
+        first_wave=0 if spec.age_initial_programs else spec.concurrency,
     )  # fmt: skip
