@@ -82,8 +82,23 @@ class SchedulerConfig(BaseModel):
     wait_bound_s: float | None = Field(
         400.0,
         gt=0,
-        description="a program that waited this long gets room at once: ACTING programs pause for it "
-        "(pause_order), unless resume_timeout_s comes first; None: only the forced resume bounds a wait",
+        description="the longest wait before ACTING programs pause (pause_order) to give a waiting program room, "
+        "unless resume_timeout_s comes first: the bound's ceiling, and the bound itself until "
+        "wait_bound_min_samples waits were seen or without wait_bound_factor; None: no bound, "
+        "only the forced resume ends a wait",
+    )
+    wait_bound_factor: float | None = Field(
+        3.0,
+        ge=1,
+        description="the wait bound follows the waits: this many times the median of the recent admission "
+        "waits, between wait_bound_min_s and wait_bound_s; None: the fixed wait_bound_s",
+    )
+    wait_bound_min_s: float = Field(
+        60.0, gt=0, description="the wait bound's floor: the shortest wait ACTING programs pause for"
+    )
+    wait_bound_window: int = Field(256, ge=1, description="recent admission waits the wait bound's median is of")
+    wait_bound_min_samples: int = Field(
+        16, ge=1, description="admission waits seen before the bound follows them (until then: wait_bound_s)"
     )
     stall_timeout_s: float = Field(
         30.0, gt=0, description="a worker with requests in flight and no progress for this long is taken out as stalled"
@@ -100,5 +115,10 @@ class SchedulerConfig(BaseModel):
             raise ValueError(
                 f"resume_threshold ({self.resume_threshold}) must be below pause_threshold "
                 f"({self.pause_threshold}), or a resumed program is paused again at once"
+            )
+        if self.wait_bound_s is not None and self.wait_bound_min_s > self.wait_bound_s:
+            raise ValueError(
+                f"wait_bound_min_s ({self.wait_bound_min_s}) must not exceed wait_bound_s ({self.wait_bound_s}): "
+                "the floor of the wait bound is above its ceiling"
             )
         return self

@@ -51,6 +51,8 @@ class SimSpec:
     host_kv_gib: float = 0.0
     sample_interval_s: float = 10.0
     age_initial_programs: bool = False  # as `thunderctl bench` runs: the first programs start part-way
+    # SchedulerConfig fields the thunderctl arm runs with instead of the defaults: a variant measured
+    policy: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.concurrency < 1 or self.workers < 1:
@@ -149,7 +151,12 @@ def subtract_counters(after: EngineCounters, before: EngineCounters) -> EngineCo
 
 
 def build_router(
-    arm: ArmName, workers: list[SimWorker], clock: VirtualClock, preset: Preset, host_kv_tokens: int = 0
+    arm: ArmName,
+    workers: list[SimWorker],
+    clock: VirtualClock,
+    preset: Preset,
+    host_kv_tokens: int = 0,
+    policy: dict[str, Any] | None = None,
 ) -> tuple[Router, PolicyRouter | None]:
     match arm:
         case ArmName.STICKY | ArmName.LIMIT:
@@ -168,8 +175,9 @@ def build_router(
             # a host tier's transfer rate from the preset's link.
             prefill_rate = preset.prefill_tokens_per_s(min(PRICED_CONTEXT_TOKENS, preset.engine.max_model_len))
             config = SchedulerConfig(
-                prefill_tokens_per_s=prefill_rate, host_transfer_tokens_per_s=1.0 / preset.transfer_seconds(1)
-            )
+                prefill_tokens_per_s=prefill_rate, host_transfer_tokens_per_s=1.0 / preset.transfer_seconds(1),
+                **(policy or {}),
+            )  # fmt: skip
             router = PolicyRouter(workers, clock, config, host_kv_tokens)
             return router, router
 
@@ -186,7 +194,7 @@ def run_arm(arm: ArmName, spec: SimSpec, progress: Callable[[float], None] | Non
             unbounded_kv=arm is ArmName.LIMIT,
         )  # fmt: skip
         workers.append(SimWorker(f"w{index}", engine, clock))
-    router, policy = build_router(arm, workers, clock, preset, spec.host_blocks * preset.engine.block_size)
+    router, policy = build_router(arm, workers, clock, preset, spec.host_blocks * preset.engine.block_size, spec.policy)
     loop = VirtualAgents(
         spec.workload, spec.seed, spec.concurrency, clock, router, preset.engine.block_size,
         age_initial_programs=spec.age_initial_programs,
