@@ -160,7 +160,10 @@ def test_every_arm_reports_whole_programs_consistently_with_its_steps(
 ) -> None:
     figures = under_pressure[arm]
     assert figures["programs_done"] > 0, "programs of 6-12 steps end inside a 70 s window"
-    assert figures["program_p50_s"] <= figures["program_p90_s"] <= figures["program_p99_s"]
+    quantiles = [figures[f"program_{q}_s"] for q in ("p50", "p90", "p99")]
+    reached = [q for q in quantiles if q is not None]
+    assert figures["program_p50_s"] is not None and reached == sorted(reached)
+    assert quantiles[: len(reached)] == reached, "a quantile the run cannot reach leaves the higher ones unreached"
     window_min = (PRESSURE.duration_s - PRESSURE.warmup_s) / 60
     assert figures["programs_per_min"] == pytest.approx(figures["programs_done"] / window_min)
     assert figures["programs_done"] <= figures["programs_completed"]

@@ -132,6 +132,7 @@ class VirtualAgents:
     age_initial_programs: bool = False
     records: list[SimStep] = field(default_factory=list)
     completed: list[ProgramRun] = field(default_factory=list)  # programs that started at step 0, in end order
+    sent: dict[int, float] = field(default_factory=dict)  # every such program's first request, ended or not
     programs_started: int = 0
     programs_completed: int = 0
     steps_cut: int = 0
@@ -160,7 +161,7 @@ class VirtualAgents:
         step = run.steps[run.next_step]
         start = self.clock.now
         if run.next_step == 0:
-            run.sent_s = start
+            run.sent_s = self.sent[run.index] = start
 
         def submit(worker: SimWorker) -> None:
             admitted = self.clock.now

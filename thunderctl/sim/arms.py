@@ -87,6 +87,7 @@ class ArmResult:
     steps_cut: int
     scheduler_counters: dict[str, int] = field(default_factory=dict)
     completed: list[ProgramRun] = field(default_factory=list)
+    sent: dict[int, float] = field(default_factory=dict)  # first request of each program that started at step 0
     first_wave: int = 0  # programs that started together at 0 from step 0 (none when aged)
 
     def steady(self, warmup_s: float) -> list[SimStep]:
@@ -109,7 +110,7 @@ class ArmResult:
             "programs_started": self.programs_started,
             "programs_completed": self.programs_completed,
             "steps_cut": self.steps_cut,
-            **program_figures(self.completed, warmup_s, warmup_s + self.window_s),
+            **program_figures(self.completed, self.sent, warmup_s, warmup_s + self.window_s),
             "makespan_s": makespan(self.completed, self.first_wave) if self.first_wave else None,
             "prefill_tokens": w.prefill_tokens,
             "decode_tokens": w.decode_tokens,
@@ -234,6 +235,6 @@ def run_arm(arm: ArmName, spec: SimSpec, progress: Callable[[float], None] | Non
     return ArmResult(
         arm=arm.value, workers=spec.workers, window_s=spec.duration_s - spec.warmup_s, records=loop.records, window=window,
         occupancy=occupancy, programs_started=loop.programs_started, programs_completed=loop.programs_completed,
-        steps_cut=loop.steps_cut, scheduler_counters=scheduler_counters, completed=loop.completed,
+        steps_cut=loop.steps_cut, scheduler_counters=scheduler_counters, completed=loop.completed, sent=loop.sent,
         first_wave=0 if spec.age_initial_programs else spec.concurrency,
     )  # fmt: skip
