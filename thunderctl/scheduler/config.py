@@ -94,7 +94,7 @@ class SchedulerConfig(BaseModel):
         "waits, between wait_bound_min_s and wait_bound_s; None: the fixed wait_bound_s",
     )
     wait_bound_min_s: float = Field(
-        60.0, gt=0, description="the wait bound's floor: the shortest wait ACTING programs pause for"
+        200.0, gt=0, description="the wait bound's floor: the shortest wait ACTING programs pause for"
     )
     wait_bound_window: int = Field(256, ge=1, description="recent admission waits the wait bound's median is of")
     wait_bound_min_samples: int = Field(
