@@ -20,10 +20,10 @@ every arm and every run; `scale` multiplies every token count and keeps the shap
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
+from typing import ClassVar
 
-from thunderctl.bench.swe_lite import LogNormal, ScaledWorkload
+from thunderctl.bench.swe_lite import LogNormal, SweLite
 from thunderctl.traceformat import TraceProgram, TraceStep
 
 SYSTEM_PROMPT_TOKENS = 5_000
@@ -36,18 +36,17 @@ TOOL_SECONDS = LogNormal(median=4.0, sigma=1.5, cap=900.0)
 
 
 @dataclass(frozen=True)
-class LongTail(ScaledWorkload):
+class LongTail(SweLite):
     """The workload: programs by (seed, index); satisfies closed_loop's Workload."""
 
     shared_prefix_tokens: int = SYSTEM_PROMPT_TOKENS
     tool_seconds: LogNormal = TOOL_SECONDS
+    name: ClassVar[str] = "long-tail"
+    key: ClassVar[str] = "long-tail"
 
-    def program(self, seed: int, index: int) -> TraceProgram:
-        rng = random.Random(f"long-tail/{seed}/{index}")
-        return draw_program(rng, f"long-tail-{seed}-{index}", self.tool_seconds).scaled(self.scale)
-
-    def describe(self) -> dict[str, Any]:
-        return {"name": "long-tail", **asdict(self)}
+    @staticmethod
+    def draw(rng: random.Random, program_id: str, tool_seconds: LogNormal) -> TraceProgram:
+        return draw_program(rng, program_id, tool_seconds)
 
 
 def draw_program(rng: random.Random, program_id: str, tool_seconds: LogNormal) -> TraceProgram:
