@@ -94,7 +94,9 @@ class SchedulerConfig(BaseModel):
         "waits, between wait_bound_min_s and wait_bound_s; None: the fixed wait_bound_s",
     )
     wait_bound_min_s: float = Field(
-        200.0, gt=0, description="the wait bound's floor: the shortest wait ACTING programs pause for"
+        200.0,
+        gt=0,
+        description="the wait bound's floor: the shortest wait ACTING programs pause for (wait_bound_s wins if lower)",
     )
     wait_bound_window: int = Field(256, ge=1, description="recent admission waits the wait bound's median is of")
     wait_bound_min_samples: int = Field(
@@ -115,10 +117,5 @@ class SchedulerConfig(BaseModel):
             raise ValueError(
                 f"resume_threshold ({self.resume_threshold}) must be below pause_threshold "
                 f"({self.pause_threshold}), or a resumed program is paused again at once"
-            )
-        if self.wait_bound_s is not None and self.wait_bound_min_s > self.wait_bound_s:
-            raise ValueError(
-                f"wait_bound_min_s ({self.wait_bound_min_s}) must not exceed wait_bound_s ({self.wait_bound_s}): "
-                "the floor of the wait bound is above its ceiling"
             )
         return self
