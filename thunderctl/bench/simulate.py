@@ -149,7 +149,13 @@ def simulate(
     concurrency: Annotated[
         str, typer.Option(help="Programs running at once, comma-separated: one point each.")
     ] = "16,32,64,128",
-    workload: Annotated[WorkloadName, typer.Option(help="The programs, unless --trace.")] = WorkloadName.SWE_LITE,
+    workload: Annotated[
+        WorkloadName,
+        typer.Option(
+            help="The programs, unless --trace: the recorded SWE-bench Lite runs, their seeded generator, "
+            "long-tail (OpenHands-like: 30-90 steps, contexts to ~100k tokens, lognormal tool times), or shape."
+        ),
+    ] = WorkloadName.SWE_LITE,
     trace: Annotated[Path | None, typer.Option(help="Replay this trace (JSONL, docs/trace-format.md) instead.")] = None,
     scale: Annotated[float, typer.Option(min=0.001, help="Multiply every token count of swe-lite or the trace.")] = 1.0,
     shared_prefix: Annotated[
