@@ -8,7 +8,7 @@ no-recompute limit, at each concurrency, in one run.
 The report ends with the overhead figures of benchmarks/overhead.py: what the gateway adds
 per request against an instant worker, and the tick's cost at 10,000 programs x 64 workers.
 
-Engine A has the cache under test; the `direct`, `reference` (`serve --no-adaptive --no-retention --resume-aging 0 --placement roomiest`) and
+Engine A has the cache under test; the `direct`, `reference` (`serve --policy reference`: the paper's policy) and
 `adaptive` arms share it, interleaved in slices so machine drift falls on all three. Engine B
 has a cache four times larger than anything the load can fill (`--limit-kv-blocks`): the
 `limit` arm, straight to it, is the same load with no recompute. Each slice has its own salt.
@@ -121,11 +121,13 @@ def main(argv: list[str] | None = None) -> None:
     ]
     gateways = {
         name: ServeProcess(
-            [engines[0].url], ["--tick-interval", str(args.tick_interval), *extra], args.log_dir / f"{name}.log"
+            [engines[0].url],
+            ["--scheduler", f"tick_interval_s={args.tick_interval}", *extra],
+            args.log_dir / f"{name}.log",
         )
         for name, extra in (
-            ("reference", ["--no-adaptive", "--no-retention", "--resume-aging", "0", "--placement", "roomiest"]),
-            ("adaptive", ["--adapt-window", str(args.adapt_window), "--verbose"]),
+            ("reference", ["--policy", "reference"]),
+            ("adaptive", ["--scheduler", f"adapt_window_s={args.adapt_window}", "--verbose"]),
         )
     }
     points: dict[int, dict[str, LoadResult]] = {}

@@ -8,7 +8,7 @@ other's cached prefixes. See benchmarks/README.md for how to run and read it.
 
     python benchmarks/gateway_vs_vllm.py                  # the default run, ~14 min
     python benchmarks/gateway_vs_vllm.py --quick          # a smoke run, ~3 min
-    python benchmarks/gateway_vs_vllm.py --gateway-arg=--tick-interval=1
+    python benchmarks/gateway_vs_vllm.py --gateway-arg=--scheduler=tick_interval_s=1
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     parser.add_argument("--tool-s", default="0.5,3", help="Tool seconds per step, LOW,HIGH.")
     parser.add_argument(
         "--gateway-arg", action="append", default=[], metavar="ARG",
-        help="Passed to `thunderctl serve` (repeat; write --gateway-arg=--tick-interval=1).",
+        help="Passed to `thunderctl serve` (repeat; write --gateway-arg=--scheduler=tick_interval_s=1).",
     )  # fmt: skip
     parser.add_argument("--engine-url", help="Use this running vLLM server instead of starting one.")
     parser.add_argument("--out", type=Path, default=Path("results/gateway_vs_vllm.json"))

@@ -31,8 +31,10 @@ from starlette.routing import Route
 
 from thunderctl.gateway.auth import env_api_key
 from thunderctl.jsonapi import bearer_headers
+from thunderctl.percentiles import percentile
 from thunderctl.processes import pick_free_port
 from thunderctl.scheduler import Scheduler, SchedulerConfig
+from thunderctl.sim.clock import VirtualClock
 
 METRICS = (
     'vllm:cache_config_info{block_size="16",num_gpu_blocks="65536",engine="0"} 1.0\n'
@@ -79,11 +81,6 @@ def wait_up(url: str) -> None:
     raise RuntimeError(f"{url} did not come up")
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def gateway_latency(requests: int) -> dict[str, float]:
     backend_port, gateway_port = pick_free_port(), pick_free_port()
     worker = serve_in_thread(fast_backend(), backend_port)
@@ -113,24 +110,16 @@ def gateway_latency(requests: int) -> dict[str, float]:
         worker.should_exit = True
     return {
         "requests": requests,
-        "direct_p50_ms": percentile(direct, 0.5) * 1e3,
-        "gateway_p50_ms": percentile(through, 0.5) * 1e3,
-        "added_p50_ms": (percentile(through, 0.5) - percentile(direct, 0.5)) * 1e3,
-        "added_p99_ms": (percentile(through, 0.99) - percentile(direct, 0.99)) * 1e3,
+        "direct_p50_ms": percentile(direct, 50) * 1e3,
+        "gateway_p50_ms": percentile(through, 50) * 1e3,
+        "added_p50_ms": (percentile(through, 50) - percentile(direct, 50)) * 1e3,
+        "added_p99_ms": (percentile(through, 99) - percentile(direct, 99)) * 1e3,
     }
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def tick_cost(programs: int = 10_000, workers: int = 64, ticks: int = 50) -> dict[str, float]:
     rng = random.Random(0)
-    clock = FakeClock()
+    clock = VirtualClock()
     sched = Scheduler(SchedulerConfig(), clock)
     for b in range(workers):
         sched.add_worker(f"b{b}", 600_000)

@@ -37,7 +37,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument(
         "--gateway-arg", action="append", default=[], metavar="ARG",
-        help="Passed to `thunderctl serve` (repeat; write --gateway-arg=--tick-interval=1).",
+        help="Passed to `thunderctl serve` (repeat; write --gateway-arg=--scheduler=tick_interval_s=1).",
     )  # fmt: skip
     parser.add_argument("--out-dir", type=Path, default=Path("results/swe_lite"))
     parser.add_argument("bench_args", nargs="*", help="More `swe-lite` options, after --.")

@@ -23,6 +23,7 @@ import docker
 import httpx
 import pytest
 import yaml
+from minisweagent.agents.default import AgentConfig
 from minisweagent.exceptions import Submitted
 from typer.testing import CliRunner
 
@@ -32,6 +33,7 @@ from thunderctl.cli import app
 from thunderctl.integrations.cluster import ClusterClient, ClusterError
 from thunderctl.integrations.tasks import AgentTask, TaskFileError, load_tasks
 from thunderctl.processes import pick_free_port
+from thunderctl.processes.poll import poll_until
 from thunderctl.profile import DEFAULT_PROFILE
 
 STEPS = 5
@@ -84,10 +86,8 @@ class AgentsCluster:
     def wait_for_no_containers(self, timeout_s: float = 30) -> list:
         """The cluster's containers once there are none, or those still there after timeout_s: a
         sandbox released while its container was being made is removed when the make ends."""
-        deadline = time.monotonic() + timeout_s
-        while (left := self.containers()) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        return left
+        poll_until(lambda: not self.containers(), timeout_s)
+        return self.containers()
 
     def tracked(self, prefix: str) -> list[dict]:
         programs = httpx.get(f"{self.client.url}/programs", timeout=10).json()["programs"]
@@ -258,6 +258,14 @@ def test_ctrl_c_stops_the_batch_and_releases_every_program(
     assert "interrupted: the running agents were stopped and their programs released" in stderr
     assert agents_cluster.tracked(prefix) == []
     assert agents_cluster.wait_for_no_containers() == []
+
+
+def test_a_config_setting_alone_applies_on_top_of_the_default_config(integration: ModuleType) -> None:
+    # `agents run --config agent.step_limit=4`: mini-swe-agent's own -c would drop the default
+    # config, and every agent would then fail on its missing prompts ("system_template: Field required").
+    agent = AgentConfig(**integration.load_config(["agent.step_limit=4"])["agent"])
+    assert agent.step_limit == 4
+    assert agent.system_template == integration.load_config()["agent"]["system_template"]
 
 
 def test_task_files_take_swe_bench_records_and_name_the_bad_one(tmp_path: Path) -> None:

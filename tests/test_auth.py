@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -15,6 +14,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from support import wait_for
 from thunderctl.cli import app
 from thunderctl.cluster.nodes import Transports
 from thunderctl.cluster.plan import MASKED_WORKER_KEY, WorkerPlan, plan_workers
@@ -248,10 +248,7 @@ def test_a_keyed_worker_starts_with_the_key_in_its_environment(tmp_path: Path) -
     with Transports() as transports:
         start_workers(state, plans, transports, "env-only-key")
     logs = [state.worker_log(plan.id) for plan in plans]
-    deadline = time.monotonic() + 30
-    while not all(log.exists() and "key:" in log.read_text() for log in logs):
-        assert time.monotonic() < deadline, "the workers printed nothing"
-        time.sleep(0.1)
+    wait_for(lambda: all(log.exists() and "key:" in log.read_text() for log in logs), 30, "the workers' key lines")
     assert logs[0].read_text().strip() == "key: env-only-key []"
     assert logs[1].read_text().strip().startswith("key: None")
 
@@ -328,7 +325,7 @@ def test_bench_sends_the_gateway_key_and_the_engines_key(fake_backend, start_gat
     ]
     # In this process: the engine-tier test below runs `bench` with keys as a command of its own.
     keyless = CliRunner(env={"THUNDERCTL_API_KEY": None, "VLLM_API_KEY": None, "COLUMNS": "200"}).invoke(app, command)
-    assert keyless.exit_code == 1 and "401" in keyless.stdout and "--api-key" in keyless.stdout
+    assert keyless.exit_code == 1 and "401" in keyless.stderr and "--api-key" in keyless.stderr
     keyed = CliRunner(env={"THUNDERCTL_API_KEY": KEY, "VLLM_API_KEY": "engine-key", "COLUMNS": "200"}).invoke(
         app, command
     )

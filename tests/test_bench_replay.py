@@ -29,7 +29,7 @@ def requests_served(engine: LocalEngine) -> int:
 @pytest.mark.engine
 @pytest.mark.timeout(900)  # counts the session's engine pair starting (up to 480 s on a loaded machine)
 def test_a_short_comparison_reports_what_the_engines_served(vllm_pair, start_gateway, tmp_path: Path) -> None:
-    gateway = start_gateway([e.url for e in vllm_pair], "--tick-interval", "0.5")
+    gateway = start_gateway([e.url for e in vllm_pair], "--scheduler", "tick_interval_s=0.5")
     served_before = sum(requests_served(e) for e in vllm_pair)
     released_before = gateway.metric("thunderctl_programs_released_total")
     out = tmp_path / "report.json"

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from support import wait_until
+from support import wait_for
 from thunderctl.bench.closed_loop import LoadSpec, Target, run_load
 from thunderctl.bench.shapes import AgentShape, Uniform
 from thunderctl.traceformat import read_trace
@@ -36,7 +36,7 @@ def complete_ids(gateway, program_id: str, n_tokens: int, seed: int) -> dict:
 
 @pytest.fixture
 def pair_gateway(vllm_pair, start_gateway):
-    return start_gateway([f"a={vllm_pair[0].url}", f"b={vllm_pair[1].url}"], "--tick-interval", "0.2")
+    return start_gateway([f"a={vllm_pair[0].url}", f"b={vllm_pair[1].url}"], "--scheduler", "tick_interval_s=0.2")
 
 
 def test_program_stays_on_one_backend_and_counts_the_engines_usage(pair_gateway) -> None:
@@ -63,10 +63,10 @@ def test_release_frees_the_program_and_its_reservation(pair_gateway) -> None:
 
 
 def test_program_that_never_releases_expires_after_its_ttl(vllm_pair, start_gateway) -> None:
-    gateway = start_gateway([vllm_pair[0].url], "--tick-interval", "0.2", "--idle-ttl", "1")
+    gateway = start_gateway([vllm_pair[0].url], "-s", "tick_interval_s=0.2", "-s", "idle_ttl_s=1")
     chat(gateway, "crashed-client", [{"role": "user", "content": "hello"}])
     assert "crashed-client" in gateway.programs()
-    wait_until(lambda: "crashed-client" not in gateway.programs(), timeout=5)
+    wait_for(lambda: "crashed-client" not in gateway.programs(), timeout=5)
     assert gateway.metric("thunderctl_programs_expired_total") == 1
 
 
@@ -130,7 +130,7 @@ def test_client_that_disconnects_mid_stream_frees_its_slot(pair_gateway) -> None
         with client.stream("POST", "/v1/chat/completions", json=body) as response:
             next(response.iter_lines())
     worker = pair_gateway.programs()["gone"]["backend"]
-    wait_until(lambda: pair_gateway.metric("thunderctl_backend_requests_in_flight", backend=worker) == 0)
+    wait_for(lambda: pair_gateway.metric("thunderctl_backend_requests_in_flight", backend=worker) == 0)
     assert pair_gateway.programs()["gone"]["phase"] == "acting"
 
 
@@ -145,7 +145,7 @@ def test_paused_program_resumes_on_the_other_backend_when_its_own_is_full(vllm_p
     # Placed by headroom alone (the reference's rule), so that where each program lands is known.
     gateway = start_gateway(
         [f"a={vllm_pair[0].url}", f"b={vllm_pair[1].url}"],
-        *("--tick-interval", "0.2", "--buffer-tokens", "0", "--placement", "roomiest"),
+        *("-s", "tick_interval_s=0.2", "-s", "buffer_tokens=0", "-s", "placement=roomiest"),
     )
     capacity = gateway.metric("thunderctl_backend_capacity_tokens", backend="a")
     assert capacity == gateway.metric("thunderctl_backend_capacity_tokens", backend="b")
@@ -158,7 +158,7 @@ def test_paused_program_resumes_on_the_other_backend_when_its_own_is_full(vllm_p
     assert placed == {"small": "a", "big1": "b", "big2": "a"}
 
     complete_ids(gateway, "big2", size(0.845), seed=3)  # a now holds 0.965 > 0.95: pause
-    wait_until(lambda: gateway.programs()["small"]["status"] == "paused")
+    wait_for(lambda: gateway.programs()["small"]["status"] == "paused")
     assert gateway.programs()["big2"]["status"] == "active"
 
     complete_ids(gateway, "small", size(0.13), seed=1)  # fits b's headroom, not a's
@@ -170,10 +170,11 @@ def test_more_programs_than_fit_are_paused_not_failed_and_keep_their_cache(vllm_
     """Eight agents whose contexts outgrow a 4,096-token KV cache: straight to vLLM they
     evict each other's prefixes; through the gateway they take turns and keep them."""
     engine = vllm_pair[0]
-    # The reference policy: cache retention is what this test is about (the adaptive law and
+    # The paper's policy: cache retention is what this test is about (the adaptive law and
     # priced retention trade it for throughput on this cheap-recompute engine; docs/admission.md).
-    reference = ("--no-adaptive", "--no-retention", "--resume-aging", "0", "--placement", "roomiest")
-    gateway = start_gateway([engine.url], "--tick-interval", "0.2", "--buffer-tokens", "64", *reference)
+    gateway = start_gateway(
+        [engine.url], "--policy", "reference", "-s", "tick_interval_s=0.2", "-s", "buffer_tokens=64"
+    )
     shape = AgentShape(
         system_prompt_tokens=150,
         task_tokens=Uniform(150, 250),

@@ -26,7 +26,7 @@ from thunderctl.daemon.client import control_client, daemon_answers, fetch_statu
 from thunderctl.daemon.service import collect_orphaned_sandboxes
 from thunderctl.daemon.status import ClusterStatus
 from thunderctl.engines.cli import engine_app
-from thunderctl.gateway.command import serve
+from thunderctl.gateway.command import SCHEDULER_HELP, serve
 from thunderctl.integrations.cli import agents_app
 from thunderctl.lifecycle.up_down import existing_state, launch, reconcile, recover, tear_down
 from thunderctl.profile import DEFAULT_PROFILE, Profile, ProfileError, load_profile, state_root
@@ -41,7 +41,7 @@ app = typer.Typer(
 app.add_typer(engine_app, name="engine")
 app.add_typer(bench_app, name="bench")
 app.add_typer(agents_app, name="agents")
-app.command()(serve)
+app.command(epilog=SCHEDULER_HELP)(serve)
 
 
 # ---- the cluster ------------------------------------------------------------------------

@@ -41,6 +41,7 @@ from thunderctl.gateway.auth import API_KEY_ENV
 from thunderctl.integrations.cluster import ClusterClient, Endpoints, cluster_endpoints
 from thunderctl.jsonapi import bearer_headers
 from thunderctl.profile import ProfileError
+from thunderctl.terminal import fail
 from thunderctl.traceformat import TraceFormatError, write_trace
 
 bench_app = typer.Typer(
@@ -63,11 +64,6 @@ class EndpointInfo:
     model: str
     max_model_len: int | None
     thunderctl: bool  # answers GET /programs: program ids, releases and counters apply
-
-
-def fail(console: Console, message: str) -> typer.Exit:
-    console.print(f"[bold red]error:[/] {message}")
-    return typer.Exit(1)
 
 
 def base_url(url: str) -> str:
@@ -217,20 +213,20 @@ def swe_lite(
     console = Console() if sys.stdout.isatty() else Console(width=140)
     choice = WorkloadChoice(trace, synthetic, tool_median, tool_sigma, tool_cap)
     if problem := choice.problem():
-        raise fail(console, problem)
+        raise fail(problem)
     arms = [TargetArm.CLUSTER, TargetArm.DIRECT] if compare else [target]
     rounds = slices or (2 if compare else 1)
     if programs is None and duration is None:
         duration = 120.0
     if duration is not None and warmup >= duration / rounds:
-        raise fail(console, f"--warmup {warmup:g} s leaves nothing of a {duration / rounds:g} s slice")
+        raise fail(f"--warmup {warmup:g} s leaves nothing of a {duration / rounds:g} s slice")
     given = Endpoints(base_url(endpoint), engine or [], api_key, engine_api_key) if endpoint else None
-    endpoints, info = find_endpoints(cluster, given, TargetArm.DIRECT in arms, console)
+    endpoints, info = find_endpoints(cluster, given, TargetArm.DIRECT in arms)
     max_context = int(info.max_model_len * CONTEXT_HEADROOM) if info.max_model_len else None
     try:
         workload = choice.load(scale, shared_prefix, max_context)
     except (OSError, TraceFormatError) as exc:
-        raise fail(console, str(exc)) from exc
+        raise fail(str(exc)) from exc
     spec = LoadSpec(
         concurrency=concurrency, shape=workload, programs=programs, duration_s=duration, seed=seed, model=info.model,
         warmup_s=warmup, stream=stream, age_initial_programs=True, time_scale=time_scale,
@@ -240,11 +236,9 @@ def swe_lite(
         f"engines {', '.join(endpoints.engines) or 'unknown (no hit rate)'}, model {info.model}"
     )
     if sandboxes and not info.thunderctl:
-        raise fail(
-            console, f"--sandboxes needs a thunderctl cluster's /v1/sandboxes; {endpoints.endpoint} is a plain endpoint"
-        )
+        raise fail(f"--sandboxes needs a thunderctl cluster's /v1/sandboxes; {endpoints.endpoint} is a plain endpoint")
     if not collect and not sandboxes:
-        raise fail(console, "--no-collect is about sandboxes: give --sandboxes too")
+        raise fail("--no-collect is about sandboxes: give --sandboxes too")
     started = time.monotonic()
     tools = (
         SandboxTools(
@@ -291,35 +285,33 @@ def swe_lite(
     write_outputs(report, out, plot, console)
     if line := verdict(report):
         console.print(line)
-    check_served(outcomes, console)
+    check_served(outcomes)
 
 
-def find_endpoints(
-    cluster: str | None, given: Endpoints | None, need_engines: bool, console: Console
-) -> tuple[Endpoints, EndpointInfo]:
+def find_endpoints(cluster: str | None, given: Endpoints | None, need_engines: bool) -> tuple[Endpoints, EndpointInfo]:
     """The endpoint and engines to use (the cluster's unless given) and what serves there."""
     try:
         endpoints = given or cluster_endpoints(cluster)
     except (ClusterNotFound, ProfileError) as exc:
-        raise fail(console, str(exc)) from exc
+        raise fail(str(exc)) from exc
     if need_engines and not endpoints.engines:
-        raise fail(console, "the direct arm needs the engines' URLs: give --engine URL (repeat) with --endpoint")
+        raise fail("the direct arm needs the engines' URLs: give --engine URL (repeat) with --endpoint")
     try:
         return endpoints, probe(endpoints.endpoint, endpoints.api_key)
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
         if isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code == 401:
             what = "a wrong API key" if endpoints.api_key else f"no API key: give --api-key or set {API_KEY_ENV}"
-            raise fail(console, f"{endpoints.endpoint} answers 401 to {what}") from exc
-        raise fail(console, f"{endpoints.endpoint} does not answer GET /v1/models with a model: {exc}") from exc
+            raise fail(f"{endpoints.endpoint} answers 401 to {what}") from exc
+        raise fail(f"{endpoints.endpoint} does not answer GET /v1/models with a model: {exc}") from exc
 
 
-def check_served(outcomes: dict[str, ArmOutcome], console: Console) -> None:
+def check_served(outcomes: dict[str, ArmOutcome]) -> None:
     """A run where an arm served nothing is a failure, whatever the table says."""
     for name, outcome in outcomes.items():
         combined = outcome.combined()
         if combined.steps_ok == 0:
             errors = {r.error for r in combined.records if r.error}
-            raise fail(console, f"the {name} arm served no step: {'; '.join(sorted(errors))[:500] or 'no program ran'}")
+            raise fail(f"the {name} arm served no step: {'; '.join(sorted(errors))[:500] or 'no program ran'}")
 
 
 @bench_app.command("import")
@@ -342,7 +334,7 @@ def import_command(
         runs = import_runs(sources, lite_only=lite_only)
         count = write_trace((run.program(decode_tokens_per_s) for run in runs), out)
     except (OSError, ValueError) as exc:
-        raise fail(console, str(exc)) from exc
+        raise fail(str(exc)) from exc
     console.print(f"{count} programs written to {out}")
 
 

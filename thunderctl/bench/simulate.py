@@ -27,6 +27,7 @@ from thunderctl.bench.workloads import WorkloadChoice
 from thunderctl.sim.arms import ArmName, SimSpec
 from thunderctl.sim.presets import UnknownPreset, get_preset, preset_names
 from thunderctl.sim.sweep import BASELINE, run_sweep
+from thunderctl.terminal import fail
 from thunderctl.traceformat import TraceFormatError
 
 
@@ -194,8 +195,7 @@ def simulate(
             seed=seed, host_kv_gib=host_kv_gib,
         )  # fmt: skip
     except (UnknownPreset, OSError, TraceFormatError, ValueError) as exc:
-        console.print(f"[bold red]error:[/] {exc}")
-        raise typer.Exit(1) from exc
+        raise fail(str(exc)) from exc
     if any(c < 1 for c in concurrencies):
         raise typer.BadParameter("--concurrency: every value must be at least 1")
     console.print(

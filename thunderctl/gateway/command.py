@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from pydantic import ValidationError
 
 from thunderctl import aio
 from thunderctl.engines.cli import running_local_engine
@@ -21,10 +20,11 @@ from thunderctl.gateway.auth import API_KEY_ENV, GatewayAuth, exposure_problem
 from thunderctl.gateway.recorder import TraceRecorder
 from thunderctl.jsonapi import DEFAULT_MAX_BODY_BYTES, BodyLimits
 from thunderctl.processes import pick_free_port
-from thunderctl.scheduler import Decay, PlacementRule, SchedulerConfig
+from thunderctl.scheduler import Policy, SchedulerConfig
+from thunderctl.settings import SettingError, parse_settings, settings_help
 from thunderctl.terminal import err, fail, out
 
-DEFAULTS = SchedulerConfig()  # what `serve` runs with when given no option: the profile's defaults too
+SCHEDULER_HELP = settings_help(SchedulerConfig, "--scheduler")  # `serve --help`'s epilog
 
 
 def serve(
@@ -37,56 +37,22 @@ def serve(
     ] = False,
     host: Annotated[str, typer.Option(help="Address to listen on (loopback by default).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Gateway port.")] = 8300,
-    tick_interval: Annotated[float, typer.Option(help="Seconds between scheduler ticks.")] = DEFAULTS.tick_interval_s,
-    pause_threshold: Annotated[
-        float, typer.Option(help="Pause when reserved KV > capacity x this.")
-    ] = DEFAULTS.pause_threshold,
-    pause_target: Annotated[float, typer.Option(help="Pause down to capacity x this.")] = DEFAULTS.pause_target,
-    resume_threshold: Annotated[
-        float, typer.Option(help="Resume while reserved KV <= capacity x this.")
-    ] = DEFAULTS.resume_threshold,
-    buffer_tokens: Annotated[int, typer.Option(help="Decode headroom charged per program.")] = DEFAULTS.buffer_tokens,
-    resume_timeout: Annotated[
-        float, typer.Option(help="Seconds before a waiting program is forced back.")
-    ] = DEFAULTS.resume_timeout_s,
-    idle_ttl: Annotated[
-        float, typer.Option(help="Seconds of silence before a program is expired.")
-    ] = DEFAULTS.idle_ttl_s,
-    acting_decay: Annotated[
-        Decay, typer.Option(help="Decay of ACTING reservations (resume side).")
-    ] = DEFAULTS.acting_decay,
-    acting_decay_tau: Annotated[
-        float, typer.Option(help="Time constant of the decay, seconds.")
-    ] = DEFAULTS.acting_decay_tau_s,
-    acting_overbook: Annotated[
-        float, typer.Option(help="Weight of an ACTING reservation, 0-1 (the adaptive ceiling).")
-    ] = DEFAULTS.acting_overbook,
-    adaptive: Annotated[
-        bool, typer.Option(help="Seek the ACTING weight that gives the most steps/min (off: the reference policy).")
-    ] = DEFAULTS.adaptive,
-    adapt_window: Annotated[
-        float, typer.Option(help="Seconds of steps/min measured per move of the adaptive weight.")
-    ] = DEFAULTS.adapt_window_s,
-    retention: Annotated[
-        bool, typer.Option(help="Pause an ACTING program while others wait when its KV costs more than a re-prefill.")
-    ] = DEFAULTS.retention,
-    resume_aging: Annotated[
-        float,
+    policy: Annotated[
+        Policy,
         typer.Option(
-            min=0,
-            help="Tokens/s that age a waiting program's place in the resume order (0: shortest first, unbounded waits).",
+            help="The settings --scheduler does not give: thunderctl's defaults, or the ThunderAgent paper's "
+            'policy (docs/scheduler.md, "The reference and the default").'
         ),
-    ] = DEFAULTS.resume_aging_tokens_per_s or 0.0,
-    placement: Annotated[
-        PlacementRule,
+    ] = Policy.DEFAULT,
+    scheduler: Annotated[
+        list[str] | None,
         typer.Option(
-            help="Where a program goes when it fits on several workers: affinity (its last worker, else its "
-            "hash home, while nobody else waits) or roomiest (the most headroom: the reference)."
+            "--scheduler",
+            "-s",
+            metavar="KEY=VALUE",
+            help="A scheduler setting, as a profile's scheduler: section names it (repeat); listed below.",
         ),
-    ] = DEFAULTS.placement,
-    stall_timeout: Annotated[
-        float, typer.Option(help="A worker with requests in flight and no progress this long is taken out as stalled.")
-    ] = DEFAULTS.stall_timeout_s,
+    ] = None,
     kv_blocks: Annotated[int, typer.Option(help="With --local-engine: KV cache blocks.")] = 256,
     record_trace: Annotated[
         Path | None,
@@ -127,26 +93,9 @@ def serve(
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
-        config = SchedulerConfig(
-            tick_interval_s=tick_interval,
-            pause_threshold=pause_threshold,
-            pause_target=pause_target,
-            resume_threshold=resume_threshold,
-            buffer_tokens=buffer_tokens,
-            resume_timeout_s=resume_timeout,
-            idle_ttl_s=idle_ttl,
-            acting_decay=acting_decay,
-            acting_decay_tau_s=acting_decay_tau,
-            acting_overbook=acting_overbook,
-            adaptive=adaptive,
-            adapt_window_s=adapt_window,
-            retention=retention,
-            resume_aging_tokens_per_s=resume_aging or None,
-            placement=placement,
-            stall_timeout_s=stall_timeout,
-        )
-    except ValidationError as exc:
-        raise fail(f"invalid scheduler options:\n{exc}") from exc
+        config = parse_settings(SchedulerConfig, scheduler or [], "--scheduler", {"policy": policy})
+    except SettingError as exc:
+        raise fail(str(exc)) from exc
     auth = GatewayAuth(api_key or None, metrics_public)
     exposure = exposure_problem(
         host,

@@ -48,7 +48,8 @@ def run(
         list[str] | None,
         typer.Option(
             "--config",
-            help="mini-swe-agent config: a file (its built-in ones by name) or key.path=value; repeat to merge. Default: swebench_backticks.yaml.",
+            help="mini-swe-agent config: a file (its built-in ones by name) or key.path=value; repeat to merge. "
+            "key.path=value alone applies on top of the default, swebench_backticks.yaml; a file replaces it.",
         ),
     ] = None,
     model: Annotated[
@@ -98,7 +99,7 @@ def run(
             endpoint,
             tasks,
             concurrency=concurrency,
-            config_specs=config or [mini_swe_agent.DEFAULT_CONFIG],
+            config_specs=config or [],
             model_name=model,
             api_key=api_key,
             output_dir=output,

@@ -203,10 +203,19 @@ class ClusterAgent(DefaultAgent):
         return super().step()
 
 
-def load_config(specs: list[str] | tuple[str, ...] = (DEFAULT_CONFIG,)) -> dict:
+def load_config(specs: list[str] | tuple[str, ...] = ()) -> dict:
     """mini-swe-agent's config from specs as its `-c` takes them: files (its built-in ones by
-    name) and `key.path=value` pairs, merged in order."""
+    name) and `key.path=value` pairs, merged in order. Its `-c` drops the default config once
+    given anything, so `-c agent.step_limit=4` alone is a config without prompts that no agent
+    can run; here pairs alone go on top of DEFAULT_CONFIG, and only a file replaces it."""
+    if all(is_setting(spec) for spec in specs):
+        specs = [DEFAULT_CONFIG, *specs]
     return recursive_merge(*(get_config_from_spec(spec) for spec in specs))
+
+
+def is_setting(spec: str) -> bool:
+    """A `key.path=value` spec rather than a file: mini-swe-agent's own test (get_config_from_spec)."""
+    return "=" in spec
 
 
 @dataclass
@@ -302,7 +311,7 @@ def run_batch(
     tasks: list[AgentTask],
     *,
     concurrency: int = 4,
-    config_specs: list[str] | tuple[str, ...] = (DEFAULT_CONFIG,),
+    config_specs: list[str] | tuple[str, ...] = (),
     model_name: str | None = None,
     api_key: str | None = None,
     output_dir: Path | None = None,

@@ -1,6 +1,6 @@
 """Program-aware scheduling: the pure policy and the state it keeps."""
 
-from thunderctl.scheduler.config import Decay, PauseOrder, PlacementRule, SchedulerConfig
+from thunderctl.scheduler.config import Decay, PauseOrder, PlacementRule, Policy, SchedulerConfig
 from thunderctl.scheduler.events import EventKind, ProgramEvent
 from thunderctl.scheduler.policy import Scheduler
 from thunderctl.scheduler.program import Phase, Program, Status, Worker
@@ -10,6 +10,7 @@ __all__ = [
     "Decay",
     "PauseOrder",
     "PlacementRule",
+    "Policy",
     "EventKind",
     "Phase",
     "Program",

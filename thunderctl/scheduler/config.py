@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Any
 
 from pydantic import BaseModel, Field, model_validator
 
@@ -23,23 +24,61 @@ class PlacementRule(StrEnum):
     AFFINITY = "affinity"  # where its KV is (last worker, else its hash home) while nobody else waits
 
 
+class Policy(StrEnum):
+    DEFAULT = "default"  # thunderctl's
+    REFERENCE = "reference"  # the ThunderAgent paper's (arXiv 2602.13692)
+
+
+# The paper's policy, where it differs from the defaults; docs/scheduler.md's table says why they differ.
+REFERENCE_SETTINGS: dict[str, Any] = {
+    "adaptive": False,
+    "retention": False,
+    "resume_aging_tokens_per_s": None,
+    "pause_order": PauseOrder.SHORTEST,
+    "placement": PlacementRule.ROOMIEST,
+    "wait_bound_s": None,
+    "pause_target": 0.85,
+}
+
+
 class SchedulerConfig(BaseModel):
     """Knobs of the policy; fractions are of a worker's KV capacity."""
 
     model_config = {"extra": "forbid"}
 
-    tick_interval_s: float = Field(5.0, gt=0)
-    pause_threshold: float = Field(0.95, gt=0, le=1.5)
-    pause_target: float = Field(0.90, gt=0, le=1.5)
-    resume_threshold: float = Field(0.90, gt=0, le=1.5)
+    policy: Policy = Field(
+        Policy.DEFAULT,
+        description="where the settings not given come from: thunderctl's defaults, or the ThunderAgent paper's "
+        "policy (reference: " + ", ".join(REFERENCE_SETTINGS) + " as the paper has them)",
+    )
+    tick_interval_s: float = Field(5.0, gt=0, description="seconds between scheduler ticks")
+    pause_threshold: float = Field(
+        0.95, gt=0, le=1.5, description="a worker whose reserved KV exceeds this share of its capacity pauses programs"
+    )
+    pause_target: float = Field(
+        0.90, gt=0, le=1.5, description="the share of capacity an overfull worker pauses down to"
+    )
+    resume_threshold: float = Field(
+        0.90, gt=0, le=1.5, description="programs resume while a worker's reserved KV stays within this share"
+    )
     buffer_tokens: int = Field(256, ge=0, description="decode headroom charged per program")
-    resume_timeout_s: float = Field(600.0, gt=0)
-    idle_ttl_s: float = Field(900.0, gt=0)
-    acting_decay: Decay = Decay.OFF
-    acting_decay_tau_s: float = Field(30.0, gt=0)
-    acting_overbook: float = Field(1.0, ge=0, le=1, description="weight of an ACTING reservation on the resume side")
-    adaptive: bool = Field(True, description="seek the ACTING weight that gives the most steps/s")
-    acting_weight_min: float = Field(0.0, ge=0, le=1)
+    resume_timeout_s: float = Field(
+        600.0, gt=0, description="seconds a waiting request waits before its program is forced back in"
+    )
+    idle_ttl_s: float = Field(
+        900.0, gt=0, description="seconds of silence before a program its client never released expires"
+    )
+    acting_decay: Decay = Field(
+        Decay.OFF, description="how an ACTING reservation shrinks with time in its tool (resume side)"
+    )
+    acting_decay_tau_s: float = Field(30.0, gt=0, description="the decay's time constant, seconds")
+    acting_overbook: float = Field(
+        1.0, ge=0, le=1, description="weight of an ACTING reservation on the resume side (the ceiling when adaptive)"
+    )
+    adaptive: bool = Field(True, description="seek the ACTING weight that gives the most steps/s (docs/admission.md)")
+    acting_weight_min: float = Field(
+        0.0, ge=0, le=1, description="the adaptive ladder's lowest ACTING weight (the rung before the open gate)"
+    )
     adapt_utilization_low: float = Field(
         0.80, gt=0, le=1, description="workers busy less than this while requests wait: admit more"
     )
@@ -70,7 +109,7 @@ class SchedulerConfig(BaseModel):
         150.0,
         gt=0,
         description="a waiting program's place: when it began waiting + its tokens / this; "
-        "None: shortest first, new programs last (the reference order, unbounded waits)",
+        "none: shortest first, new programs last (the reference order, unbounded waits)",
     )
     new_program_delay_s: float = Field(60.0, ge=0, description="how far behind paused programs a new one queues")
     pause_order: PauseOrder = Field(
@@ -84,14 +123,14 @@ class SchedulerConfig(BaseModel):
         gt=0,
         description="the longest wait before ACTING programs pause (pause_order) to give a waiting program room, "
         "unless resume_timeout_s comes first: the bound's ceiling, and the bound itself until "
-        "wait_bound_min_samples waits were seen or without wait_bound_factor; None: no bound, "
+        "wait_bound_min_samples waits were seen or without wait_bound_factor; none: no bound, "
         "only the forced resume ends a wait",
     )
     wait_bound_factor: float | None = Field(
         3.0,
         ge=1,
         description="the wait bound follows the waits: this many times the median of the recent admission "
-        "waits, between wait_bound_min_s and wait_bound_s; None: the fixed wait_bound_s",
+        "waits, between wait_bound_min_s and wait_bound_s; none: the fixed wait_bound_s",
     )
     wait_bound_min_s: float = Field(
         200.0,
@@ -105,6 +144,18 @@ class SchedulerConfig(BaseModel):
     stall_timeout_s: float = Field(
         30.0, gt=0, description="a worker with requests in flight and no progress for this long is taken out as stalled"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _policy_gives_the_rest(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("policy") == Policy.REFERENCE:
+            return REFERENCE_SETTINGS | data
+        return data
+
+    @classmethod
+    def reference(cls, **settings: Any) -> SchedulerConfig:
+        """The ThunderAgent paper's policy, with `settings` changed."""
+        return cls(policy=Policy.REFERENCE, **settings)
 
     @model_validator(mode="after")
     def _bands_are_ordered(self) -> SchedulerConfig:

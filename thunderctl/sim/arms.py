@@ -1,7 +1,7 @@
 """The arms of a simulation, all on the same programs, and what each one measures.
 
 `sticky` and `least-loaded` are the engines alone; `reference` and `thunderctl` put the
-project's Scheduler in front (the reference policy, and the default with its admission law);
+project's Scheduler in front (the paper's policy, `SchedulerConfig.reference()`, and the default);
 `limit` is the engines alone with a KV cache that never evicts, so nothing is recomputed.
 """
 
@@ -14,7 +14,8 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
-from thunderctl.scheduler import PauseOrder, PlacementRule, SchedulerConfig
+from thunderctl.percentiles import percentile
+from thunderctl.scheduler import SchedulerConfig
 from thunderctl.sim.agents import ProgramRun, Router, SimStep, VirtualAgents, Workload
 from thunderctl.sim.clock import VirtualClock
 from thunderctl.sim.completions import makespan, program_figures
@@ -22,7 +23,7 @@ from thunderctl.sim.cost import Preset
 from thunderctl.sim.engine import Engine, EngineCounters
 from thunderctl.sim.kv import HostTier
 from thunderctl.sim.routing import LeastLoadedRouter, PolicyRouter, StickyRouter
-from thunderctl.sim.waits import percentile, program_fairness, waits_by_class
+from thunderctl.sim.waits import program_fairness, waits_by_class
 from thunderctl.sim.worker import SimWorker
 
 GIB = 2**30
@@ -165,11 +166,7 @@ def build_router(
         case ArmName.LEAST_LOADED:
             return LeastLoadedRouter(workers), None
         case ArmName.REFERENCE:
-            reference = SchedulerConfig(
-                adaptive=False, retention=False, resume_aging_tokens_per_s=None, pause_target=0.85,
-                pause_order=PauseOrder.SHORTEST, wait_bound_s=None, placement=PlacementRule.ROOMIEST,
-            )  # fmt: skip
-            router = PolicyRouter(workers, clock, reference)
+            router = PolicyRouter(workers, clock, SchedulerConfig.reference())
             return router, router
         case ArmName.THUNDERCTL:
             # What the gateway measures from usage and time to first token, from the cost model;

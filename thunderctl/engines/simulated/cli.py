@@ -10,6 +10,7 @@ import typer
 from thunderctl import aio
 from thunderctl.engines.simulated.server import DEFAULT_PRESET, SimConfigError, SimEngineConfig, SimServer
 from thunderctl.sim.presets import preset_names
+from thunderctl.terminal import fail
 
 
 def engine_sim(
@@ -41,8 +42,7 @@ def engine_sim(
     try:
         server = SimServer(config)
     except SimConfigError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from exc
+        raise fail(str(exc), code=2) from exc
     aio.run(server.serve())
 
 
