@@ -127,10 +127,11 @@ class SchedulerConfig(BaseModel):
         "only the forced resume ends a wait",
     )
     wait_bound_factor: float | None = Field(
-        3.0,
+        None,
         ge=1,
         description="the wait bound follows the waits: this many times the median of the recent admission "
-        "waits, between wait_bound_min_s and wait_bound_s; none: the fixed wait_bound_s",
+        "waits (3 was measured), between wait_bound_min_s and wait_bound_s; none: the fixed wait_bound_s "
+        "(the default: the law made no more steps, docs/admission.md)",
     )
     wait_bound_min_s: float = Field(
         200.0,

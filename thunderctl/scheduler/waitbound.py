@@ -1,11 +1,9 @@
 """The wait bound: how long a waiting request may wait before ACTING programs pause for it.
 
-A fixed bound (400 s) is right for no load in particular: where programs wait seconds it never
-acts and a few programs wait 400 s while the median waits 20; where everybody waits minutes it
-acts on half the queue. The bound follows what waiting programs see instead: `factor` times
-the median of the recent admission waits (of requests that waited at all), between a floor and
-a ceiling. docs/admission.md, "The wait bound", has the law and why it is stable.
-"""
+By default a fixed `wait_bound_s` (400 s). With `wait_bound_factor` set the bound follows what
+waiting programs see instead: that many times the median of the recent admission waits (of
+requests that waited at all), between a floor and `wait_bound_s`. docs/admission.md, "The
+bound follows the waits", has the law, why it is stable, and why it is not the default."""
 
 from __future__ import annotations
 
