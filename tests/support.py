@@ -25,6 +25,19 @@ from thunderctl.processes import pick_free_port, pick_free_ports, pid_alive, por
 from thunderctl.processes.poll import poll_until
 from thunderctl.profile import DEFAULT_PROFILE, PROFILES_DIR
 
+
+def mini_swe_agent_overrides(steps: int) -> list[str]:
+    """On top of a mini-swe-agent config, for the tiny model: short, deterministic answers, the first
+    word of each taken as the command (every answer is a step), and an end after `steps` LLM calls."""
+    return [
+        f"agent.step_limit={steps}",
+        "agent.max_consecutive_format_errors=0",
+        "model.model_kwargs.max_tokens=12",
+        "model.model_kwargs.temperature=0",
+        r"model.action_regex=\A\W*(\w+)",
+    ]
+
+
 SHAPE = AgentShape(
     system_prompt_tokens=200,
     task_tokens=Uniform(100, 200),

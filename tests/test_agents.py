@@ -28,7 +28,7 @@ from minisweagent.exceptions import Submitted
 from typer.testing import CliRunner
 
 import thunderctl.integrations
-from support import Cli, consecutive_free_ports, write_profile
+from support import Cli, consecutive_free_ports, mini_swe_agent_overrides, write_profile
 from thunderctl.cli import app
 from thunderctl.integrations.cluster import ClusterClient, ClusterError
 from thunderctl.integrations.tasks import AgentTask, TaskFileError, load_tasks
@@ -40,11 +40,7 @@ STEPS = 5
 # On top of mini-swe-agent's SWE-bench config: short, deterministic answers, a command per answer,
 # commands that busybox's sh can run, and an end after STEPS LLM calls (LimitsExceeded).
 CONFIG_OVERRIDES = [
-    f"agent.step_limit={STEPS}",
-    "agent.max_consecutive_format_errors=0",
-    "model.model_kwargs.max_tokens=12",
-    "model.model_kwargs.temperature=0",
-    r"model.action_regex=\A\W*(\w+)",
+    *mini_swe_agent_overrides(STEPS),
     'environment.interpreter=["sh", "-c"]',
     "environment.cwd=/",  # the test image has no /testbed (nor /tmp)
     "environment.timeout=20",

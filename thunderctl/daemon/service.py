@@ -68,6 +68,7 @@ class Daemon:
         self.gateway = Gateway(
             links, self.profile.scheduler, worker_key=self.worker_key,
             resumed_priority=resume_priority(self.profile.engine.args),
+            identity=self.profile.gateway.identity(),
         )  # fmt: skip
         self.auth = self.profile.gateway.auth()
         limits = BodyLimits(max_bytes=self.profile.gateway.max_body_bytes)
