@@ -3,13 +3,15 @@
     python benchmarks/sim_burst.py                      # 64 programs, one 4×H100 worker, 131,072 KV tokens
     python benchmarks/sim_burst.py --programs 64 --kv-tokens 131072 --duration 900 --out results/sim-burst.json
 
-There (a real engine), a 64-program burst gave a 1,444-token program its first answer in 0.5 s
-and an 8,046-token one in 404 s: shortest first, new programs behind every returning one. Here
-every program of the burst starts at step 0 at t = 0 (no aged start), its first prompt
-stretched to one of `--programs` sizes spread evenly over issue 46's 1,444 → 8,046 tokens (the
-synthetic programs' own start at 1.3–3k), and each arm of the same programs reports when each of
-the burst's programs got its first answer, by the size of its first prompt, and how long any
-program waited for admission against the median program.
+There (a real engine), 64 programs arriving within 13 s gave a 1,444-token program its first
+answer in 0.5 s and an 8,046-token one in 404 s: shortest first, new programs behind every
+returning one. Here the burst's programs start at step 0 (no aged start), spread evenly over
+the first `--arrival` seconds (13), each first prompt stretched to one of `--programs` sizes
+spread evenly over issue 46's 1,444 → 8,046 tokens (the synthetic programs' own start at
+1.3–3k), and each arm of the same programs reports when each of the burst's programs got its
+first answer: by size class (four, of equal width), and the largest class's slowest against
+the median program's (issue 22's target: within 3×), and how long any program waited for
+admission against the median program.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class Burst:
     programs: int
     base: Any  # a SweLite
     stride: int = 37  # coprime with any power of two: sizes do not follow the program's index
+    arrival_s: float = 0.0  # the burst arrives evenly over this long, in index order
 
     @property
     def system_prompt_tokens(self) -> int:
@@ -65,17 +68,37 @@ class Burst:
             return program
         extra = max(self.first_prompt(index) - program.steps[0].prompt_tokens, 0)
         steps = tuple(step.model_copy(update={"prompt_tokens": step.prompt_tokens + extra}) for step in program.steps)
-        return program.model_copy(update={"steps": steps})
+        # Its environment is ready when it arrives: the simulator sends the first request then.
+        arrives = self.arrival_s * index / max(self.programs - 1, 1)
+        return program.model_copy(update={"steps": steps, "env_prep_s": arrives})
 
 
-def burst_spec(preset_name: str, programs: int, kv_tokens: int, duration_s: float, seed: int) -> SimSpec:
+def burst_spec(
+    preset_name: str, programs: int, kv_tokens: int, duration_s: float, seed: int, arrival_s: float = 0.0
+) -> SimSpec:
     preset = get_preset(preset_name)
     blocks = kv_tokens // preset.engine.block_size
     if blocks < 1:
         raise SystemExit(f"--kv-tokens {kv_tokens} is less than one block ({preset.engine.block_size} tokens)")
     preset = replace(preset, engine=replace(preset.engine, num_gpu_blocks=blocks))
     synthetic = WorkloadChoice(None, synthetic=True).load(1.0, SHARED_PREFIX_TOKENS, preset.engine.max_model_len)
-    return SimSpec(preset, Burst(programs, synthetic), programs, duration_s, workers=1, seed=seed)
+    return SimSpec(preset, Burst(programs, synthetic, arrival_s=arrival_s), programs, duration_s, workers=1, seed=seed)
+
+
+def size_classes(firsts: list[tuple[int, float]], classes: int = 4) -> list[dict[str, Any]]:
+    """The first answers by the first prompt's size, in `classes` classes of equal width over
+    issue 46's range: each class's programs, median and slowest first answer."""
+    low, high = ISSUE_46_FIRST_PROMPTS
+    width = (high - low) / classes
+    rows = []
+    for k in range(classes):
+        lo, hi = low + k * width, low + (k + 1) * width
+        seconds = [s for tokens, s in firsts if lo <= tokens < hi or (k == classes - 1 and tokens == hi)]
+        rows.append({
+            "tokens": f"{round(lo):,}–{round(hi):,}", "programs": len(seconds),
+            "median_s": statistics.median(seconds) if seconds else None, "max_s": max(seconds, default=None),
+        })  # fmt: skip
+    return rows
 
 
 def burst_figures(spec: SimSpec, arm: ArmName) -> dict[str, Any]:
@@ -85,6 +108,9 @@ def burst_figures(spec: SimSpec, arm: ArmName) -> dict[str, Any]:
     quarter = max(len(firsts) // 4, 1)
     small, large = [s for _, s in firsts[:quarter]], [s for _, s in firsts[-quarter:]]
     answered = [s for _, s in firsts]
+    classes = size_classes(firsts)
+    median = statistics.median(answered) if answered else None
+    largest = classes[-1]["max_s"]
     return {
         "steps_per_min": 60.0 * len(result.records) / spec.duration_s,
         "burst_answered": len(firsts),
@@ -95,6 +121,9 @@ def burst_figures(spec: SimSpec, arm: ArmName) -> dict[str, Any]:
             "largest quarter, max": max(large, default=None),
         },
         "first_answers": firsts,  # (first prompt tokens, seconds), smallest first
+        "size_classes": classes,
+        # issue 22's target: the largest programs' first answer within 3× the median program's
+        "largest_over_median": largest / median if largest is not None and median else None,
         "fairness": program_fairness(burst),
         "admission_waits": waits_by_class(burst),
         **result.scheduler_counters,
@@ -108,9 +137,10 @@ def main() -> None:
     parser.add_argument("--kv-tokens", type=int, default=131_072, help="The worker's KV cache (tokens).")
     parser.add_argument("--duration", type=float, default=900.0, help="Simulated seconds.")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--arrival", type=float, default=13.0, help="The burst arrives over this many seconds.")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    spec = burst_spec(args.preset, args.programs, args.kv_tokens, args.duration, args.seed)
+    spec = burst_spec(args.preset, args.programs, args.kv_tokens, args.duration, args.seed, args.arrival)
     report = {arm.value: burst_figures(spec, arm) for arm in ARMS}
     table = Table(title=f"{args.programs}-program burst, {args.preset} × 1, {args.kv_tokens:,} KV tokens")
     columns = ("arm", "steps/min", "answered", "1st answer median", "max", "smallest ¼ max", "largest ¼ max",
@@ -124,7 +154,17 @@ def main() -> None:
             *(fmt(value, " s", 1) for value in first),
             fmt(fair["longest_s"], " s", 1), fmt(fair["median_s"], " s", 1), fmt(fair["ratio"], "x"),
         )  # fmt: skip
-    Console(width=160).print(table)
+    console = Console(width=160)
+    console.print(table)
+    classes = Table(title="first answer by first prompt, median / slowest; the largest class's slowest ÷ the median")
+    classes.add_column("arm")
+    for row in next(iter(report.values()))["size_classes"]:
+        classes.add_column(f"{row['tokens']} tokens ({row['programs']})", justify="right")
+    classes.add_column("largest ÷ median (target ≤ 3×)", justify="right")
+    for name, figures in report.items():
+        cells = [f"{fmt(row['median_s'], ' s', 1)} / {fmt(row['max_s'], ' s', 1)}" for row in figures["size_classes"]]
+        classes.add_row(name, *cells, fmt(figures["largest_over_median"], "x"))
+    console.print(classes)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"parameters": vars(args) | {"out": str(args.out)}, "arms": report}, indent=1))

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import random
 import statistics
+from itertools import pairwise
 
 import pytest
 
+from thunderctl.bench.long_tail import LongTail
 from thunderctl.bench.planning import StepSizes, plan_program, step_sizes, system_prompt
 from thunderctl.bench.replay import TraceWorkload
 from thunderctl.bench.shapes import MESSAGE_OVERHEAD_TOKENS
@@ -178,3 +180,16 @@ def test_a_trace_program_replayed_again_gets_its_own_id_and_text() -> None:
     assert [s.completion_tokens for s in first.steps] == [s.completion_tokens for s in again.steps] == [20, 5]
     # The system prompt is all the two replays share: each has its own task text.
     assert first.messages[0] == again.messages[0] and first.messages[1] != again.messages[1]
+
+
+def test_long_tail_programs_are_long_grow_to_about_100k_and_have_heavy_tailed_tools() -> None:
+    workload = LongTail()
+    programs = [workload.program(0, index) for index in range(300)]
+    assert all(30 <= len(p.steps) <= 90 for p in programs)
+    finals = sorted(p.steps[-1].prompt_tokens for p in programs)
+    assert 40_000 < finals[len(finals) // 2] < 80_000 and finals[-1] <= 110_000
+    tools = sorted(step.tool_s for p in programs for step in p.steps[:-1])
+    median, p99 = tools[len(tools) // 2], tools[len(tools) * 99 // 100]
+    assert p99 > 20 * median, "a lognormal of sigma 1.5: the slowest tool calls take minutes"
+    assert all(b.prompt_tokens > a.prompt_tokens + a.completion_tokens for p in programs for a, b in pairwise(p.steps))
+    assert workload.program(0, 7) == LongTail().program(0, 7) != workload.program(1, 7)

@@ -164,3 +164,57 @@ def test_bench_simulate_names_what_is_wrong(options: list[str], message: str) ->
     result = CliRunner().invoke(app, ["bench", "simulate", *options])
     assert result.exit_code != 0
     assert message in result.output
+
+
+@pytest.mark.parametrize("arm", [a.value for a in ArmName])
+def test_every_arm_reports_whole_programs_consistently_with_its_steps(
+    under_pressure: dict[str, dict], arm: str
+) -> None:
+    figures = under_pressure[arm]
+    assert figures["programs_done"] > 0, "programs of 6-12 steps end inside a 70 s window"
+    quantiles = [figures[f"program_{q}_s"] for q in ("p50", "p90", "p99")]
+    reached = [q for q in quantiles if q is not None]
+    assert figures["program_p50_s"] is not None and reached == sorted(reached)
+    assert quantiles[: len(reached)] == reached, "a quantile the run cannot reach leaves the higher ones unreached"
+    window_min = (PRESSURE.duration_s - PRESSURE.warmup_s) / 60
+    assert figures["programs_per_min"] == pytest.approx(figures["programs_done"] / window_min)
+    assert figures["programs_done"] <= figures["programs_completed"]
+    # Every step of a finished program was answered and counted, in the window or the warm-up.
+    assert figures["program_steps"] <= figures["steps_answered"]
+    assert figures["steady_steps"] <= figures["steps_answered"]
+
+
+def test_a_finished_program_runs_from_its_first_request_to_its_last_answer() -> None:
+    result = run_arm(ArmName.THUNDERCTL, PRESSURE)
+    assert result.completed
+    for program in result.completed:
+        own = sorted((r for r in result.records if r.program_index == program.program_index), key=lambda r: r.step)
+        assert [r.step for r in own] == list(range(program.steps))
+        assert (program.sent_s, program.done_s) == (own[0].start_s, own[-1].end_s)
+
+
+def test_a_program_that_started_part_way_has_no_completion_time_and_no_makespan() -> None:
+    spec = replace(PRESSURE, age_initial_programs=True)
+    result = run_arm(ArmName.STICKY, spec)
+    started = {r.program_index for r in result.records if r.step == 0}
+    part_way = {r.program_index for r in result.records} - started
+    assert part_way and not part_way & {p.program_index for p in result.completed}
+    assert result.programs_completed > len(result.completed), "some of them ran to their end, uncounted"
+    assert result.summary(spec.warmup_s)["makespan_s"] is None
+
+
+def test_bench_simulate_runs_the_long_tail_and_reports_whole_programs(tmp_path: Path) -> None:
+    out = tmp_path / "sim.json"
+    result = CliRunner().invoke(
+        app,
+        ["bench", "simulate", "--workload", "long-tail", "--concurrency", "4", "--duration", "120",
+         "--arms", "sticky,thunderctl", "--out", str(out), "--plot", str(tmp_path / "sim.png")],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["workload"]["name"] == "long-tail"
+    assert report["workload"]["shared_prefix_tokens"] == 5_000
+    figures = report["points"][0]["arms"]["thunderctl"]
+    assert {"program_p50_s", "program_p90_s", "program_p99_s", "programs_per_min", "makespan_s"} <= figures.keys()
+    assert figures["programs_done"] == 0, "30-90 steps with tools of seconds to minutes: none ends in two minutes"
+    assert "programs/min" in result.output

@@ -17,6 +17,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from thunderctl.bench.long_tail import SYSTEM_PROMPT_TOKENS as LONG_TAIL_PREFIX
+from thunderctl.bench.long_tail import LongTail
 from thunderctl.bench.replay import TraceWorkload
 from thunderctl.bench.report import fmt, write_outputs
 from thunderctl.bench.shapes import AgentShape
@@ -33,6 +35,7 @@ class WorkloadName(StrEnum):
     SWE_LITE = "swe-lite"  # the recorded runs, as `bench swe-lite` replays them
     SYNTHETIC = "swe-lite-synthetic"  # `bench swe-lite --synthetic`: the seeded generator, programs without end
     SHAPE = "shape"  # AgentShape's uniform ranges, the closed-loop benchmark's default
+    LONG_TAIL = "long-tail"  # OpenHands-like: 30-90 steps, contexts to ~100k, heavy-tailed tool times
 
 
 def parse_list(text: str, what: str, parse: type) -> list[Any]:
@@ -55,16 +58,19 @@ def parse_arms(text: str) -> list[ArmName]:
 
 
 def build_workload(
-    workload: WorkloadName, trace: Path | None, scale: float, shared_prefix: int, max_context: int
-) -> SweLite | TraceWorkload | AgentShape:
+    workload: WorkloadName, trace: Path | None, scale: float, shared_prefix: int | None, max_context: int
+) -> SweLite | TraceWorkload | AgentShape | LongTail:
     if trace is not None and workload is not WorkloadName.SWE_LITE:
         raise ValueError(f"--workload {workload} and --trace both name the programs: give one")
     if workload is WorkloadName.SHAPE:
         return AgentShape(max_context_tokens=max_context)
-    return WorkloadChoice(trace, synthetic=workload is WorkloadName.SYNTHETIC).load(scale, shared_prefix, max_context)
+    if workload is WorkloadName.LONG_TAIL:
+        return LongTail(scale, shared_prefix or LONG_TAIL_PREFIX, max_context)
+    choice = WorkloadChoice(trace, synthetic=workload is WorkloadName.SYNTHETIC)
+    return choice.load(scale, shared_prefix or SHARED_PREFIX_TOKENS, max_context)
 
 
-def describe(workload: SweLite | TraceWorkload | AgentShape) -> dict[str, Any]:
+def describe(workload: SweLite | TraceWorkload | AgentShape | LongTail) -> dict[str, Any]:
     if isinstance(workload, AgentShape):
         return {"name": "shape", "system_prompt_tokens": workload.system_prompt_tokens}
     return workload.describe()
@@ -72,7 +78,8 @@ def describe(workload: SweLite | TraceWorkload | AgentShape) -> dict[str, Any]:
 
 def point_table(report: dict[str, Any], point: dict[str, Any]) -> Table:
     table = Table(title=f"{report['preset']} × {report['parameters']['workers']}, concurrency {point['concurrency']}")
-    columns = ("arm", "steps/min", "hit rate", "p50", "p90", "p99", "preempt", "pauses/resumes", "KV spread >20%")
+    columns = ("arm", "steps/min", "hit rate", "p50", "p90", "p99", "programs/min", "program p90", "preempt",
+               "pauses/resumes", "KV spread >20%")  # fmt: skip
     for column in columns:
         table.add_column(column, justify="left" if column == "arm" else "right")
     for name, arm in point["arms"].items():
@@ -80,7 +87,8 @@ def point_table(report: dict[str, Any], point: dict[str, Any]) -> Table:
         spread = arm["kv_imbalance"]
         table.add_row(
             name, fmt(arm["steps_per_min"], digits=1), fmt(arm["hit_rate"]), fmt(arm["p50_s"], " s"),
-            fmt(arm["p90_s"], " s"), fmt(arm["p99_s"], " s"), str(arm["preemptions"]), pauses,
+            fmt(arm["p90_s"], " s"), fmt(arm["p99_s"], " s"), fmt(arm["programs_per_min"], digits=2),
+            fmt(arm["program_p90_s"], " s", 0), str(arm["preemptions"]), pauses,
             fmt(100 * spread["share_above"], " %", 0) if spread else "-",
         )  # fmt: skip
     if point["ratios"]:
@@ -88,7 +96,8 @@ def point_table(report: dict[str, Any], point: dict[str, Any]) -> Table:
         for name, r in point["ratios"].items():
             table.add_row(
                 f"{name} ÷ {BASELINE.value}", fmt(r["steps_per_min"], "x"), fmt(r["hit_rate"], "x"),
-                fmt(r["p50_s"], "x"), fmt(r["p90_s"], "x"), fmt(r["p99_s"], "x"), "", "", "",
+                fmt(r["p50_s"], "x"), fmt(r["p90_s"], "x"), fmt(r["p99_s"], "x"), fmt(r["programs_per_min"], "x"),
+                fmt(r["program_p90_s"], "x"), "", "", "",
             )  # fmt: skip
     return table
 
@@ -141,12 +150,23 @@ def simulate(
     concurrency: Annotated[
         str, typer.Option(help="Programs running at once, comma-separated: one point each.")
     ] = "16,32,64,128",
-    workload: Annotated[WorkloadName, typer.Option(help="The programs, unless --trace.")] = WorkloadName.SWE_LITE,
+    workload: Annotated[
+        WorkloadName,
+        typer.Option(
+            help="The programs, unless --trace: the recorded SWE-bench Lite runs, their seeded generator, "
+            "long-tail (OpenHands-like: 30-90 steps, contexts to ~100k tokens, lognormal tool times), or shape."
+        ),
+    ] = WorkloadName.SWE_LITE,
     trace: Annotated[Path | None, typer.Option(help="Replay this trace (JSONL, docs/trace-format.md) instead.")] = None,
     scale: Annotated[float, typer.Option(min=0.001, help="Multiply every token count of swe-lite or the trace.")] = 1.0,
     shared_prefix: Annotated[
-        int, typer.Option(min=1, help="Prompt tokens all programs share (before --scale).")
-    ] = SHARED_PREFIX_TOKENS,
+        int | None,
+        typer.Option(
+            min=1,
+            help=f"Prompt tokens all programs share (before --scale); default: the workload's own "
+            f"({SHARED_PREFIX_TOKENS} for swe-lite, {LONG_TAIL_PREFIX:,} for long-tail).",
+        ),
+    ] = None,
     duration: Annotated[float, typer.Option(min=1, help="Simulated seconds per arm and point.")] = 1800.0,
     warmup: Annotated[
         float | None, typer.Option(min=0, help="Simulated seconds not measured (default: a sixth).")
@@ -164,7 +184,7 @@ def simulate(
     ] = None,
 ) -> None:
     """Simulate every arm on the same programs at each concurrency: steps/min, hit rate, latency, KV balance."""
-    console = Console() if sys.stdout.isatty() else Console(width=140)
+    console = Console() if sys.stdout.isatty() else Console(width=160)
     try:
         chosen = get_preset(preset)
         concurrencies = parse_list(concurrency, "--concurrency", int)

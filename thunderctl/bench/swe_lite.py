@@ -13,7 +13,7 @@ import math
 import random
 from dataclasses import asdict, dataclass
 from statistics import NormalDist
-from typing import Any
+from typing import Any, ClassVar
 
 from thunderctl.traceformat import TraceProgram, TraceStep
 
@@ -100,16 +100,23 @@ class ScaledWorkload:
 
 @dataclass(frozen=True)
 class SweLite(ScaledWorkload):
-    """The workload: programs by (seed, index); satisfies closed_loop's Workload."""
+    """The workload: programs by (seed, index); satisfies closed_loop's Workload. A generator of
+    another shape subclasses it with its own `draw`, `name` and seed `key`."""
 
     tool_seconds: LogNormal = TOOL_SECONDS
+    name: ClassVar[str] = "swe-lite-synthetic"
+    key: ClassVar[str] = "swe-lite"
 
     def program(self, seed: int, index: int) -> TraceProgram:
-        rng = random.Random(f"swe-lite/{seed}/{index}")
-        return draw_program(rng, f"swe-lite-{seed}-{index}", self.tool_seconds).scaled(self.scale)
+        rng = random.Random(f"{self.key}/{seed}/{index}")
+        return self.draw(rng, f"{self.key}-{seed}-{index}", self.tool_seconds).scaled(self.scale)
+
+    @staticmethod
+    def draw(rng: random.Random, program_id: str, tool_seconds: LogNormal) -> TraceProgram:
+        return draw_program(rng, program_id, tool_seconds)
 
     def describe(self) -> dict[str, Any]:
-        return {"name": "swe-lite-synthetic", **asdict(self)}
+        return {"name": self.name, **asdict(self)}
 
 
 def new_input_factor(n_steps: int) -> float:

@@ -121,8 +121,26 @@ class SchedulerConfig(BaseModel):
     wait_bound_s: float | None = Field(
         400.0,
         gt=0,
-        description="a program that waited this long gets room at once: ACTING programs pause for it "
-        "(pause_order), unless resume_timeout_s comes first; none: only the forced resume bounds a wait",
+        description="the longest wait before ACTING programs pause (pause_order) to give a waiting program room, "
+        "unless resume_timeout_s comes first: the bound's ceiling, and the bound itself until "
+        "wait_bound_min_samples waits were seen or without wait_bound_factor; none: no bound, "
+        "only the forced resume ends a wait",
+    )
+    wait_bound_factor: float | None = Field(
+        None,
+        ge=1,
+        description="the wait bound follows the waits: this many times the median of the recent admission "
+        "waits (3 was measured), between wait_bound_min_s and wait_bound_s; none: the fixed wait_bound_s "
+        "(the default: the law made no more steps, docs/admission.md)",
+    )
+    wait_bound_min_s: float = Field(
+        200.0,
+        gt=0,
+        description="the wait bound's floor: the shortest wait ACTING programs pause for (wait_bound_s wins if lower)",
+    )
+    wait_bound_window: int = Field(256, ge=1, description="recent admission waits the wait bound's median is of")
+    wait_bound_min_samples: int = Field(
+        16, ge=1, description="admission waits seen before the bound follows them (until then: wait_bound_s)"
     )
     stall_timeout_s: float = Field(
         30.0, gt=0, description="a worker with requests in flight and no progress for this long is taken out as stalled"

@@ -17,6 +17,7 @@ from thunderctl.scheduler.ordering import WaitingQueue, acting_decay, pause_key
 from thunderctl.scheduler.placement import choose
 from thunderctl.scheduler.program import Phase, Program, Status, Worker
 from thunderctl.scheduler.retention import RetentionLaw
+from thunderctl.scheduler.waitbound import WaitBound
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class Scheduler:
         self.retention = RetentionLaw.from_config(self.config)
         self.counters = Counters()
         self.tuner = AdmissionTuner(self.config)
+        self.wait_bound = WaitBound(self.config)
         self._waited = False  # a request waited for admission since the last adapt()
         self._waiting_at_adapt = False
 
@@ -357,6 +359,8 @@ class Scheduler:
         program.worker = worker.id
         program.status = Status.ACTIVE
         self._ledgers[worker.id].add(program, self.config.buffer_tokens)
+        if program.waiting_since is not None:
+            self.wait_bound.observe(now - program.waiting_since)
         self._waiting.remove(program)
         if program.paused_at is not None:
             program.paused_total_s += now - program.paused_at
@@ -398,15 +402,16 @@ class Scheduler:
         return sorted(acting, key=pause_key(self.config.pause_order))
 
     def _make_room_for_overdue(self) -> None:
-        """A program that has waited `wait_bound_s` is admitted now onto the worker with the most
+        """A program that has waited the wait bound (waitbound.py) is admitted now onto the worker with the most
         headroom, ACTING programs there pausing for it in pause order: rotation where the cache
         is far smaller than the working set, so that no wait runs into the forced resume (which
         overbooks the cache) while others are admitted."""
         cfg = self.config
-        if cfg.wait_bound_s is None or not self._waiting or self.tuner.gate_open:
+        bound = self.wait_bound.seconds
+        if bound is None or not self._waiting or self.tuner.gate_open:
             return
         targets = [b for b in self.workers.values() if b.schedulable and b.capacity]
-        for program in self._waiting.since_before(self.clock() - cfg.wait_bound_s, self.programs):
+        for program in self._waiting.since_before(self.clock() - bound, self.programs):
             if not targets:
                 return
             loads = {b.id: self._load(b, physical=True) for b in targets}

@@ -95,6 +95,20 @@ def steps_that_fit(steps: Sequence[Step], max_context_tokens: int | None) -> Seq
     return steps
 
 
+@dataclass(frozen=True)
+class ProgramRun:
+    """A program that ran to its end: from its first request sent to its last answer."""
+
+    program_index: int
+    sent_s: float
+    done_s: float
+    steps: int
+
+    @property
+    def completion_s(self) -> float:
+        return self.done_s - self.sent_s
+
+
 @dataclass
 class _AgentRun:
     index: int
@@ -102,6 +116,7 @@ class _AgentRun:
     stream: TokenStream
     steps: Sequence[Step]
     next_step: int = 0
+    sent_s: float | None = None  # its first request; None for an aged program, whose start is history
 
 
 @dataclass
@@ -116,6 +131,8 @@ class VirtualAgents:
     # cache has seen, as the real load generator's do, so a short run starts near steady state.
     age_initial_programs: bool = False
     records: list[SimStep] = field(default_factory=list)
+    completed: list[ProgramRun] = field(default_factory=list)  # programs that started at step 0, in end order
+    sent: dict[int, float] = field(default_factory=dict)  # every such program's first request, ended or not
     programs_started: int = 0
     programs_completed: int = 0
     steps_cut: int = 0
@@ -143,6 +160,8 @@ class VirtualAgents:
     def _send(self, run: _AgentRun) -> None:
         step = run.steps[run.next_step]
         start = self.clock.now
+        if run.next_step == 0:
+            run.sent_s = self.sent[run.index] = start
 
         def submit(worker: SimWorker) -> None:
             admitted = self.clock.now
@@ -174,5 +193,7 @@ class VirtualAgents:
             self.clock.after(step.tool_s, lambda: self._send(run))
             return
         self.programs_completed += 1
+        if run.sent_s is not None:
+            self.completed.append(ProgramRun(run.index, run.sent_s, self.clock.now, len(run.steps)))
         self.router.release(run.program_id)
         self._start_program()

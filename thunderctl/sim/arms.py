@@ -18,8 +18,9 @@ from typing import Any
 
 from thunderctl.percentiles import percentile
 from thunderctl.scheduler import SchedulerConfig
-from thunderctl.sim.agents import Router, SimStep, VirtualAgents, Workload
+from thunderctl.sim.agents import ProgramRun, Router, SimStep, VirtualAgents, Workload
 from thunderctl.sim.clock import VirtualClock
+from thunderctl.sim.completions import makespan, program_figures
 from thunderctl.sim.cost import Preset
 from thunderctl.sim.engine import Engine, EngineCounters, EngineMode
 from thunderctl.sim.kv import HostTier
@@ -71,6 +72,8 @@ class SimSpec:
     host_kv_gib: float = 0.0
     sample_interval_s: float = 10.0
     age_initial_programs: bool = False  # as `thunderctl bench` runs: the first programs start part-way
+    # SchedulerConfig fields the thunderctl arm runs with instead of the defaults: a variant measured
+    policy: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.concurrency < 1 or self.workers < 1:
@@ -104,6 +107,9 @@ class ArmResult:
     programs_completed: int
     steps_cut: int
     scheduler_counters: dict[str, int] = field(default_factory=dict)
+    completed: list[ProgramRun] = field(default_factory=list)
+    sent: dict[int, float] = field(default_factory=dict)  # first request of each program that started at step 0
+    first_wave: int = 0  # programs that started together at 0 from step 0 (none when aged)
 
     def steady(self, warmup_s: float) -> list[SimStep]:
         end = warmup_s + self.window_s
@@ -121,9 +127,12 @@ class ArmResult:
             "p99_s": percentile(latencies, 99),
             "preemptions": w.preemptions,
             "steady_steps": len(latencies),
+            "steps_answered": sum(r.end_s <= warmup_s + self.window_s for r in self.records),  # warm-up included
             "programs_started": self.programs_started,
             "programs_completed": self.programs_completed,
             "steps_cut": self.steps_cut,
+            **program_figures(self.completed, self.sent, warmup_s, warmup_s + self.window_s),
+            "makespan_s": makespan(self.completed, self.first_wave) if self.first_wave else None,
             "prefill_tokens": w.prefill_tokens,
             "decode_tokens": w.decode_tokens,
             "host_hit_tokens": w.host_hit_tokens,
@@ -182,6 +191,7 @@ def build_router(
     preset: Preset,
     host_kv_tokens: int = 0,
     mode: EngineMode | None = None,
+    policy: dict[str, Any] | None = None,
 ) -> tuple[Router, PolicyRouter | None]:
     match arm:
         case ArmName.STICKY | ArmName.LIMIT | ArmName.BOUND | ArmName.CONTINUUM:
@@ -204,8 +214,9 @@ def build_router(
             # a host tier's transfer rate from the preset's link.
             prefill_rate = preset.prefill_tokens_per_s(min(PRICED_CONTEXT_TOKENS, preset.engine.max_model_len))
             config = SchedulerConfig(
-                prefill_tokens_per_s=prefill_rate, host_transfer_tokens_per_s=1.0 / preset.transfer_seconds(1)
-            )
+                prefill_tokens_per_s=prefill_rate, host_transfer_tokens_per_s=1.0 / preset.transfer_seconds(1),
+                **(policy or {}),
+            )  # fmt: skip
             router = PolicyRouter(workers, clock, config, host_kv_tokens)
             return router, router
 
@@ -223,7 +234,9 @@ def run_arm(arm: ArmName, spec: SimSpec, progress: Callable[[float], None] | Non
             unbounded_kv=arm is ArmName.LIMIT, running_only_kv=arm is ArmName.BOUND, mode=mode,
         )  # fmt: skip
         workers.append(SimWorker(f"w{index}", engine, clock))
-    router, policy = build_router(arm, workers, clock, preset, spec.host_blocks * preset.engine.block_size, mode)
+    router, policy = build_router(
+        arm, workers, clock, preset, spec.host_blocks * preset.engine.block_size, mode, spec.policy
+    )
     loop = VirtualAgents(
         spec.workload, spec.seed, spec.concurrency, clock, router, preset.engine.block_size,
         age_initial_programs=spec.age_initial_programs,
@@ -263,5 +276,6 @@ def run_arm(arm: ArmName, spec: SimSpec, progress: Callable[[float], None] | Non
     return ArmResult(
         arm=arm.value, workers=spec.workers, window_s=spec.duration_s - spec.warmup_s, records=loop.records, window=window,
         occupancy=occupancy, programs_started=loop.programs_started, programs_completed=loop.programs_completed,
-        steps_cut=loop.steps_cut, scheduler_counters=scheduler_counters,
+        steps_cut=loop.steps_cut, scheduler_counters=scheduler_counters, completed=loop.completed, sent=loop.sent,
+        first_wave=0 if spec.age_initial_programs else spec.concurrency,
     )  # fmt: skip

@@ -11,7 +11,7 @@ from typing import Any
 from thunderctl.sim.arms import ArmName, SimSpec, run_arm
 
 # Compared with the `sticky` arm (the engines alone, as agents use them) at each concurrency.
-RATIO_FIGURES = ("steps_per_min", "hit_rate", "p50_s", "p90_s", "p99_s")
+RATIO_FIGURES = ("steps_per_min", "hit_rate", "p50_s", "p90_s", "p99_s", "programs_per_min", "program_p90_s")
 BASELINE = ArmName.STICKY
 
 # (concurrency, arm, virtual seconds so far)

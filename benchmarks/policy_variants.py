@@ -1,0 +1,85 @@
+"""Variants of thunderctl's policy in the simulator, on the same programs: steps/min and whole programs.
+
+    python benchmarks/policy_variants.py --variant default='{}' \\
+        --variant law='{"wait_bound_factor": 3}' --workload long-tail --concurrency 64,128,256 --out results/variants.json
+
+Each variant is the thunderctl arm with some SchedulerConfig fields overridden (JSON); the
+named arms (`--arms`, e.g. sticky,reference) run beside them as baselines. One process, runs one
+after the other: the machine is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from thunderctl.bench.report import fmt
+from thunderctl.bench.simulate import WorkloadName, build_workload
+from thunderctl.sim.arms import ArmName, SimSpec, run_arm
+from thunderctl.sim.presets import get_preset, preset_names
+
+FIGURES = ("steps_per_min", "program_p50_s", "program_p90_s", "program_p99_s", "programs_per_min", "p99_s")
+
+
+def variant(text: str) -> tuple[str, dict[str, Any]]:
+    name, _, overrides = text.partition("=")
+    try:
+        parsed = json.loads(overrides or "{}")
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"--variant {name}: {exc}; give NAME='{{\"field\": value}}'") from exc
+    return name, parsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="h100-tp4-32b", choices=preset_names())
+    parser.add_argument("--workload", default=WorkloadName.LONG_TAIL.value, choices=[w.value for w in WorkloadName])
+    parser.add_argument("--concurrency", default="64,128,256")
+    parser.add_argument("--duration", type=float, default=900.0)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--arms", default="reference", help="Baseline arms, comma-separated (may be empty).")
+    parser.add_argument("--variant", type=variant, action="append", default=[], help="NAME=JSON overrides.")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    preset = get_preset(args.preset)
+    workload = build_workload(WorkloadName(args.workload), None, 1.0, None, preset.engine.max_model_len)
+    variants = args.variant or [("thunderctl", {})]
+    baselines = [ArmName(a) for a in args.arms.split(",") if a]
+    report: dict[str, dict[str, dict[str, Any]]] = {}
+    console = Console(width=160)
+    for concurrency in [int(c) for c in args.concurrency.split(",")]:
+        spec = SimSpec(
+            preset, workload, concurrency, args.duration, workers=args.workers, warmup_s=args.duration / 6,
+            seed=args.seed,
+        )  # fmt: skip
+        runs = [(arm.value, arm, {}) for arm in baselines] + [(n, ArmName.THUNDERCTL, o) for n, o in variants]
+        point = report.setdefault(str(concurrency), {})
+        for name, arm, overrides in runs:
+            started = time.process_time()
+            summary = run_arm(arm, SimSpec(**{**vars(spec), "policy": overrides})).summary(spec.warmup_s)
+            point[name] = {f: summary[f] for f in FIGURES} | {
+                "bound_pauses": summary.get("bound_pauses"), "cpu_s": time.process_time() - started,
+            }  # fmt: skip
+        table = Table(title=f"{args.preset} × {args.workers}, {args.workload}, {concurrency} programs")
+        for column in ("variant", *FIGURES, "bound pauses"):
+            table.add_column(column, justify="left" if column == "variant" else "right")
+        for name, figures in point.items():
+            cells = [fmt(figures[f], digits=1) for f in FIGURES]
+            table.add_row(name, *cells, str(figures["bound_pauses"] or ""))
+        console.print(table)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(
+            json.dumps({"parameters": {**vars(args), "out": str(args.out)}, "points": report}, indent=1)
+        )
+
+
+if __name__ == "__main__":
+    main()
