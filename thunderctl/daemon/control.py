@@ -19,6 +19,7 @@ from thunderctl.cluster.workers import stop_worker
 from thunderctl.daemon.status import (
     ClusterStatus,
     GatewayStatus,
+    PauseStatus,
     ProgramCounts,
     SandboxStatus,
     SchedulerStatus,
@@ -26,6 +27,7 @@ from thunderctl.daemon.status import (
 )
 from thunderctl.daemon.supervisor import RestartPlanner
 from thunderctl.gateway import Gateway
+from thunderctl.gateway.admin import WeightSync
 from thunderctl.gateway.auth import GatewayAuth
 from thunderctl.jsonapi import BadRequest, bad_request, error, read_json_object, shown
 from thunderctl.scheduler import Phase, Status
@@ -36,6 +38,7 @@ class Daemon(Protocol):
 
     state: ClusterState
     gateway: Gateway
+    weights: WeightSync
     auth: GatewayAuth
     restarts: RestartPlanner
     started_at: float
@@ -129,6 +132,7 @@ def status_view(daemon: Daemon) -> ClusterStatus:
             utilization=round(gateway.last_utilization, 3),
         ),
         sandboxes=SandboxStatus.model_validate(daemon.sandbox_stats()),
+        pause=PauseStatus.model_validate(daemon.weights.view()),
     )
 
 

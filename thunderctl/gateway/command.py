@@ -21,10 +21,12 @@ from thunderctl.gateway.recorder import TraceRecorder
 from thunderctl.jsonapi import DEFAULT_MAX_BODY_BYTES, BodyLimits
 from thunderctl.processes import pick_free_port
 from thunderctl.scheduler import Policy, SchedulerConfig
+from thunderctl.scheduler.pause import AdminConfig
 from thunderctl.settings import SettingError, parse_settings, settings_help
 from thunderctl.terminal import err, fail, out
 
-SCHEDULER_HELP = settings_help(SchedulerConfig, "--scheduler")  # `serve --help`'s epilog
+# `serve --help`'s epilog
+SCHEDULER_HELP = settings_help(SchedulerConfig, "--scheduler") + "\n\n" + settings_help(AdminConfig, "--admin")
 
 
 def serve(
@@ -51,6 +53,14 @@ def serve(
             "-s",
             metavar="KEY=VALUE",
             help="A scheduler setting, as a profile's scheduler: section names it (repeat); listed below.",
+        ),
+    ] = None,
+    admin: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--admin",
+            metavar="KEY=VALUE",
+            help="A setting of /admin/pause and /admin/resume, as a profile's admin: section names it; listed below.",
         ),
     ] = None,
     kv_blocks: Annotated[int, typer.Option(help="With --local-engine: KV cache blocks.")] = 256,
@@ -94,6 +104,7 @@ def serve(
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         config = parse_settings(SchedulerConfig, scheduler or [], "--scheduler", {"policy": policy})
+        admin_config = parse_settings(AdminConfig, admin or [], "--admin")
     except SettingError as exc:
         raise fail(str(exc)) from exc
     auth = GatewayAuth(api_key or None, metrics_public)
@@ -132,7 +143,8 @@ def serve(
         try:
             recorder = TraceRecorder(record_trace) if record_trace else None
             gateway = Gateway(links, config, recorder=recorder, worker_key=worker_api_key)
-            aio.run(serve_gateway(gateway, host, port, ready, auth, BodyLimits(max_bytes=max_body_bytes)))
+            limits = BodyLimits(max_bytes=max_body_bytes)
+            aio.run(serve_gateway(gateway, host, port, ready, auth, limits, admin_config))
         except WorkerUnreachable as exc:
             raise fail(str(exc)) from exc
         except KeyboardInterrupt:
