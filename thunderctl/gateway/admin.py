@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -163,27 +164,25 @@ def weights_changed(body: dict[str, Any]) -> bool:
 def admin_routes(sync: WeightSync, limits: BodyLimits = BodyLimits()) -> list[BaseRoute]:
     """The routes; the gateway's key guards them as it guards every route but /health."""
 
-    async def answer(call) -> Response:
+    async def call(
+        request: Request, parse: Callable[[dict[str, Any]], Any], act: Callable[[Any], Awaitable]
+    ) -> Response:
         try:
-            return JSONResponse(await call)
+            value = parse(await read_json_object(request, limits) if await request.body() else {})
+        except BadRequest as exc:
+            return bad_request(exc)
+        try:
+            return JSONResponse(await act(value))
         except NotNow as exc:
             return error(409, str(exc), "conflict")
         except EnginesRefused as exc:
             return error(502, str(exc), "backend_error")
 
     async def pause(request: Request) -> Response:
-        try:
-            mode = pause_mode(await read_json_object(request, limits) if await request.body() else {})
-        except BadRequest as exc:
-            return bad_request(exc)
-        return await answer(sync.pause(mode))
+        return await call(request, pause_mode, sync.pause)
 
     async def resume(request: Request) -> Response:
-        try:
-            changed = weights_changed(await read_json_object(request, limits) if await request.body() else {})
-        except BadRequest as exc:
-            return bad_request(exc)
-        return await answer(sync.resume(changed))
+        return await call(request, weights_changed, sync.resume)
 
     async def state(_: Request) -> Response:
         return JSONResponse(sync.view())
