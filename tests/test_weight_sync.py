@@ -12,11 +12,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
 import pytest
+from rich.console import Console
 
+from thunderctl.daemon.control import build_control_app
+from thunderctl.daemon.status import ClusterStatus
 from thunderctl.gateway.auth import GatewayAuth
 from thunderctl.gateway.stalls import StallWatch
 from thunderctl.scheduler import Phase, Scheduler, SchedulerConfig, Status
 from thunderctl.scheduler.pause import ClusterPause, PauseEnd, PauseMode
+from thunderctl.status_screen import status_renderable
 
 KEY = "pause-key"
 
@@ -118,6 +122,24 @@ async def test_a_bad_mode_is_refused_with_the_modes_allowed(gateway_app) -> None
     refused = await client.post("/admin/pause", json={"mode": "freeze"})
     assert refused.status_code == 400
     assert "keep, wait, abort" in refused.json()["error"]["message"]
+
+
+@pytest.mark.anyio
+async def test_status_says_a_pause_ended_by_itself(daemon_of) -> None:
+    daemon = daemon_of()
+    await daemon.gateway.start()
+    try:
+        daemon.weights.state.begin(PauseMode.KEEP, 0.0)
+        daemon.weights.state.end(600.0, PauseEnd.TIMED_OUT)
+        control = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_control_app(daemon)), base_url="http://c")
+        async with control:
+            view = ClusterStatus.model_validate((await control.get("/status")).json())
+    finally:
+        await daemon.gateway.stop()
+    assert view.pause is not None and view.pause.last_end == "timed out"
+    console = Console(width=100, record=True)
+    console.print(status_renderable(view))
+    assert "last pause: ended by itself after admin.max_pause_s, 600.0 s" in console.export_text()
 
 
 # ---- real gateways ---------------------------------------------------------------------------
