@@ -23,8 +23,9 @@ import tempfile
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from soak import SOAK_SHAPE, ErrorGroup, SoakResult, SoakSpec, run_soak
+
 from thunderctl.bench.shapes import Uniform
-from thunderctl.bench.soak import SOAK_SHAPE, ErrorGroup, SoakResult, SoakSpec, run_soak
 
 
 def parse_args() -> argparse.Namespace:

@@ -1,12 +1,13 @@
-"""Pytest plugin: the HTTP APIs without engines. A loopback OpenAI-style worker that answers at
-once and records what it was sent, the gateway app in front of it in-process, a sandbox pool
-whose Docker host is never reached, and a daemon over a state directory (registered from conftest.py)."""
+"""Pytest plugin: the HTTP APIs without real engines. A loopback simulated vLLM worker (the
+simulated engine's app, stepping as fast as it can) that records what it was sent, the gateway
+app in front of it in-process, a sandbox pool whose Docker host is never reached, and a daemon
+over a state directory (registered from conftest.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
-import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,14 +16,17 @@ import httpx
 import pytest
 import uvicorn
 import yaml
-from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.routing import BaseRoute, Route
+from starlette.responses import JSONResponse
+from starlette.routing import BaseRoute
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from support import wait_for
 from thunderctl.cluster.state import ClusterState, WorkerRecord
 from thunderctl.cluster.worker_key import worker_key_path
 from thunderctl.daemon.service import Daemon
+from thunderctl.engines.simulated.server import SimEngineConfig, SimServer
 from thunderctl.gateway import Gateway, WorkerLink, build_app
 from thunderctl.gateway.auth import GatewayAuth
 from thunderctl.jsonapi import BodyLimits
@@ -30,53 +34,52 @@ from thunderctl.processes import pick_free_port
 from thunderctl.profile import DEFAULT_PROFILE
 from thunderctl.sandbox import SandboxConfig, SandboxPool
 
-FAKE_METRICS = 'vllm:cache_config_info{block_size="16",num_gpu_blocks="4096",engine="0"} 1.0\n'
-USAGE = {"prompt_tokens": 12, "completion_tokens": 2, "total_tokens": 14}
-
 
 @dataclass
 class FakeBackend:
-    """Answers like vLLM (chat, completions, models, health, metrics); with `key`, its /v1
-    routes ask for it as vLLM's do. `authorizations` holds the header of every /v1 request."""
+    """A simulated vLLM worker that records the Authorization header of every /v1 request
+    (`authorizations`) and the body of every completion request (`bodies`); with `key`, its /v1
+    routes ask for it as vLLM's `--api-key` does. Its engine: model "fake", 4,096 KV blocks of 16
+    tokens, max_model_len 4,096."""
 
     url: str
     key: str | None = None
     authorizations: list[str | None] = field(default_factory=list)
-    bodies: list[dict] = field(default_factory=list)  # of every completion request
+    bodies: list[dict] = field(default_factory=list)
 
-    def app(self) -> Starlette:
-        async def completion(request: Request) -> Response:
-            self.authorizations.append(request.headers.get("authorization"))
-            if self.key and request.headers.get("authorization") != f"Bearer {self.key}":
-                return JSONResponse({"error": "Unauthorized"}, 401)
-            body = await request.json()
-            self.bodies.append(body)
-            if body.get("stream"):
-                chunks = [
-                    'data: {"choices":[{"index":0,"delta":{"content":"ok"}}]}\n\n',
-                    f"data: {json.dumps({'choices': [], 'usage': USAGE})}\n\n",
-                    "data: [DONE]\n\n",
-                ]
-                return StreamingResponse(iter(chunks), media_type="text/event-stream")
-            return JSONResponse(
-                {"choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}], "usage": USAGE}
-            )
+    def recording(self, engine: ASGIApp) -> ASGIApp:
+        async def app(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+                authorization = Headers(scope=scope).get("authorization")
+                self.authorizations.append(authorization)
+                if self.key and authorization != f"Bearer {self.key}":
+                    await JSONResponse({"error": "Unauthorized"}, 401)(scope, receive, send)
+                    return
+                if scope["method"] == "POST":
+                    body = await Request(scope, receive).body()
+                    self.bodies.append(json.loads(body))
+                    receive = replaying(body, receive)
+            await engine(scope, receive, send)
 
-        async def models(request: Request) -> Response:
-            self.authorizations.append(request.headers.get("authorization"))
-            return JSONResponse({"data": [{"id": "fake", "max_model_len": 4096}]})
+        return app
 
-        return Starlette(routes=[
-            Route("/v1/chat/completions", completion, methods=["POST"]),
-            Route("/v1/completions", completion, methods=["POST"]),
-            Route("/v1/models", models),
-            Route("/health", lambda _: PlainTextResponse("")),
-            Route("/metrics", lambda _: PlainTextResponse(FAKE_METRICS)),
-        ])  # fmt: skip
+
+def replaying(body: bytes, receive: Receive) -> Receive:
+    """`receive` with the request body, already read, handed out again first."""
+    sent = False
+
+    async def again() -> Message:
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return again
 
 
 class FakeBackends:
-    """Fake workers kept running for the session, each served by uvicorn in a thread of its own,
+    """Simulated workers kept running for the session, each served by uvicorn in a thread of its own,
     and handed out as new: a server's start and stop cost a third of a second, and dozens of tests want one."""
 
     def __init__(self) -> None:
@@ -93,21 +96,32 @@ class FakeBackends:
             return worker
         port = pick_free_port()
         worker = FakeBackend(f"http://127.0.0.1:{port}", key)
-        server = uvicorn.Server(uvicorn.Config(worker.app(), host="127.0.0.1", port=port, log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
+        sim = SimServer(
+            SimEngineConfig(
+                port, served_model_name="fake", kv_blocks=4096, block_size=16, max_model_len=4096, time_scale=0
+            )
+        )
+        config = uvicorn.Config(worker.recording(sim.app()), host="127.0.0.1", port=port, log_level="warning")
+        server = uvicorn.Server(config)
+        thread = threading.Thread(target=asyncio.run, args=(serve_stepping(server, sim),), daemon=True)
         thread.start()
         self.servers.append((server, thread))
-        deadline = time.monotonic() + 10
-        while not server.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError("the fake worker did not start")
-            time.sleep(0.01)
+        wait_for(lambda: server.started, 10, "the simulated worker to start")
         return worker
 
     def stop(self) -> None:
         for server, thread in self.servers:
             server.should_exit = True
             thread.join(timeout=10)
+
+
+async def serve_stepping(server: uvicorn.Server, sim: SimServer) -> None:
+    """uvicorn serving the simulated engine, whose steps run on the same loop."""
+    steps = asyncio.create_task(sim.runner.run())
+    try:
+        await server.serve()
+    finally:
+        steps.cancel()
 
 
 @pytest.fixture(scope="session")

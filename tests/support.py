@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,8 +21,22 @@ from thunderctl.bench.results import LoadResult
 from thunderctl.bench.shapes import AgentShape, Uniform
 from thunderctl.cli import app
 from thunderctl.daemon.status import ClusterStatus
-from thunderctl.processes import pick_free_port, pid_alive, port_free
-from thunderctl.profile import DEFAULT_PROFILE
+from thunderctl.processes import pick_free_port, pick_free_ports, pid_alive, port_free
+from thunderctl.processes.poll import poll_until
+from thunderctl.profile import DEFAULT_PROFILE, PROFILES_DIR
+
+
+def mini_swe_agent_overrides(steps: int) -> list[str]:
+    """On top of a mini-swe-agent config, for the tiny model: short, deterministic answers, the first
+    word of each taken as the command (every answer is a step), and an end after `steps` LLM calls."""
+    return [
+        f"agent.step_limit={steps}",
+        "agent.max_consecutive_format_errors=0",
+        "model.model_kwargs.max_tokens=12",
+        "model.model_kwargs.temperature=0",
+        r"model.action_regex=\A\W*(\w+)",
+    ]
+
 
 SHAPE = AgentShape(
     system_prompt_tokens=200,
@@ -81,6 +94,20 @@ def write_profile(directory: Path, restart: dict | None = None, **changes) -> Pa
     return path
 
 
+def sim_profile(cluster: str, workers: int, **engine: float) -> dict:
+    """The shipped profiles/sim.yaml as a cluster of `workers` simulated workers on free ports, one node
+    each (no two ports need be adjacent); `engine` overrides its engine settings (time_scale, …)."""
+    profile = yaml.safe_load((PROFILES_DIR / "sim.yaml").read_text())
+    profile["cluster"] = cluster
+    profile["engine"].update(engine)
+    profile["nodes"] = [
+        {"name": f"sim-{i}", "transport": "local", "replicas": 1, "base_port": port}
+        for i, port in enumerate(pick_free_ports(workers))
+    ]
+    profile["gateway"]["port"] = pick_free_port()
+    return profile
+
+
 def run_load_in_background(endpoint: str, programs: int) -> tuple[threading.Thread, list[LoadResult]]:
     results: list[LoadResult] = []
     spec = LoadSpec(concurrency=4, programs=programs, shape=SHAPE, seed=5)
@@ -125,17 +152,17 @@ def live_group_members(pgid: int) -> dict[int, str]:
     return members
 
 
-def wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
+def wait_for(condition: Callable[[], object], timeout: float = 10.0, what: str = "the condition") -> None:
+    """Fail the test unless `condition()` holds within `timeout` seconds, looked at every 0.1 s."""
+    if not poll_until(condition, timeout):
+        pytest.fail(f"timed out after {timeout} s waiting for {what}")
+
+
+async def eventually(condition: Callable[[], object], timeout: float = 10.0, what: str = "the condition") -> None:
+    """wait_for inside a running event loop, which works meanwhile (a pool's preparations and removals)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
     while not condition():
-        if time.monotonic() > deadline:
+        if loop.time() > deadline:
             pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.2)
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.1)
+        await asyncio.sleep(0.002)

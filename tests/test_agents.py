@@ -28,22 +28,19 @@ from minisweagent.exceptions import Submitted
 from typer.testing import CliRunner
 
 import thunderctl.integrations
-from support import Cli, consecutive_free_ports, write_profile
+from support import Cli, consecutive_free_ports, mini_swe_agent_overrides, write_profile
 from thunderctl.cli import app
 from thunderctl.integrations.cluster import ClusterClient, ClusterError
 from thunderctl.integrations.tasks import AgentTask, TaskFileError, load_tasks
 from thunderctl.processes import pick_free_port
+from thunderctl.processes.poll import poll_until
 from thunderctl.profile import DEFAULT_PROFILE
 
 STEPS = 5
 # On top of mini-swe-agent's SWE-bench config: short, deterministic answers, a command per answer,
 # commands that busybox's sh can run, and an end after STEPS LLM calls (LimitsExceeded).
 CONFIG_OVERRIDES = [
-    f"agent.step_limit={STEPS}",
-    "agent.max_consecutive_format_errors=0",
-    "model.model_kwargs.max_tokens=12",
-    "model.model_kwargs.temperature=0",
-    r"model.action_regex=\A\W*(\w+)",
+    *mini_swe_agent_overrides(STEPS),
     'environment.interpreter=["sh", "-c"]',
     "environment.cwd=/",  # the test image has no /testbed (nor /tmp)
     "environment.timeout=20",
@@ -85,10 +82,8 @@ class AgentsCluster:
     def wait_for_no_containers(self, timeout_s: float = 30) -> list:
         """The cluster's containers once there are none, or those still there after timeout_s: a
         sandbox released while its container was being made is removed when the make ends."""
-        deadline = time.monotonic() + timeout_s
-        while (left := self.containers()) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        return left
+        poll_until(lambda: not self.containers(), timeout_s)
+        return self.containers()
 
     def tracked(self, prefix: str) -> list[dict]:
         programs = httpx.get(f"{self.client.url}/programs", timeout=10).json()["programs"]

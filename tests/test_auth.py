@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -15,6 +14,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from support import wait_for
 from thunderctl.cli import app
 from thunderctl.cluster.nodes import Transports
 from thunderctl.cluster.plan import MASKED_WORKER_KEY, WorkerPlan, plan_workers
@@ -248,10 +248,7 @@ def test_a_keyed_worker_starts_with_the_key_in_its_environment(tmp_path: Path) -
     with Transports() as transports:
         start_workers(state, plans, transports, "env-only-key")
     logs = [state.worker_log(plan.id) for plan in plans]
-    deadline = time.monotonic() + 30
-    while not all(log.exists() and "key:" in log.read_text() for log in logs):
-        assert time.monotonic() < deadline, "the workers printed nothing"
-        time.sleep(0.1)
+    wait_for(lambda: all(log.exists() and "key:" in log.read_text() for log in logs), 30, "the workers' key lines")
     assert logs[0].read_text().strip() == "key: env-only-key []"
     assert logs[1].read_text().strip().startswith("key: None")
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import secrets
-import time
 from pathlib import Path
 
 import docker
@@ -27,6 +26,7 @@ from thunderctl.bench.sandboxes import (
 )
 from thunderctl.bench.shapes import MESSAGE_OVERHEAD_TOKENS
 from thunderctl.processes import pick_free_port
+from thunderctl.processes.poll import poll_until
 from thunderctl.sandbox.metrics import render_sandbox_metrics
 
 PROGRAMS = 4
@@ -56,10 +56,8 @@ class BenchCluster:
 
     def wait_for_no_sandboxes(self, timeout_s: float = 30) -> list:
         """The cluster's sandbox containers once there are none, or those still there after timeout_s."""
-        deadline = time.monotonic() + timeout_s
-        while (left := self.sandbox_containers()) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        return left
+        poll_until(lambda: not self.sandbox_containers(), timeout_s)
+        return self.sandbox_containers()
 
     def bench(self, out: Path, *options: str) -> dict:
         self.cli(

@@ -11,13 +11,10 @@ from thunderctl.bench.planning import StepSizes, plan_program, step_sizes, syste
 from thunderctl.bench.replay import TraceWorkload
 from thunderctl.bench.shapes import MESSAGE_OVERHEAD_TOKENS
 from thunderctl.bench.swe_lite import LogNormal, SweLite
+from thunderctl.percentiles import percentile
 from thunderctl.traceformat import TraceProgram, TraceStep
 
 PROGRAMS = 1000
-
-
-def quantile(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
 
 
 @pytest.fixture(scope="module")
@@ -49,15 +46,15 @@ def test_a_thousand_programs_match_the_published_statistics(
     growth = [b.prompt_tokens - a.prompt_tokens for p in programs for a, b in zip(p.steps, p.steps[1:])]
     completion = [s.completion_tokens for p in programs for s in p.steps]
     figures = {
-        "steps p50": quantile(steps, 0.5),
-        "steps p90": quantile(steps, 0.9),
+        "steps p50": percentile(steps, 50),
+        "steps p90": percentile(steps, 90),
         "first prompt p50": statistics.median(p.steps[0].prompt_tokens for p in programs),
         "growth p50": statistics.median(growth),
         "growth mean": statistics.fmean(growth),
         "completion p50": statistics.median(completion),
         "completion mean": statistics.fmean(completion),
         "final prompt p50": statistics.median(p.steps[-1].prompt_tokens for p in programs),
-        "final prompt p90": quantile([p.steps[-1].prompt_tokens for p in programs], 0.9),
+        "final prompt p90": percentile([p.steps[-1].prompt_tokens for p in programs], 90),
     }
     assert figures[figure] == pytest.approx(target, rel=tolerance)
 

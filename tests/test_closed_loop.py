@@ -29,12 +29,12 @@ from thunderctl.bench.results import (
     StepRecord,
     combine_results,
     per_minute,
-    percentile,
     steady_steps,
 )
 from thunderctl.bench.shapes import AgentShape, Uniform
 from thunderctl.engines.local import LocalEngine
 from thunderctl.engines.vllm import EngineMetrics
+from thunderctl.percentiles import percentile
 from thunderctl.prometheus import parse_samples
 from thunderctl.traceformat import TraceProgram, TraceStep
 

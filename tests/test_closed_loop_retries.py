@@ -126,13 +126,12 @@ def test_a_request_not_connected_in_time_is_sent_again_but_one_cut_mid_answer_is
     assert len(resent) == 2
 
 
-def test_resends_back_off_doubling_to_a_cap_so_a_crowd_does_not_come_back_at_once(monkeypatch) -> None:
+def test_resends_back_off_doubling_to_a_cap_so_a_crowd_does_not_come_back_at_once() -> None:
     waits: list[float] = []
 
     async def recorded_sleep(seconds: float) -> None:
         waits.append(seconds)
 
-    monkeypatch.setattr(requests.asyncio, "sleep", recorded_sleep)
     attempts = iter(range(7))
 
     async def refused_six_times() -> str:
@@ -140,7 +139,7 @@ def test_resends_back_off_doubling_to_a_cap_so_a_crowd_does_not_come_back_at_onc
             raise httpx.ConnectError("refused")
         return "answered"
 
-    assert asyncio.run(resend_unanswered(refused_six_times, 60, lambda _: None)) == "answered"
+    assert asyncio.run(resend_unanswered(refused_six_times, 60, lambda _: None, sleep=recorded_sleep)) == "answered"
     steps = [min(requests.UNANSWERED_RETRY_INTERVAL_S * 2**i, requests.UNANSWERED_RETRY_MAX_S) for i in range(6)]
     assert len(waits) == 6 and all(step / 2 <= wait <= step for wait, step in zip(waits, steps))
     assert steps[-1] == requests.UNANSWERED_RETRY_MAX_S

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from support import Cli, consecutive_free_ports, processes_mentioning, run_load_in_background, write_profile
+from support import Cli, consecutive_free_ports, processes_mentioning, run_load_in_background, wait_for, write_profile
 from thunderctl.processes import pick_free_port, pid_alive
 
 
@@ -89,10 +89,7 @@ def test_a_programs_sandbox_is_collected_when_it_is_released(cluster, sandbox_im
     assert cli.status().sandboxes.bound == 1
 
     httpx.post(f"{gateway}/programs/release", json={"program_id": "boxed"}).raise_for_status()
-    deadline = time.monotonic() + 30
-    while cli.status().sandboxes.bound and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert cli.status().sandboxes.bound == 0
+    wait_for(lambda: cli.status().sandboxes.bound == 0, 30, "the released program's sandbox to be collected")
     gone = httpx.post(f"{gateway}/v1/sandboxes/{box['id']}/exec", json={"cmd": "true"}, timeout=30)
     assert gone.status_code == 404
 

@@ -1,9 +1,11 @@
-"""The gateway's relay in-process: the app through httpx's ASGITransport, the workers an httpx
-MockTransport. Relay, failover to another worker and the SSE usage rewrite, with the engine's
-usage accounted to the program. tests/test_gateway_vllm.py does the same over real vLLM."""
+"""The gateway's relay in-process: the app through httpx's ASGITransport, the workers the simulated
+engine's app (vLLM's API) through another, or, for the faults, an httpx MockTransport. Relay,
+failover to another worker and the SSE usage rewrite, with the engine's usage accounted to the
+program. tests/test_gateway_vllm.py does the same over real vLLM."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -11,6 +13,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
+from thunderctl.engines.simulated.server import SimEngineConfig, SimServer
 from thunderctl.gateway import Gateway, WorkerLink, build_app
 
 pytestmark = pytest.mark.anyio
@@ -66,6 +69,34 @@ class Workers:
         return httpx.Response(200, json=reply)
 
 
+class SimEngine(httpx.ASGITransport):
+    """The simulated engine's app in-process, stepping as fast as it can, for every worker; the
+    completion bodies it was sent are kept."""
+
+    def __init__(self) -> None:
+        self.server = SimServer(SimEngineConfig(port=0, time_scale=0))
+        super().__init__(app=self.server.app())
+        self.bodies: list[dict] = []
+        self.answers: list[str] = []  # what it answered them
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if not (request.url.path.startswith("/v1/") and request.method == "POST"):
+            return await super().handle_async_request(request)
+        self.bodies.append(json.loads(await request.aread()))
+        response = await super().handle_async_request(request)
+        self.answers.append((await response.aread()).decode())
+        return httpx.Response(response.status_code, headers=response.headers, content=self.answers[-1].encode())
+
+
+@pytest.fixture
+async def engine(anyio_backend: str) -> AsyncIterator[SimEngine]:
+    engine = SimEngine()
+    steps = asyncio.create_task(engine.server.runner.run())
+    yield engine
+    steps.cancel()
+    await asyncio.gather(steps, return_exceptions=True)
+
+
 @pytest.fixture
 async def gateway_over(
     anyio_backend: str,
@@ -74,9 +105,11 @@ async def gateway_over(
     in-process; its loops stop at the end."""
     started: list[tuple[Gateway, httpx.AsyncClient]] = []
 
-    async def make(workers: Workers, names: tuple[str, ...] = ("a", "b")) -> tuple[httpx.AsyncClient, Gateway]:
+    async def make(
+        workers: Workers | SimEngine, names: tuple[str, ...] = ("a", "b")
+    ) -> tuple[httpx.AsyncClient, Gateway]:
         links = [WorkerLink(name, f"http://{name}:8000") for name in names]
-        gateway = Gateway(links, transport=workers.transport())
+        gateway = Gateway(links, transport=workers if isinstance(workers, SimEngine) else workers.transport())
         assert await gateway.start() == []
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(gateway)), base_url="http://gateway")
         started.append((gateway, client))
@@ -97,16 +130,15 @@ def program(gateway: Gateway, program_id: str) -> dict:
     return next(p for p in gateway.programs_view() if p["program_id"] == program_id)
 
 
-async def test_a_reply_is_relayed_as_is_and_its_usage_accounted(gateway_over) -> None:
-    workers = Workers()
-    client, gateway = await gateway_over(workers)
+async def test_a_reply_is_relayed_as_is_and_its_usage_accounted(gateway_over, engine) -> None:
+    client, gateway = await gateway_over(engine)
     response = await client.post("/v1/chat/completions", json=chat())
     assert response.status_code == 200 and response.headers["content-type"] == "application/json"
-    assert response.json()["usage"] == USAGE and response.json()["choices"][0]["message"]["content"] == "ok"
-    assert "program_id" not in workers.bodies[0]  # the engine never sees the field
-    assert workers.bodies[0]["messages"] == chat()["messages"]
+    assert response.text == engine.answers[0]
+    assert "program_id" not in engine.bodies[0]  # the engine never sees the field
+    assert engine.bodies[0]["messages"] == chat()["messages"]
     seen = program(gateway, "p1")
-    assert (seen["tokens"], seen["steps"], seen["phase"]) == (USAGE["total_tokens"], 1, "acting")
+    assert (seen["tokens"], seen["steps"], seen["phase"]) == (response.json()["usage"]["total_tokens"], 1, "acting")
     assert all(u.in_flight == 0 for u in gateway.links.values())
 
 
@@ -158,26 +190,34 @@ async def test_the_only_worker_refusing_is_a_502_without_a_retry(gateway_over) -
     assert workers.attempts == ["a"]
 
 
-async def test_stream_asks_for_usage_and_drops_the_chunk_the_client_did_not_ask_for(gateway_over) -> None:
-    workers = Workers()
-    client, gateway = await gateway_over(workers)
+def usage_event(stream: str) -> str:
+    """The engine's usage-only event (no choices), as sent."""
+    return next(event + "\n\n" for event in stream.split("\n\n") if '"choices":[]' in event)
+
+
+def total_tokens(event: str) -> int:
+    return json.loads(event.removeprefix("data: "))["usage"]["total_tokens"]
+
+
+async def test_stream_asks_for_usage_and_drops_the_chunk_the_client_did_not_ask_for(gateway_over, engine) -> None:
+    client, gateway = await gateway_over(engine)
     response = await client.post("/v1/chat/completions", json=chat(stream=True))
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
-    assert workers.bodies[0]["stream_options"] == {"include_usage": True}
-    # The content chunk as the engine sent it; its usage-only chunk (and that event's blank line) gone.
-    assert response.text == f"data: {json.dumps(CONTENT_CHUNK)}\n\ndata: [DONE]\n\n"
-    assert program(gateway, "p1")["tokens"] == USAGE["total_tokens"]
+    assert engine.bodies[0]["stream_options"] == {"include_usage": True}
+    # The content chunks as the engine sent them; its usage-only chunk (and that event's blank line) gone.
+    usage = usage_event(engine.answers[0])
+    assert response.text == engine.answers[0].replace(usage, "") != engine.answers[0]
+    assert program(gateway, "p1")["tokens"] == total_tokens(usage)
     assert all(u.in_flight == 0 for u in gateway.links.values())
 
 
-async def test_stream_keeps_the_usage_chunk_a_client_asked_for(gateway_over) -> None:
-    workers = Workers()
-    client, gateway = await gateway_over(workers)
+async def test_stream_keeps_the_usage_chunk_a_client_asked_for(gateway_over, engine) -> None:
+    client, gateway = await gateway_over(engine)
     options = {"include_usage": True, "continuous_usage_stats": False}
     response = await client.post("/v1/chat/completions", json=chat(stream=True, stream_options=options))
-    assert workers.bodies[0]["stream_options"] == options
-    assert response.text == workers.stream_body.decode()
-    assert program(gateway, "p1")["tokens"] == USAGE["total_tokens"]
+    assert engine.bodies[0]["stream_options"] == options
+    assert response.text == engine.answers[0]
+    assert program(gateway, "p1")["tokens"] == total_tokens(usage_event(engine.answers[0]))
 
 
 async def test_stream_strips_usage_riding_on_a_content_chunk_the_client_did_not_ask_for(gateway_over) -> None:

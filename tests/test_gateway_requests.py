@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from thunderctl.gateway.gateway import BusyMeter
-from thunderctl.gateway.requests import BadRequest, PromptShape, TokenEstimator, pop_program_id, prompt_shape
+from thunderctl.gateway.requests import (
+    BadRequest,
+    PromptShape,
+    TokenEstimator,
+    check_generation_fields,
+    pop_program_id,
+    prompt_shape,
+)
 from thunderctl.gateway.server import parse_worker
 
 
@@ -55,9 +62,9 @@ def test_prompt_shape(body, shape) -> None:
 
 
 @pytest.mark.parametrize("body", [{"messages": []}, {"messages": "hi"}, {"prompt": [1, "a"]}, {"prompt": {"a": 1}}])
-def test_malformed_prompts_are_bad_requests(body) -> None:
-    with pytest.raises(BadRequest):
-        prompt_shape(body)
+def test_malformed_prompts_are_bad_requests_naming_the_field(body) -> None:
+    with pytest.raises(BadRequest, match="^(messages|prompt) must be "):
+        check_generation_fields(body)
 
 
 def test_estimator_calibrates_from_engine_usage() -> None:

@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
+from support import wait_for
 from thunderctl.gateway.stalls import StallWatch
 
 BOUND_S = 10.0
@@ -87,10 +87,7 @@ def test_a_stalled_workers_unanswered_requests_are_answered_by_the_other(start_s
     assert stuck_programs >= 1  # some request had gone to the stalled worker, and was answered elsewhere
 
     httpx.delete(f"{stuck.url}/sim/stall")
-    deadline = time.monotonic() + 30
-    while "worker stuck makes progress again" not in gateway.log_path.read_text():
-        assert time.monotonic() < deadline, "the worker did not rejoin after it stepped again"
-        time.sleep(0.5)
+    wait_for(lambda: "worker stuck makes progress again" in gateway.log_path.read_text(), 30, "the worker to rejoin")
     with ThreadPoolExecutor(6) as pool:
         again = list(pool.map(ask, range(10, 16)))
     assert [a.status_code for a in again] == [200] * 6

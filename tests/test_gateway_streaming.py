@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import psutil
 
-from support import wait_until
+from support import wait_for
 
 MODEL = "sim"
 
@@ -44,9 +44,9 @@ def test_a_client_that_goes_away_mid_stream_frees_the_slot_and_hangs_up_on_the_w
         assert next(lines).startswith("data: ")
         assert gateway.metric("thunderctl_backend_requests_in_flight", backend="w") == 1
         assert connections_to(gateway.process.pid, sim.url) == 1
-    wait_until(lambda: gateway.metric("thunderctl_backend_requests_in_flight", backend="w") == 0)
+    wait_for(lambda: gateway.metric("thunderctl_backend_requests_in_flight", backend="w") == 0)
     # The worker learns its answer is not wanted (vLLM aborts it): the connection is closed, not pooled.
-    wait_until(lambda: connections_to(gateway.process.pid, sim.url) == 0)
+    wait_for(lambda: connections_to(gateway.process.pid, sim.url) == 0)
     assert gateway.programs()["gone"]["phase"] == "acting"  # its answer ended: the program acts, not released
 
 
@@ -58,4 +58,4 @@ def test_a_sessions_last_streamed_answer_is_whole_and_then_released(start_sim, s
     with gateway.http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
         text = "".join(response.iter_text())
     assert text.endswith("data: [DONE]\n\n") and text.count("data: {") >= 2
-    wait_until(lambda: "last" not in gateway.programs())
+    wait_for(lambda: "last" not in gateway.programs())

@@ -10,6 +10,7 @@ import pytest
 from prometheus_client.samples import Sample
 
 from thunderctl.gateway import Gateway, WorkerLink, build_app
+from thunderctl.gateway.identity import IdentityConfig
 from thunderctl.gateway.timings import (
     ADMISSION_WAIT_SECONDS,
     LOOP_LAG_SECONDS,
@@ -48,7 +49,8 @@ def test_buckets_are_ten_a_decade_and_reach_the_top() -> None:
 @pytest.mark.anyio
 async def test_each_scheduled_request_and_each_tick_is_timed(fake_backend) -> None:
     worker = fake_backend()
-    gateway = Gateway([WorkerLink("fake", worker.url)], SchedulerConfig(tick_interval_s=0.2))
+    unscheduled = IdentityConfig(derive_programs=False)  # a request that names no program is not admitted
+    gateway = Gateway([WorkerLink("fake", worker.url)], SchedulerConfig(tick_interval_s=0.2), identity=unscheduled)
     await gateway.start()
     try:
         async with httpx.AsyncClient(

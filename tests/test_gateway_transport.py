@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from thunderctl.gateway import Gateway, WorkerLink, build_app
+from thunderctl.gateway.identity import IdentityConfig
 from thunderctl.gateway.transport import AiohttpTransport
 from thunderctl.processes import pick_free_port
 
@@ -68,7 +69,9 @@ async def test_a_stream_and_a_whole_answer_arrive_as_the_engine_sent_them(start_
 
 async def test_a_worker_that_went_away_is_failed_over_to_the_other(start_sim) -> None:
     live, gone = (start_sim("--time-scale", "0", "--served-model-name", MODEL) for _ in range(2))
-    gateway = Gateway([WorkerLink("gone", gone.url), WorkerLink("live", live.url)])
+    # Unscheduled (nothing derived), it goes to the least-loaded worker.
+    unscheduled = IdentityConfig(derive_programs=False)
+    gateway = Gateway([WorkerLink("gone", gone.url), WorkerLink("live", live.url)], identity=unscheduled)
     client = await gateway_client(gateway)
     try:
         gone.stop()  # both idle: the least loaded is the first listed, the one gone

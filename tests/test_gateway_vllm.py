@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from support import wait_until
+from support import wait_for
 from thunderctl.bench.closed_loop import LoadSpec, Target, run_load
 from thunderctl.bench.shapes import AgentShape, Uniform
 from thunderctl.traceformat import read_trace
@@ -66,7 +66,7 @@ def test_program_that_never_releases_expires_after_its_ttl(vllm_pair, start_gate
     gateway = start_gateway([vllm_pair[0].url], "-s", "tick_interval_s=0.2", "-s", "idle_ttl_s=1")
     chat(gateway, "crashed-client", [{"role": "user", "content": "hello"}])
     assert "crashed-client" in gateway.programs()
-    wait_until(lambda: "crashed-client" not in gateway.programs(), timeout=5)
+    wait_for(lambda: "crashed-client" not in gateway.programs(), timeout=5)
     assert gateway.metric("thunderctl_programs_expired_total") == 1
 
 
@@ -130,7 +130,7 @@ def test_client_that_disconnects_mid_stream_frees_its_slot(pair_gateway) -> None
         with client.stream("POST", "/v1/chat/completions", json=body) as response:
             next(response.iter_lines())
     worker = pair_gateway.programs()["gone"]["backend"]
-    wait_until(lambda: pair_gateway.metric("thunderctl_backend_requests_in_flight", backend=worker) == 0)
+    wait_for(lambda: pair_gateway.metric("thunderctl_backend_requests_in_flight", backend=worker) == 0)
     assert pair_gateway.programs()["gone"]["phase"] == "acting"
 
 
@@ -158,7 +158,7 @@ def test_paused_program_resumes_on_the_other_backend_when_its_own_is_full(vllm_p
     assert placed == {"small": "a", "big1": "b", "big2": "a"}
 
     complete_ids(gateway, "big2", size(0.845), seed=3)  # a now holds 0.965 > 0.95: pause
-    wait_until(lambda: gateway.programs()["small"]["status"] == "paused")
+    wait_for(lambda: gateway.programs()["small"]["status"] == "paused")
     assert gateway.programs()["big2"]["status"] == "active"
 
     complete_ids(gateway, "small", size(0.13), seed=1)  # fits b's headroom, not a's

@@ -22,7 +22,7 @@ QWEN3_32B = {  # config.json's fields that size the KV (Qwen/Qwen3-32B)
     "num_hidden_layers": 64, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
     "hidden_size": 5120, "torch_dtype": "bfloat16",
 }  # fmt: skip
-FAKE_GPU_TOKENS = 4096 * 16  # what the fake worker's vllm:cache_config_info gives
+FAKE_GPU_TOKENS = 4096 * 16  # the fake (simulated) worker's KV blocks of 16 tokens, as its /metrics gives them
 
 
 @pytest.fixture

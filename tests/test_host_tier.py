@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from thunderctl.scheduler import EventKind, Phase, ProgramEvent, Scheduler, SchedulerConfig, Status
+from thunderctl.sim.clock import VirtualClock
 
 GPU = 1000
 # Round numbers: the GPU holds 1000 tokens, resume band 900, pause band 950; no buffer.
@@ -19,17 +20,9 @@ BANDS = dict(
 )  # fmt: skip
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def make(host: int, workers: tuple[str, ...] = ("a",), **overrides) -> tuple[Scheduler, list[ProgramEvent]]:
     events: list[ProgramEvent] = []
-    sched = Scheduler(SchedulerConfig(**(BANDS | overrides)), FakeClock(), [events.append])
+    sched = Scheduler(SchedulerConfig(**(BANDS | overrides)), VirtualClock(1000.0), [events.append])
     for worker_id in workers:
         sched.add_worker(worker_id, GPU, host)
     return sched, events
@@ -127,9 +120,9 @@ def test_a_paused_program_resumes_where_its_host_tier_keeps_its_kv() -> None:
 HOLDER = 20_000
 
 
-def priced(gpu: int, host: int, transfer_tokens_per_s: float, tool_s: float) -> tuple[Scheduler, FakeClock]:
+def priced(gpu: int, host: int, transfer_tokens_per_s: float, tool_s: float) -> tuple[Scheduler, VirtualClock]:
     """Priced retention on one worker, its tools learnt to last `tool_s`; re-prefill at 10k tokens/s."""
-    clock = FakeClock()
+    clock = VirtualClock(1000.0)
     config = SchedulerConfig(
         **(BANDS | dict(retention=True)), prefill_tokens_per_s=10_000.0,
         host_transfer_tokens_per_s=transfer_tokens_per_s, tool_time_min_samples=8,

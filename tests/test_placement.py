@@ -8,16 +8,9 @@ import pytest
 
 from thunderctl.scheduler import PlacementRule, Scheduler, SchedulerConfig, Status
 from thunderctl.scheduler.placement import home
+from thunderctl.sim.clock import VirtualClock
 
 BACKENDS = ("a", "b")
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def make(placement: PlacementRule = PlacementRule.AFFINITY) -> Scheduler:
@@ -26,7 +19,7 @@ def make(placement: PlacementRule = PlacementRule.AFFINITY) -> Scheduler:
         placement=placement, adaptive=False, retention=False, buffer_tokens=0,
         pause_threshold=0.95, pause_target=0.8, resume_threshold=0.9,
     )  # fmt: skip
-    sched = Scheduler(config, FakeClock())
+    sched = Scheduler(config, VirtualClock(1000.0))
     for worker_id in BACKENDS:
         sched.add_worker(worker_id, 1000)
     return sched

@@ -3,24 +3,17 @@
 from __future__ import annotations
 
 from thunderctl.scheduler import Scheduler, SchedulerConfig, Status
+from thunderctl.sim.clock import VirtualClock
 
 SMALL, LARGE, HOG = 50, 450, 400  # admission up to 900 of 1000: the large fits only without smalls
 SMALL_STEP_S = 3  # a small program's one request, then its end
 LARGE_ASKS_AT = 5
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def run(aging_tokens_per_s: float | None, seconds: int = 120) -> tuple[float | None, dict[str, tuple[float, float]]]:
     """A hog decodes throughout; a small program asks every second and runs 3 s; a large one
     asks at 5 s. Returns when the large one was admitted, and every small's (asked, admitted)."""
-    clock = FakeClock()
+    clock = VirtualClock()
     config = SchedulerConfig(
         adaptive=False, retention=False, buffer_tokens=0, resume_timeout_s=10_000, idle_ttl_s=10_000,
         resume_aging_tokens_per_s=aging_tokens_per_s, new_program_delay_s=0,
@@ -72,7 +65,7 @@ def test_a_program_at_its_wait_bound_is_admitted_at_once_acting_programs_pausing
     """A full worker of ACTING programs that keep returning, and one that asks while it is full:
     it waits no longer than the bound (not until the forced resume), and the ACTING program
     longest in its tool is the one that makes room."""
-    clock = FakeClock()
+    clock = VirtualClock()
     config = SchedulerConfig(
         adaptive=False, retention=False, buffer_tokens=0, resume_timeout_s=600, idle_ttl_s=10_000,
         wait_bound_s=100, new_program_delay_s=0,
@@ -104,7 +97,7 @@ def test_a_program_at_its_wait_bound_is_admitted_at_once_acting_programs_pausing
 
 
 def test_without_a_wait_bound_only_the_forced_resume_ends_the_wait() -> None:
-    clock = FakeClock()
+    clock = VirtualClock()
     config = SchedulerConfig(
         adaptive=False, retention=False, buffer_tokens=0, resume_timeout_s=200, idle_ttl_s=10_000, wait_bound_s=None
     )

@@ -9,6 +9,7 @@ import pytest
 
 from thunderctl.scheduler import Scheduler, SchedulerConfig, Status
 from thunderctl.scheduler.retention import GapSamples, PrefillRate, ToolTimes
+from thunderctl.sim.clock import VirtualClock
 
 CAPACITY = 100_000
 PREFILL_TOKENS_PER_S = 10_000.0  # the whole cache recomputes in 10 s: the break-even tool time
@@ -18,15 +19,7 @@ MIN_SAMPLES = 8
 TRAINING_GAPS = 200
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def make(clock: FakeClock) -> Scheduler:
+def make(clock: VirtualClock) -> Scheduler:
     config = SchedulerConfig(
         adaptive=False, buffer_tokens=0, resume_timeout_s=10_000, idle_ttl_s=100_000,
         prefill_tokens_per_s=PREFILL_TOKENS_PER_S, tool_time_min_samples=MIN_SAMPLES,
@@ -37,7 +30,7 @@ def make(clock: FakeClock) -> Scheduler:
 
 
 def train(
-    sched: Scheduler, clock: FakeClock, gaps: list[float], tool: str | None = None, program: str = "trainer"
+    sched: Scheduler, clock: VirtualClock, gaps: list[float], tool: str | None = None, program: str = "trainer"
 ) -> None:
     """A program whose tool calls take the given times, observed as the gateway observes them."""
     for gap in gaps:
@@ -73,7 +66,7 @@ def drive(draw: Callable[[random.Random], float], starts: list[float]) -> dict[s
     one tick a second for 30 s. Each tick, the scheduler must keep exactly the holders the
     priced comparison keeps. Returns, per holder, (time in tool, kept) at every tick."""
     rng = random.Random(7)
-    clock = FakeClock()
+    clock = VirtualClock(1000.0)
     sched = make(clock)
     gaps = [draw(rng) for _ in range(TRAINING_GAPS)]
     train(sched, clock, gaps)
@@ -136,7 +129,7 @@ def test_near_deterministic_tools_are_kept_the_longer_they_ran() -> None:
 
 
 def test_nothing_is_dropped_while_nobody_waits() -> None:
-    clock = FakeClock()
+    clock = VirtualClock(1000.0)
     sched = make(clock)
     train(sched, clock, [60.0] * 20)  # tools far longer than a re-prefill
     assert sched.on_request("holder", HOLDER_TOKENS) == "a"
@@ -149,7 +142,7 @@ def test_nothing_is_dropped_while_nobody_waits() -> None:
 
 
 def test_the_tool_kind_named_by_the_answer_conditions_the_remaining_time() -> None:
-    clock = FakeClock()
+    clock = VirtualClock(1000.0)
     sched = make(clock)
     train(sched, clock, [0.5] * 20, tool="ls", program="t1")
     train(sched, clock, [40.0] * 20, tool="pytest", program="t2")
@@ -164,7 +157,7 @@ def test_the_tool_kind_named_by_the_answer_conditions_the_remaining_time() -> No
 
 
 def test_a_dropped_program_comes_back_with_its_request_and_is_not_dropped_again_at_once() -> None:
-    clock = FakeClock()
+    clock = VirtualClock(1000.0)
     sched = make(clock)
     train(sched, clock, [40.0] * 20)
     assert sched.on_request("holder", HOLDER_TOKENS) == "a"

@@ -18,6 +18,7 @@ import pytest
 import yaml
 from docker.errors import NotFound
 
+from support import eventually
 from thunderctl.cluster.install import docker_command
 from thunderctl.cluster.state import ClusterState
 from thunderctl.daemon.service import collect_orphaned_sandboxes
@@ -49,13 +50,6 @@ def container_exists(client: docker.DockerClient, container_id: str) -> bool:
     except NotFound:
         return False
     return True
-
-
-async def eventually(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.05)
 
 
 async def test_acquire_exec_release_round_trip_over_http(start_pool, serve_pool, docker_client) -> None:
@@ -258,7 +252,7 @@ async def test_preparation_follows_the_resume_queue(start_pool) -> None:
 async def test_warm_pool_hands_out_at_once_and_refills(start_pool, serve_pool, sandbox_cluster, docker_client) -> None:
     pool = await start_pool(warm=2)
     http = await serve_pool(pool)
-    await eventually(lambda: pool.stats()["warm"] == 2)
+    await eventually(lambda: pool.stats()["warm"] == 2, timeout=30)
 
     started = time.monotonic()
     created = (await http.post("/v1/sandboxes", json={"program_id": "p1"})).json()
@@ -266,7 +260,7 @@ async def test_warm_pool_hands_out_at_once_and_refills(start_pool, serve_pool, s
     ran = await http.post(f"/v1/sandboxes/{created['id']}/exec", json={"cmd": "echo warm"})
     assert ran.json()["output"] == "warm\n"
     assert time.monotonic() - started < 1.0  # no container was made on the way
-    await eventually(lambda: pool.stats()["warm"] == 2)
+    await eventually(lambda: pool.stats()["warm"] == 2, timeout=30)
     assert pool.stats()["bound"] == 1
     metrics = {(s.name, tuple(s.labels.items())): s.value for s in parse_samples(render_sandbox_metrics(pool.stats()))}
     assert metrics[("thunderctl_sandboxes", (("state", "warm"),))] == 2
@@ -278,7 +272,7 @@ async def test_warm_pool_hands_out_at_once_and_refills(start_pool, serve_pool, s
     assert len(warm) == 2
     warm[0].kill()
     await pool.maintain()
-    await eventually(lambda: pool.stats()["warm"] == 2)
+    await eventually(lambda: pool.stats()["warm"] == 2, timeout=30)
     assert not container_exists(docker_client, warm[0].id)
     assert len(labelled(docker_client, sandbox_cluster)) == 3  # two warm, one bound
 
@@ -341,7 +335,7 @@ async def test_idle_sandbox_expires(start_pool, docker_client) -> None:
     sandbox = await pool.wait_ready((await pool.acquire("p1")).id, 30)
     await asyncio.sleep(1.0)
     await pool.maintain()
-    await eventually(lambda: not container_exists(docker_client, sandbox.container_id))
+    await eventually(lambda: not container_exists(docker_client, sandbox.container_id), timeout=30)
     assert pool.sandboxes("p1") == []
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from fake_docker import Command, FakeEngine, fake_hosts
+from support import eventually
 from thunderctl.docker_labels import LABEL_CLUSTER, LABEL_LEASE, LABEL_PROGRAM, LABEL_ROLE, ROLE_WORKER
 from thunderctl.prometheus import parse_samples
 from thunderctl.sandbox import PoolUnavailable, SandboxConfig, SandboxFailed, SandboxNotFound, SandboxPool
@@ -59,15 +60,6 @@ async def start_pool(
         engine.creating_allowed.set()  # a failed test may have left preparations held
     for pool in pools:
         await pool.shutdown()
-
-
-async def eventually(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    """Until the pool's background work (preparations, removals) has brought the condition about."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not condition():
-        assert loop.time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.002)
 
 
 async def settle() -> None:

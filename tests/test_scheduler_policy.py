@@ -15,18 +15,7 @@ from thunderctl.scheduler import (
     SchedulerConfig,
     Status,
 )
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
+from thunderctl.sim.clock import VirtualClock
 
 # Round numbers: capacity 1000, no per-program buffer unless a test asks for one.
 BASE = dict(
@@ -41,8 +30,8 @@ BASE = dict(
 
 def make(
     capacities: dict[str, int | None] | None = None, **overrides
-) -> tuple[Scheduler, FakeClock, list[ProgramEvent]]:
-    clock = FakeClock()
+) -> tuple[Scheduler, VirtualClock, list[ProgramEvent]]:
+    clock = VirtualClock(1000.0)
     events: list[ProgramEvent] = []
     sched = Scheduler(SchedulerConfig(**(BASE | overrides)), clock, [events.append])
     for worker_id, capacity in (capacities or {"a": 1000}).items():
@@ -58,11 +47,11 @@ def run_step(sched: Scheduler, program_id: str, prompt: int, completion: int = 0
     return worker
 
 
-def assert_settled(sched: Scheduler, clock: FakeClock, events: list[ProgramEvent], message: str) -> None:
+def assert_settled(sched: Scheduler, clock: VirtualClock, events: list[ProgramEvent], message: str) -> None:
     """Further ticks on an unchanged load pause and resume nothing, and stay under the threshold."""
     settled = len(events)
     for _ in range(5):
-        clock.advance(5)
+        clock.now += 5
         sched.tick()
     assert len(events) == settled, message
     assert sched.reserved_tokens("a") <= 950
@@ -159,7 +148,7 @@ def test_resume_runs_before_pause_within_one_tick() -> None:
     sched.on_response("x", 700, 0)  # 1000 > 950: this tick pauses y (shortest ACTING)
     sched.tick()
     assert {p.id for p in sched.paused()} == {"y", "waiter"}
-    clock.advance(5)
+    clock.now += 5
     sched.tick()  # the next tick resumes the waiter into the room the pause made
     assert sched.programs["waiter"].status is Status.ACTIVE
     assert sched.programs["y"].status is Status.PAUSED
@@ -253,10 +242,10 @@ def test_forced_resume_after_timeout_even_when_full() -> None:
     sched, clock, events = make(retention=False)
     run_step(sched, "hog", 900)
     assert sched.on_request("starved", 300) is None
-    clock.advance(30)
+    clock.now += 30
     sched.tick()
     assert sched.programs["starved"].status is Status.PAUSED
-    clock.advance(31)
+    clock.now += 31
     sched.tick()
     assert sched.programs["starved"].status is Status.ACTIVE
     assert sched.counters.forced_resumes == 1
@@ -267,7 +256,7 @@ def test_idle_program_expires_after_ttl_but_not_while_decoding() -> None:
     sched, clock, events = make()
     run_step(sched, "idle", 100)
     sched.on_request("decoding", 100)
-    clock.advance(301)
+    clock.now += 301
     sched.tick()
     assert "idle" not in sched.programs and "decoding" in sched.programs
     assert kinds(events, "idle")[-1] is EventKind.EXPIRED
@@ -297,7 +286,7 @@ def test_release_is_idempotent_and_frees_the_reservation() -> None:
 def test_acting_decay_weights_on_the_resume_side_only(decay, idle_s, weight) -> None:
     sched, clock, _ = make(acting_decay=decay, acting_decay_tau_s=10)
     run_step(sched, "p", 400)
-    clock.advance(idle_s)
+    clock.now += idle_s
     program = sched.programs["p"]
     assert sched._weight(program, physical=False) == pytest.approx(weight)
     assert sched._weight(program, physical=True) == 1.0
@@ -422,7 +411,7 @@ def test_idle_engine_with_waiting_requests_admits_more_programs() -> None:
     run_step(sched, "holder", 800)  # ACTING, holding most of the cache
     assert sched.on_request("waiter", 300) is None
     for _ in range(2):  # the queue filled in the first tick; the second it waited throughout
-        clock.advance(1)
+        clock.now += 1
         sched.adapt(utilization=0.2)
     assert sched.acting_weight == 0.5  # 400 + 300 fits under 900
     sched.tick()
@@ -446,7 +435,7 @@ def test_busy_engine_lowers_the_weight_while_steps_per_second_rise_until_the_que
     for _ in range(60):
         for i in range(responses_per_s[sched.acting_weight]):
             run_step(sched, f"worker-{i}", 1)
-        clock.advance(1)
+        clock.now += 1
         sched.adapt(utilization=1.0)
     assert sched.acting_weight == 0.0
     assert sched.programs["waiter"].status is Status.ACTIVE
@@ -457,7 +446,7 @@ def test_open_gate_admits_every_waiting_request_and_pauses_nobody() -> None:
     sched.tuner.rung = len(sched.tuner.levels) - 1  # the law measured the engine alone better
     for i in range(3):
         assert run_step(sched, f"p{i}", 600) == "a"  # 1,800 tokens on a 1,000-token worker
-    clock.advance(5)
+    clock.now += 5
     sched.tick()
     assert not sched.paused()
 
@@ -478,7 +467,7 @@ def test_overbooked_room_is_not_given_to_programs_without_a_request() -> None:
         run_step(sched, f"p{i}", 300)  # 0.5-weighted: all four admitted
     sched.tick()  # physically 1200 > 950: pauses down to 800
     assert sched.paused()
-    clock.advance(1)
+    clock.now += 1
     sched.tick()  # may refill physical room up to the resume band, no further
     assert_settled(sched, clock, events, "paused idle programs must not flap through overbooked room")
 
@@ -499,7 +488,7 @@ def test_ledger_and_queue_match_a_full_recount_after_any_history() -> None:
         elif action < 0.9:
             sched.release(pid)
         else:
-            clock.advance(1)
+            clock.now += 1
             sched.adapt(rng.random())
             sched.tick()
         for worker in sched.workers.values():
@@ -519,7 +508,7 @@ def test_ledger_and_queue_match_a_full_recount_after_any_history() -> None:
 def test_an_overfull_backend_pauses_the_program_longest_in_its_tool_first() -> None:
     sched, clock, _ = make()
     run_step(sched, "early", 300)  # its tool started first
-    clock.advance(10)
+    clock.now += 10
     run_step(sched, "late_small", 200)
     run_step(sched, "late_big", 400)
     sched.on_request("late_big", 480)
@@ -531,7 +520,7 @@ def test_an_overfull_backend_pauses_the_program_longest_in_its_tool_first() -> N
 def test_the_reference_pause_order_pauses_the_shortest_first() -> None:
     sched, clock, _ = make(pause_order=PauseOrder.SHORTEST)
     run_step(sched, "early", 300)
-    clock.advance(10)
+    clock.now += 10
     run_step(sched, "late_small", 200)
     run_step(sched, "late_big", 400)
     sched.on_request("late_big", 480)

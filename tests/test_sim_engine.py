@@ -9,8 +9,9 @@ import pytest
 
 from thunderctl.sim.clock import VirtualClock
 from thunderctl.sim.cost import EngineShape, StepLoad
-from thunderctl.sim.engine import Engine, Request, TokenStream
+from thunderctl.sim.engine import Engine
 from thunderctl.sim.kv import HostTier
+from thunderctl.sim.requests import Request, TokenStream
 from thunderctl.sim.worker import SimWorker
 
 BLOCK = 4

@@ -21,11 +21,10 @@ import psutil
 import pytest
 import yaml
 
-from support import SHAPE, Cli, processes_mentioning, wait_for
+from support import SHAPE, Cli, processes_mentioning, sim_profile, wait_for
 from thunderctl.bench.closed_loop import LoadSpec, Target, run_load
 from thunderctl.bench.results import LoadResult, StepRecord
 from thunderctl.bench.shapes import AgentShape, Uniform
-from thunderctl.bench.soak import MODEL, SoakSpec, soak_profile
 from thunderctl.cluster.state import ClusterState
 from thunderctl.daemon.client import fetch_status
 from thunderctl.daemon.service import SUPERVISE_INTERVAL_S
@@ -47,6 +46,7 @@ STEP_MARGIN_S = 0.5
 # here): with test_cluster's 5-7 short steps, the faulty worker's few programs could all have
 # ended by then, leaving none to be seen resuming (CI: the stall test, once).
 LASTING = replace(SHAPE, steps=Uniform(60, 80))
+MODEL = "qwen3-32b"  # profiles/sim.yaml's served name
 RESTART_BACKOFF_S = 120.0  # from the first restart: the second death (within it) waits for `up`
 
 
@@ -81,8 +81,8 @@ class SimCluster:
 
 def bring_up(directory: Path, **scheduler: float) -> SimCluster:
     name = f"faults-{secrets.token_hex(3)}"
-    profile = soak_profile(SoakSpec(workers=WORKERS, engine_time_scale=1.0, tick_interval_s=1.0), name)
-    profile["scheduler"].update(scheduler)
+    profile = sim_profile(name, WORKERS, time_scale=1.0)
+    profile["scheduler"] = {"tick_interval_s": 1.0, **scheduler}
     profile["engine"]["restart"] = {"initial_backoff_s": RESTART_BACKOFF_S, "max_backoff_s": 2 * RESTART_BACKOFF_S}
     path = directory / "profile.yaml"
     path.write_text(yaml.safe_dump(profile))

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from thunderctl.sim.engine import TokenStream
 from thunderctl.sim.kv import BlockPool, HostTier
+from thunderctl.sim.requests import TokenStream
 
 
 class PerBlockPool:

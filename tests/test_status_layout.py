@@ -79,7 +79,9 @@ def busy_cluster(view: ClusterStatus) -> ClusterStatus:
                                     "programs_active": 128, "requests_in_flight": 256, "prefix_cache_hit_rate": None,
                                     "preemptions": 123_456}),
     ]  # fmt: skip
-    programs = view.scheduler.programs.model_copy(update={"reasoning": 12, "acting": 30, "paused": 256})
+    programs = view.scheduler.programs.model_copy(
+        update={"reasoning": 12, "acting": 30, "paused": 256, "derived": 1_024}
+    )
     scheduler = view.scheduler.model_copy(
         update={"programs": programs, "pauses_total": 12_345, "resumes_total": 12_000, "forced_resumes_total": 3}
     )
@@ -109,6 +111,7 @@ async def test_status_fits_80_columns_with_every_id_url_and_number_in_full(daemo
         assert any(line.split() == [worker.id, worker.url] for line in lines), worker.url
     assert view.endpoint in text
     assert "paused 256" in text and "pauses 12,345 · resumes 12,000 · forced 3" in text
+    assert "derived 1,024" in text  # programs found from their conversation
 
 
 @pytest.mark.anyio
@@ -124,7 +127,7 @@ async def test_the_status_on_the_wire_keeps_every_key_scripts_read_and_reads_bac
     assert WIRE_KEYS <= set(daemon_wire)
     assert all(WORKER_KEYS <= set(worker) for worker in daemon_wire["workers"])
     assert SCHEDULER_KEYS <= set(daemon_wire["scheduler"])
-    assert set(daemon_wire["scheduler"]["programs"]) == {"reasoning", "acting", "paused"}
+    assert set(daemon_wire["scheduler"]["programs"]) == {"reasoning", "acting", "paused", "derived"}
     assert {"available", "warm", "bound", "preparing"} <= set(daemon_wire["sandboxes"])
     # What `thunderctl status --json` prints is the model's dump: the same answer, key for key.
     assert ClusterStatus.model_validate(daemon_wire).wire() == daemon_wire

@@ -11,6 +11,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from thunderctl.gateway.auth import API_KEY_ENV, GatewayAuth, exposure_problem
+from thunderctl.gateway.identity import IdentityConfig
 from thunderctl.gateway.server import AGENT_BACKLOG
 from thunderctl.jsonapi import DEFAULT_MAX_BODY_BYTES
 from thunderctl.sandbox.config import SandboxConfig
@@ -136,7 +137,10 @@ class NodeSpec(Strict):
         return self
 
 
-class GatewaySpec(Strict):
+class GatewaySpec(IdentityConfig, Strict):
+    """The gateway's address and bounds; derive_programs and remembered_conversations are
+    IdentityConfig's."""
+
     host: str = "127.0.0.1"
     port: int = Field(8300, ge=1, le=65535)
     api_key: str | None = Field(
@@ -151,6 +155,9 @@ class GatewaySpec(Strict):
         description="connections queued for the gateway to accept (capped at net.core.somaxconn): "
         "more than the agents that may connect at once",
     )
+
+    def identity(self) -> IdentityConfig:
+        return IdentityConfig.model_validate(self.model_dump(include=set(IdentityConfig.model_fields)))
 
     def auth(self, environ: Mapping[str, str] = os.environ) -> GatewayAuth:
         """The key clients must send: the profile's, else the environment's."""

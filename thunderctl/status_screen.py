@@ -43,7 +43,8 @@ def status_renderable(view: ClusterStatus) -> Group:
         "",
         urls,
         "",
-        f"programs: reasoning {programs.reasoning:,} · acting {programs.acting:,} · paused {programs.paused:,}",
+        f"programs: reasoning {programs.reasoning:,} · acting {programs.acting:,} · paused {programs.paused:,}"
+        f" · derived {programs.derived:,}",
         f"scheduler: pauses {sched.pauses_total:,} · resumes {sched.resumes_total:,}"
         f" · forced {sched.forced_resumes_total:,}",
         "admission: open gate (the engines admit by their own KV cache)"

@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import random
 import time
+import typing
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import httpx
+import tenacity
 
 T = TypeVar("T")
 # A request that got no byte of its answer is sent again after this wait, doubled after each try up to
@@ -53,26 +54,43 @@ async def resend_unanswered(
     for_s: float,
     on_resend: Callable[[Exception], None],
     retry_on: tuple[type[Exception], ...] = UNANSWERED_ERRORS,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
 ) -> T:
     """`send()`, sent again (backing off) for up to `for_s` after its first error while it fails with one of
     `retry_on` (by default: got no byte of its answer); `on_resend` is told each error that was retried.
     The time counts from the first error, not the first send: on a loop running late one attempt alone
     can take longer than `for_s`, and it is then sent again all the same."""
-    give_up_at: float | None = None
-    backoff = UNANSWERED_RETRY_INTERVAL_S
-    while True:
-        try:
-            return await send()
-        except AnswerCut:
-            raise
-        except retry_on as exc:
-            give_up_at = give_up_at or time.monotonic() + for_s
-            wait = random.uniform(backoff / 2, backoff)
-            if time.monotonic() + wait > give_up_at:
-                raise
-            on_resend(exc)
-            await asyncio.sleep(wait)
-            backoff = min(2 * backoff, UNANSWERED_RETRY_MAX_S)
+    first_error_at: float | None = None
+
+    def out_of_time(state: tenacity.RetryCallState) -> bool:
+        nonlocal first_error_at
+        now = time.monotonic()
+        first_error_at = first_error_at or now
+        return now + state.upcoming_sleep > first_error_at + for_s
+
+    def told(state: tenacity.RetryCallState) -> None:
+        assert state.outcome is not None  # tenacity calls before_sleep after a failed attempt
+        on_resend(typing.cast(Exception, state.outcome.exception()))
+
+    # Doubling waits capped at UNANSWERED_RETRY_MAX_S, each drawn from its upper half: the fixed lower
+    # half plus a random draw below it.
+    half = tenacity.wait_exponential(multiplier=UNANSWERED_RETRY_INTERVAL_S / 2, max=UNANSWERED_RETRY_MAX_S / 2)
+    jitter = tenacity.wait_random_exponential(
+        multiplier=UNANSWERED_RETRY_INTERVAL_S / 2, max=UNANSWERED_RETRY_MAX_S / 2
+    )
+    retrying = tenacity.AsyncRetrying(
+        retry=tenacity.retry_if_exception_type(retry_on) & tenacity.retry_if_not_exception_type(AnswerCut),
+        wait=half + jitter,
+        stop=out_of_time,
+        before_sleep=told,
+        reraise=True,
+        sleep=sleep,
+    )
+
+    async def attempt() -> T:  # tenacity awaits only a coroutine function's result; `send` may be a lambda
+        return await send()
+
+    return await retrying(attempt)
 
 
 async def chat(client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str]) -> Reply:

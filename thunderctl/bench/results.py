@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
-import math
 import operator
 from collections.abc import Sequence
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields, replace
@@ -13,6 +12,7 @@ from enum import Enum
 from typing import Any
 
 from thunderctl.engines.vllm import EngineMetrics
+from thunderctl.percentiles import percentile
 
 
 @dataclass(frozen=True)
@@ -81,17 +81,6 @@ class Resend:
 
     t_s: float  # since the start of the run
     error: str
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0-100), interpolating linearly between order statistics."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def steady_steps(records: Sequence[StepRecord], warmup_s: float, window_end_s: float) -> list[StepRecord]:

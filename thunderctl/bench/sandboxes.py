@@ -22,9 +22,10 @@ from typing import Any, TypeVar
 import httpx
 
 from thunderctl.bench.planning import ProgramPlan, StepPlan
-from thunderctl.bench.results import SandboxSample, ToolRecord, percentile
+from thunderctl.bench.results import SandboxSample, ToolRecord
 from thunderctl.integrations.cluster import ClusterClient, ClusterError
 from thunderctl.jsonapi import bearer_headers
+from thunderctl.percentiles import percentile
 from thunderctl.prometheus import parse_samples
 
 # English text in BPE tokens averages about 4 characters (bytes) per token.

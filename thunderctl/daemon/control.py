@@ -123,7 +123,10 @@ def status_view(daemon: Daemon) -> ClusterStatus:
         workers=workers,
         scheduler=SchedulerStatus(
             programs=ProgramCounts(
-                reasoning=counts[Phase.REASONING.value], acting=counts[Phase.ACTING.value], paused=counts["paused"]
+                reasoning=counts[Phase.REASONING.value],
+                acting=counts[Phase.ACTING.value],
+                paused=counts["paused"],
+                derived=gateway.derived_programs(),
             ),
             pauses_total=scheduler.counters.pauses,
             resumes_total=scheduler.counters.resumes,

@@ -46,6 +46,7 @@ class ProgramCounts(StatusPart):
     reasoning: int
     acting: int
     paused: int
+    derived: int = 0  # of them, those found from their conversation (their requests named none)
 
 
 class SchedulerStatus(StatusPart):

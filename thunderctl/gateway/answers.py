@@ -33,27 +33,57 @@ def tool_in_response(body: dict[str, Any]) -> str | None:
 
 @dataclass
 class StreamedAnswer:
-    """A streamed answer as its chunks pass: its text, its first tool call, its first token's time."""
+    """A streamed answer as its chunks pass: its text, tool calls and token ids (of its first choice,
+    the one a client continues), its first token's time."""
 
     sent_at: float
     first_token_at: float | None = None
-    tool_call: str | None = None
     _text: list[str] = field(default_factory=list)
+    _calls: dict[int, dict[str, Any]] = field(default_factory=dict)  # by the delta's index
+    _token_ids: list[int] = field(default_factory=list)
 
     def chunk(self, chunk: dict[str, Any], now: float) -> None:
         for choice in chunk.get("choices") or []:
+            if choice.get("index", 0) != 0:
+                continue
             delta = choice.get("delta") or {}
-            if self.first_token_at is None and (delta.get("content") or delta.get("tool_calls")):
+            text = delta.get("content") if "delta" in choice else choice.get("text")  # chat, completions
+            if self.first_token_at is None and (text or delta.get("tool_calls")):
                 self.first_token_at = now
-            if isinstance(delta.get("content"), str):
-                self._text.append(delta["content"])
+            if isinstance(text, str):
+                self._text.append(text)
+            if isinstance(choice.get("token_ids"), list):
+                self._token_ids.extend(choice["token_ids"])
             for call in delta.get("tool_calls") or []:
-                name = (call.get("function") or {}).get("name")
-                self.tool_call = self.tool_call or name
+                self._call_delta(call)
+
+    def _call_delta(self, call: dict[str, Any]) -> None:
+        whole = self._calls.setdefault(call.get("index", len(self._calls)), {"name": None, "arguments": []})
+        function = call.get("function") or {}
+        whole["name"] = whole["name"] or function.get("name")
+        if isinstance(function.get("arguments"), str):
+            whole["arguments"].append(function["arguments"])
+
+    @property
+    def text(self) -> str:
+        return "".join(self._text)
+
+    @property
+    def token_ids(self) -> list[int] | None:
+        return self._token_ids or None
+
+    @property
+    def message(self) -> dict[str, Any]:
+        """The answer as the assistant message a client echoes back."""
+        calls = [
+            {"function": {"name": call["name"], "arguments": "".join(call["arguments"])}}
+            for _, call in sorted(self._calls.items())
+        ]
+        return {"role": "assistant", "content": self.text, "tool_calls": calls}
 
     @property
     def tool(self) -> str | None:
-        return self.tool_call or tool_in_text("".join(self._text))
+        return tool_in_message(self.message)
 
     @property
     def ttft_s(self) -> float | None:

@@ -18,6 +18,7 @@ from thunderctl.gateway.auth import GatewayAuth, RequireApiKey
 from thunderctl.gateway.gateway import Gateway, WorkerError
 from thunderctl.gateway.metrics import render_metrics
 from thunderctl.gateway.requests import (
+    PROGRAM_HEADER,
     check_generation_fields,
     ends_session,
     pop_docker_ids,
@@ -78,15 +79,20 @@ def build_app(
             shape = prompt_shape(body)
         except BadRequest as exc:
             return bad_request(exc)
+        claim = gateway.derive(body) if program_id is None else None
+        if claim is not None:
+            program_id = claim.program_id
         if docker_ids and program_id is not None and on_docker_ids is not None:
             on_docker_ids(program_id, docker_ids)
         try:
-            relayed = await gateway.relay(path, body, program_id, shape)
+            relayed = await gateway.relay(path, body, program_id, shape, claim)
         except (WorkerError, httpx.HTTPError) as exc:
             return error(502, str(exc), "backend_error")
+        # The client learns the program it was given, to release it or to name it from now on.
+        headers = {PROGRAM_HEADER: claim.program_id} if claim is not None else None
         if isinstance(relayed.body, bytes):
-            return Response(relayed.body, relayed.status, media_type=relayed.media_type)
-        return RelayedStream(relayed.body, relayed.status, media_type=relayed.media_type)
+            return Response(relayed.body, relayed.status, headers=headers, media_type=relayed.media_type)
+        return RelayedStream(relayed.body, relayed.status, media_type=relayed.media_type, headers=headers)
 
     async def models(_: Request) -> Response:
         try:

@@ -17,6 +17,7 @@ from thunderctl.engines.local import LocalEngineConfig
 from thunderctl.engines.vllm import API_KEY_ENV as API_KEY_ENV_VLLM
 from thunderctl.gateway import Gateway, WorkerUnreachable, parse_worker, serve_gateway
 from thunderctl.gateway.auth import API_KEY_ENV, GatewayAuth, exposure_problem
+from thunderctl.gateway.identity import IdentityConfig
 from thunderctl.gateway.recorder import TraceRecorder
 from thunderctl.jsonapi import DEFAULT_MAX_BODY_BYTES, BodyLimits
 from thunderctl.processes import pick_free_port
@@ -27,6 +28,8 @@ from thunderctl.terminal import err, fail, out
 
 # `serve --help`'s epilog
 SCHEDULER_HELP = settings_help(SchedulerConfig, "--scheduler") + "\n\n" + settings_help(AdminConfig, "--admin")
+IDENTITY = IdentityConfig()
+IDENTITY_HELP = {name: info.description for name, info in IdentityConfig.model_fields.items()}
 
 
 def serve(
@@ -63,6 +66,12 @@ def serve(
             help="A setting of /admin/pause and /admin/resume, as a profile's admin: section names it; listed below.",
         ),
     ] = None,
+    derive_programs: Annotated[
+        bool, typer.Option(help=f"{IDENTITY_HELP['derive_programs'].capitalize()}.")
+    ] = IDENTITY.derive_programs,
+    remembered_conversations: Annotated[
+        int, typer.Option(min=1, help=f"With --derive-programs: {IDENTITY_HELP['remembered_conversations']}.")
+    ] = IDENTITY.remembered_conversations,
     kv_blocks: Annotated[int, typer.Option(help="With --local-engine: KV cache blocks.")] = 256,
     record_trace: Annotated[
         Path | None,
@@ -95,8 +104,10 @@ def serve(
 ) -> None:
     """Run the program-aware gateway in the foreground in front of running vLLM servers.
 
-    Agents send OpenAI requests with a [bold]program_id[/] (body, extra_body or X-Program-Id
-    header) and end with POST /programs/release; GET /programs and /metrics show the state.
+    Agents send OpenAI requests as they are: a request that names no program belongs to the
+    program whose conversation it continues (the X-Program-Id answer header says which). An agent
+    may name its program itself ([bold]program_id[/] in the body or extra_body, or an X-Program-Id
+    header) and end it with POST /programs/release; GET /programs and /metrics show the state.
     """
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
@@ -142,7 +153,10 @@ def serve(
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         try:
             recorder = TraceRecorder(record_trace) if record_trace else None
-            gateway = Gateway(links, config, recorder=recorder, worker_key=worker_api_key)
+            identity = IdentityConfig(
+                derive_programs=derive_programs, remembered_conversations=remembered_conversations
+            )
+            gateway = Gateway(links, config, recorder=recorder, worker_key=worker_api_key, identity=identity)
             limits = BodyLimits(max_bytes=max_body_bytes)
             aio.run(serve_gateway(gateway, host, port, ready, auth, limits, admin_config))
         except WorkerUnreachable as exc:

@@ -24,6 +24,7 @@ from thunderctl.gateway.answers import (
     tool_in_response,
     uncached_prompt_tokens,
 )
+from thunderctl.gateway.identity import Claim, ConversationIndex, IdentityConfig
 from thunderctl.gateway.recorder import TraceRecorder
 from thunderctl.gateway.requests import PromptShape, TokenEstimator
 from thunderctl.gateway.sse import StreamRelay
@@ -136,6 +137,7 @@ class Gateway:
         worker_key: str | None = None,
         resumed_priority: int | None = None,
         transport: httpx.AsyncBaseTransport | None = None,  # the workers' HTTP; tests pass a fake
+        identity: IdentityConfig | None = None,
     ) -> None:
         if not links:
             raise ValueError("the gateway needs at least one backend")
@@ -144,6 +146,10 @@ class Gateway:
         self.last_utilization = 0.0
         self.estimator = TokenEstimator()
         self.recorder = recorder
+        identity = identity or IdentityConfig()
+        # Programs of requests that name none, found from their conversation (None: not derived).
+        self.conversations = ConversationIndex(identity.remembered_conversations) if identity.derive_programs else None
+        self.derived: set[str] = set()  # live programs whose id the gateway derived
         self.timings = GatewayTimings()
         self.resumed_priority = resumed_priority  # sent with a request that waited for its resume
         self.metrics_interval_s = metrics_interval_s
@@ -317,12 +323,49 @@ class Gateway:
     # ---- admission ------------------------------------------------------------------------
 
     def _on_program_event(self, event: ProgramEvent) -> None:
+        if event.kind in (EventKind.RELEASED, EventKind.EXPIRED):
+            self.derived.discard(event.program.id)
+        if event.kind is EventKind.RELEASED and self.conversations is not None:
+            self.conversations.forget(event.program.id)  # a released conversation that goes on is a new program
         if self.recorder is not None and event.kind in (EventKind.RELEASED, EventKind.EXPIRED):
             self.recorder.on_end(event.program.id)
         if event.kind in WAKING_EVENTS:
             waiter = self._resumed.pop(event.program.id, None)
             if waiter is not None:
                 waiter.set()
+
+    def derive(self, body: dict[str, Any]) -> Claim | None:
+        """The program of a request that names none: the one whose conversation it continues, or a
+        new one (None: derivation is off, or the request cannot be followed)."""
+        claim = self.conversations.claim(body) if self.conversations is not None else None
+        if claim is not None:
+            self.derived.add(claim.program_id)
+        return claim
+
+    def derived_programs(self) -> int:
+        """Live programs whose id was derived from their conversation."""
+        return sum(1 for program_id in self.derived if program_id in self.scheduler.programs)
+
+    def _remember(self, claim: Claim | None, path: str, answered: dict[str, Any] | StreamedAnswer) -> None:
+        """Remember the conversation a derived program's answer extends, for its next request."""
+        if claim is None or self.conversations is None:
+            return
+        chat = path.endswith("/chat/completions")
+        if isinstance(answered, StreamedAnswer):
+            if chat:
+                self.conversations.answered_chat(claim, answered.message)
+            else:
+                self.conversations.answered_completion(claim, answered.text, answered.token_ids)
+            return
+        choices = answered.get("choices") or []
+        choice = choices[0] if choices and isinstance(choices[0], dict) else {}
+        if chat and isinstance(choice.get("message"), dict):
+            self.conversations.answered_chat(claim, choice["message"])
+        elif not chat and isinstance(choice.get("text"), str):
+            token_ids = choice.get("token_ids")
+            self.conversations.answered_completion(
+                claim, choice["text"], token_ids if isinstance(token_ids, list) else None
+            )
 
     async def admit(self, program_id: str | None, shape: PromptShape) -> tuple[WorkerLink, bool]:
         """Where this request goes, and whether it waited here for its program's resume."""
@@ -354,8 +397,16 @@ class Gateway:
 
     # ---- relaying -------------------------------------------------------------------------
 
-    async def relay(self, path: str, body: dict[str, Any], program_id: str | None, shape: PromptShape) -> Relayed:
-        """Send the request to its worker; account the engine's usage when it ends.
+    async def relay(
+        self,
+        path: str,
+        body: dict[str, Any],
+        program_id: str | None,
+        shape: PromptShape,
+        claim: Claim | None = None,
+    ) -> Relayed:
+        """Send the request to its worker; account the engine's usage when it ends. `claim`: the
+        request's derived program, whose conversation its answer extends.
 
         A request that fails before any byte reached the client (its worker died or stalled) is tried
         once more on another worker.
@@ -390,7 +441,9 @@ class Gateway:
                         stream=True,
                     )
                     if response.status_code == 200 and stream:
-                        lines = self._relay_stream(response, link, program_id, shape, client_wants_usage, answer)
+                        lines = self._relay_stream(
+                            response, link, program_id, shape, client_wants_usage, answer, claim, path
+                        )
                         return Relayed(200, response.headers.get("content-type", "text/event-stream"), lines)
                     content = await response.aread()
                 break
@@ -409,6 +462,7 @@ class Gateway:
             with contextlib.suppress(ValueError, AttributeError):
                 answered = json.loads(content)
                 usage, tool = answered.get("usage"), tool_in_response(answered)
+                self._remember(claim, path, answered)
         self._finish(link, program_id, shape, usage, tool)
         media_type = response.headers.get("content-type", "application/json")
         return Relayed(response.status_code, media_type, content)
@@ -421,6 +475,8 @@ class Gateway:
         shape: PromptShape,
         client_wants_usage: bool,
         answer: StreamedAnswer,
+        claim: Claim | None,
+        path: str,
     ) -> AsyncGenerator[bytes, None]:
         relay = StreamRelay(answer if program_id is not None else None, client_wants_usage, self._clock)
         try:
@@ -429,6 +485,8 @@ class Gateway:
                     yield relayed
             if rest := relay.end():
                 yield rest
+            # Only a whole answer: a client whose stream was cut does not echo it back.
+            self._remember(claim, path, answer)
         finally:
             # Runs on normal end, worker error and client disconnect alike: the slot is freed.
             await response.aclose()
@@ -487,6 +545,7 @@ class Gateway:
                 "tokens": p.tokens,
                 "steps": p.steps,
                 "paused_s": round(p.paused_total_s + (now - p.paused_at if p.paused_at else 0), 3),
+                "derived": p.id in self.derived,
             }
             for p in self.scheduler.programs.values()
         ]

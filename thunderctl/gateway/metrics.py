@@ -44,6 +44,7 @@ def gateway_families(gateway: Gateway) -> Iterator[Metric]:
         ("thunderctl_scheduler_tick_failures_total", "Scheduler ticks that raised.", sched.counters.tick_failures),
     ]:
         yield CounterMetricFamily(name, documentation, value=value)
+    yield from identity_families(gateway)
     yield GaugeMetricFamily(
         "thunderctl_acting_weight",
         "Share of an acting program's private tokens charged.",
@@ -71,3 +72,27 @@ def gateway_families(gateway: Gateway) -> Iterator[Metric]:
             capacity.add_metric([link.id], link.capacity)
         in_flight.add_metric([link.id], link.in_flight)
     yield from (reserved, capacity, in_flight)
+
+
+def identity_families(gateway: Gateway) -> Iterator[Metric]:
+    """Programs the gateway found from their conversation (docs/gateway.md, Program identity)."""
+    yield GaugeMetricFamily(
+        "thunderctl_programs_derived",
+        "Live programs whose requests named none: found from their conversation.",
+        gateway.derived_programs(),
+    )
+    if gateway.conversations is None:
+        return
+    requests = CounterMetricFamily(
+        "thunderctl_derived_requests",
+        "Requests that named no program, by how their program was found (history, rewritten, new).",
+        labels=["match"],
+    )
+    for match, count in gateway.conversations.matched.items():
+        requests.add_metric([str(match)], count)
+    yield requests
+    yield GaugeMetricFamily(
+        "thunderctl_conversations_remembered",
+        "Conversations remembered to find the programs of requests that name none.",
+        len(gateway.conversations),
+    )

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, get_args
+
+from pydantic import BaseModel, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from thunderctl.jsonapi import (
     MAX_CONTAINER_REF_CHARS,
     BadRequest,
-    json_type,
     shown,
     valid_program_id,
 )
@@ -69,23 +70,53 @@ def pop_docker_ids(body: dict[str, Any]) -> list[str]:
     return ids
 
 
+class _StreamOptions(BaseModel):
+    include_usage: StrictBool | None = Field(None, description="true or false")
+
+
+_Count = Annotated[StrictInt, Field(ge=1)]
+
+
+class GenerationFields(BaseModel):
+    """The fields of a chat or completion request the gateway itself acts on, with the types OpenAI
+    documents; the rest is the engine's to judge. Only a check: the body goes on as the client sent it."""
+
+    stream: StrictBool | None = Field(None, description="true or false")
+    stream_options: _StreamOptions | None = Field(None, description="an object or null")
+    max_tokens: _Count | None = Field(None, description="a positive integer or null")
+    max_completion_tokens: _Count | None = Field(None, description="a positive integer or null")
+    # Absent is a completion request; present, even null, must be a list.
+    messages: list[Any] = Field(None, min_length=1, description="a non-empty list of {role, content} objects")
+    prompt: str | list[StrictStr] | list[StrictInt] = Field(
+        "", description="a string, a list of strings or a list of token ids"
+    )
+
+
 def check_generation_fields(body: dict[str, Any]) -> None:
-    """The fields the gateway itself acts on have the types OpenAI documents; the rest is the
-    engine's to judge."""
-    if "stream" in body and not isinstance(body["stream"], bool | None):
-        raise BadRequest(f"stream must be true or false, not {json_type(body['stream'])}")
-    options = body.get("stream_options")
-    if options is not None:
-        if not isinstance(options, dict):
-            raise BadRequest(f"stream_options must be an object or null, not {json_type(options)}")
-        if not isinstance(options.get("include_usage"), bool | None):
-            raise BadRequest(
-                f"stream_options.include_usage must be true or false, not {json_type(options['include_usage'])}"
-            )
-    for name in ("max_tokens", "max_completion_tokens"):
-        value = body.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise BadRequest(f"{name} must be a positive integer or null, not {shown(value)}")
+    """A BadRequest naming the first field of GenerationFields the body gets wrong, and what it must be."""
+    try:
+        GenerationFields.model_validate(body)
+    except ValidationError as exc:
+        raise BadRequest(_field_error(body, exc.errors()[0]["loc"])) from None
+
+
+def _field_error(body: dict[str, Any], loc: tuple[int | str, ...]) -> str:
+    """`<field> must be <its description>, not <what was sent>`, for the deepest field in `loc`
+    (a union's or list's own steps in it name no field)."""
+    model: type[BaseModel] | None = GenerationFields
+    value: Any = body
+    path: list[str] = []
+    description = ""
+    for step in loc:
+        if model is None or step not in model.model_fields:
+            break
+        field = model.model_fields[str(step)]
+        path.append(str(step))
+        value, description = value[step], field.description or ""
+        nested = (a for a in get_args(field.annotation) if isinstance(a, type) and issubclass(a, BaseModel))
+        model = next(nested, None)
+    sent = "an empty array" if value == [] else shown(value)
+    return f"{'.'.join(path)} must be {description}, not {sent}"
 
 
 def _content_text(content: Any) -> str:
@@ -106,11 +137,10 @@ class PromptShape:
 
 
 def prompt_shape(body: dict[str, Any]) -> PromptShape:
-    """Prompt size in characters and the shared prefix (a leading system message), if any."""
+    """Prompt size in characters and the shared prefix (a leading system message), if any, of a
+    body check_generation_fields passed."""
     if "messages" in body:
         messages = body["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest("messages must be a non-empty list of {role, content} objects")
         texts = [_content_text(m.get("content")) if isinstance(m, dict) else "" for m in messages]
         first = messages[0] if isinstance(messages[0], dict) else {}
         if first.get("role") == "system" and texts[0]:
@@ -120,11 +150,9 @@ def prompt_shape(body: dict[str, Any]) -> PromptShape:
     prompt = body.get("prompt", "")
     if isinstance(prompt, str):
         return PromptShape(len(prompt))
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+    if all(isinstance(t, int) for t in prompt):
         return PromptShape(0, tokens=len(prompt))
-    if isinstance(prompt, list) and all(isinstance(t, str) for t in prompt):
-        return PromptShape(sum(map(len, prompt)))  # a batch of prompts counts as one
-    raise BadRequest("prompt must be a string, a list of strings or a list of token ids")
+    return PromptShape(sum(map(len, prompt)))  # a batch of prompts counts as one
 
 
 class TokenEstimator:

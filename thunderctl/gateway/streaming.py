@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 
 from starlette.background import BackgroundTask
 from starlette.responses import Response
@@ -25,12 +25,13 @@ class RelayedStream(Response):
         status_code: int,
         media_type: str,
         background: BackgroundTask | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         self.body_iterator = body
         self.status_code = status_code
         self.media_type = media_type
         self.background = background
-        self.init_headers()
+        self.init_headers(headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         sender = asyncio.current_task()

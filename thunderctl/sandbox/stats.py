@@ -6,6 +6,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from thunderctl.percentiles import percentile
 from thunderctl.sandbox.config import SandboxConfig
 from thunderctl.sandbox.host import SandboxHost
 from thunderctl.sandbox.lease import Sandbox, SandboxState
@@ -14,15 +15,13 @@ LATENCY_WINDOW = 1000  # latest preparations kept for percentiles
 
 
 def percentiles(values: Iterable[float]) -> dict[str, float | int | None]:
-    """Nearest-rank p50/p90/p99 of the values."""
-    ordered = sorted(values)
-    if not ordered:
-        return {"count": 0, "p50": None, "p90": None, "p99": None}
-
-    def rank(q: int) -> float:
-        return round(ordered[min(len(ordered) - 1, max(0, -(-q * len(ordered) // 100) - 1))], 4)
-
-    return {"count": len(ordered), "p50": rank(50), "p90": rank(90), "p99": rank(99)}
+    """The count and the p50/p90/p99 of the values, to 0.1 ms."""
+    ordered = list(values)
+    summary: dict[str, float | int | None] = {"count": len(ordered)}
+    for q in (50, 90, 99):
+        value = percentile(ordered, q)
+        summary[f"p{q}"] = None if value is None else round(value, 4)
+    return summary
 
 
 @dataclass

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
 from thunderctl.scheduler.program import Program
+
+log = logging.getLogger(__name__)
 
 
 class EventKind(StrEnum):
@@ -25,6 +28,15 @@ class ProgramEvent:
 
 
 Listener = Callable[[ProgramEvent], None]
+
+
+def notify(listeners: Iterable[Listener], event: ProgramEvent) -> None:
+    """Every listener told of the event; one's failure (a sandbox host down) must not stall scheduling."""
+    for listener in listeners:
+        try:
+            listener(event)
+        except Exception:
+            log.exception("listener failed on %s of %s", event.kind, event.program.id)
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from thunderctl.scheduler.config import Decay, PauseOrder, SchedulerConfig
 from thunderctl.scheduler.program import Program
@@ -76,3 +76,8 @@ class WaitingQueue:
         if program.waiting_since is not None:
             self._entries.remove((self.key(program), program.id))
             program.waiting_since = None
+
+    def since_before(self, moment: float, programs: Mapping[str, Program]) -> list[Program]:
+        """The waiting programs that began waiting at `moment` or earlier, in resume order."""
+        waiting = (programs[program_id] for program_id in self)
+        return [p for p in waiting if p.waiting_since is not None and p.waiting_since <= moment]

@@ -1,4 +1,5 @@
-"""The program-aware scheduling policy of DESIGN.md: pure, synchronous, clock injected; no I/O (listeners)."""
+"""The program-aware scheduling policy (docs/architecture.md, docs/scheduler.md): pure, synchronous, clock injected;
+no I/O (listeners)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ from contextlib import contextmanager
 from thunderctl.scheduler.admission import AdmissionTuner
 from thunderctl.scheduler.capacity import decode_fits, gpu_binds, gpu_room, headroom
 from thunderctl.scheduler.config import Decay, SchedulerConfig
-from thunderctl.scheduler.events import Counters, EventKind, Listener, ProgramEvent
+from thunderctl.scheduler.events import Counters, EventKind, Listener, ProgramEvent, notify
 from thunderctl.scheduler.ledger import Ledger, Load
 from thunderctl.scheduler.ordering import WaitingQueue, acting_decay, pause_key
 from thunderctl.scheduler.placement import choose
 from thunderctl.scheduler.program import Phase, Program, Status, Worker
-from thunderctl.scheduler.retention import PrefillRate, RetentionLaw, ToolTimes
+from thunderctl.scheduler.retention import RetentionLaw
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +37,7 @@ class Scheduler:
         self.workers: dict[str, Worker] = {}
         self._ledgers: dict[str, Ledger] = {}
         self._waiting = WaitingQueue(self.config)
-        cfg = self.config
-        self.retention = RetentionLaw(
-            cfg.retention_price_scale, cfg.tool_time_min_samples,
-            ToolTimes(cfg.tool_time_window, cfg.tool_time_min_samples), PrefillRate(cfg.prefill_tokens_per_s),
-            cfg.host_transfer_tokens_per_s,
-        )  # fmt: skip
+        self.retention = RetentionLaw.from_config(self.config)
         self.counters = Counters()
         self.tuner = AdmissionTuner(self.config)
         self._waited = False  # a request waited for admission since the last adapt()
@@ -429,13 +425,7 @@ class Scheduler:
         if cfg.wait_bound_s is None or not self._waiting or self.tuner.gate_open:
             return
         targets = [b for b in self.workers.values() if b.schedulable and b.capacity]
-        deadline = self.clock() - cfg.wait_bound_s
-        overdue = [
-            program
-            for program_id in self._waiting
-            if (program := self.programs[program_id]).waiting_since is not None and program.waiting_since <= deadline
-        ]
-        for program in overdue:
+        for program in self._waiting.since_before(self.clock() - cfg.wait_bound_s, self.programs):
             if not targets:
                 return
             loads = {b.id: self._load(b, physical=True) for b in targets}
@@ -523,10 +513,4 @@ class Scheduler:
             self._place(program, worker, Load(), forced=True)
 
     def _emit(self, kind: EventKind, program: Program, forced: bool = False) -> None:
-        event = ProgramEvent(kind, program, forced)
-        for listener in self.listeners:
-            try:
-                listener(event)
-            except Exception:
-                # One subscriber's failure (a sandbox host down) must not stall scheduling.
-                log.exception("listener failed on %s of %s", kind, program.id)
+        notify(self.listeners, ProgramEvent(kind, program, forced))

@@ -7,6 +7,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from thunderctl.scheduler.config import SchedulerConfig
 from thunderctl.scheduler.program import Program, Worker
 
 
@@ -167,6 +168,14 @@ class RetentionLaw:
     prefill: PrefillRate
     transfer_tokens_per_s: float  # a host tier's load back to the GPU
     returns: Returns = field(default_factory=Returns)
+
+    @classmethod
+    def from_config(cls, config: SchedulerConfig) -> RetentionLaw:
+        return cls(
+            config.retention_price_scale, config.tool_time_min_samples,
+            ToolTimes(config.tool_time_window, config.tool_time_min_samples), PrefillRate(config.prefill_tokens_per_s),
+            config.host_transfer_tokens_per_s,
+        )  # fmt: skip
 
     def on_request(self, program: Program, now: float) -> None:
         """The program's next request: the gap since its response was a tool call."""

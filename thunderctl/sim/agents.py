@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from thunderctl.sim.clock import VirtualClock
-from thunderctl.sim.engine import Request, TokenStream
+from thunderctl.sim.requests import Request, TokenStream
 from thunderctl.sim.worker import SimWorker
 
 
@@ -149,6 +149,7 @@ class VirtualAgents:
             request = Request(
                 run.stream, step.prompt_tokens, max(1, step.completion_tokens), arrival_s=start,
                 on_finish=lambda finished: self._done(run, worker, finished, admitted),
+                program=run.program_id, tool_call=run.next_step + 1 < len(run.steps),
             )  # fmt: skip
             worker.submit(request)
 

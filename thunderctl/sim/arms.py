@@ -2,7 +2,9 @@
 
 `sticky` and `least-loaded` are the engines alone; `reference` and `thunderctl` put the
 project's Scheduler in front (the paper's policy, `SchedulerConfig.reference()`, and the default);
-`limit` is the engines alone with a KV cache that never evicts, so nothing is recomputed.
+`limit` is the engines alone with a KV cache that never evicts, so nothing is recomputed;
+`bound` charges only running requests to the cache and keeps the rest off it for free.
+The peers (`prefix-aware`, `dynamo-ta`, `continuum`, `autellix`) are in sim/peers.py.
 """
 
 from __future__ import annotations
@@ -14,14 +16,23 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
+from thunderctl.percentiles import percentile
 from thunderctl.scheduler import SchedulerConfig
 from thunderctl.sim.agents import Router, SimStep, VirtualAgents, Workload
 from thunderctl.sim.clock import VirtualClock
 from thunderctl.sim.cost import Preset
-from thunderctl.sim.engine import Engine, EngineCounters
+from thunderctl.sim.engine import Engine, EngineCounters, EngineMode
 from thunderctl.sim.kv import HostTier
+from thunderctl.sim.peers import (
+    AutellixPLAS,
+    AutellixRouter,
+    ContinuumTTL,
+    DynamoQueue,
+    DynamoRouter,
+    PrefixAwareRouter,
+)
 from thunderctl.sim.routing import LeastLoadedRouter, PolicyRouter, StickyRouter
-from thunderctl.sim.waits import percentile, program_fairness, waits_by_class
+from thunderctl.sim.waits import program_fairness, waits_by_class
 from thunderctl.sim.worker import SimWorker
 
 GIB = 2**30
@@ -34,6 +45,16 @@ class ArmName(StrEnum):
     REFERENCE = "reference"
     THUNDERCTL = "thunderctl"
     LIMIT = "limit"
+    BOUND = "bound"
+    PREFIX_AWARE = "prefix-aware"
+    DYNAMO_TA = "dynamo-ta"
+    CONTINUUM = "continuum"
+    AUTELLIX = "autellix"
+
+    @property
+    def engine_bounded(self) -> bool:
+        """Its engines keep the preset's KV cache and may have a host tier."""
+        return self not in (ArmName.LIMIT, ArmName.BOUND)
 
 
 @dataclass(frozen=True)
@@ -142,12 +163,37 @@ def subtract_counters(after: EngineCounters, before: EngineCounters) -> EngineCo
     return EngineCounters(**{name: value - getattr(before, name) for name, value in vars(after).items()})
 
 
+def engine_mode(arm: ArmName, preset: Preset, clock: VirtualClock) -> EngineMode | None:
+    """The peer scheduling inside the engines of an arm, shared by its workers (None: vLLM's)."""
+    match arm:
+        case ArmName.CONTINUUM:
+            return ContinuumTTL(preset)
+        case ArmName.AUTELLIX:
+            return AutellixPLAS()
+        case ArmName.DYNAMO_TA:
+            return DynamoQueue(clock)
+    return None
+
+
 def build_router(
-    arm: ArmName, workers: list[SimWorker], clock: VirtualClock, preset: Preset, host_kv_tokens: int = 0
+    arm: ArmName,
+    workers: list[SimWorker],
+    clock: VirtualClock,
+    preset: Preset,
+    host_kv_tokens: int = 0,
+    mode: EngineMode | None = None,
 ) -> tuple[Router, PolicyRouter | None]:
     match arm:
-        case ArmName.STICKY | ArmName.LIMIT:
+        case ArmName.STICKY | ArmName.LIMIT | ArmName.BOUND | ArmName.CONTINUUM:
             return StickyRouter(workers), None
+        case ArmName.PREFIX_AWARE:
+            return PrefixAwareRouter(workers), None
+        case ArmName.AUTELLIX:
+            return AutellixRouter(workers), None
+        case ArmName.DYNAMO_TA:
+            assert isinstance(mode, DynamoQueue)
+            dynamo = DynamoRouter(workers, clock, mode)
+            return dynamo, dynamo
         case ArmName.LEAST_LOADED:
             return LeastLoadedRouter(workers), None
         case ArmName.REFERENCE:
@@ -169,14 +215,15 @@ def run_arm(arm: ArmName, spec: SimSpec, progress: Callable[[float], None] | Non
     clock = VirtualClock()
     preset = spec.preset
     workers = []
+    mode = engine_mode(arm, preset, clock)
     for index in range(spec.workers):
-        host = HostTier(spec.host_blocks) if spec.host_blocks and arm is not ArmName.LIMIT else None
+        host = HostTier(spec.host_blocks) if spec.host_blocks and arm.engine_bounded else None
         engine = Engine(
             preset.engine, preset.cost, host=host, transfer_seconds=preset.transfer_seconds,
-            unbounded_kv=arm is ArmName.LIMIT,
+            unbounded_kv=arm is ArmName.LIMIT, running_only_kv=arm is ArmName.BOUND, mode=mode,
         )  # fmt: skip
         workers.append(SimWorker(f"w{index}", engine, clock))
-    router, policy = build_router(arm, workers, clock, preset, spec.host_blocks * preset.engine.block_size)
+    router, policy = build_router(arm, workers, clock, preset, spec.host_blocks * preset.engine.block_size, mode)
     loop = VirtualAgents(
         spec.workload, spec.seed, spec.concurrency, clock, router, preset.engine.block_size,
         age_initial_programs=spec.age_initial_programs,

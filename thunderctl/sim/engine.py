@@ -14,104 +14,55 @@ a preemption (vLLM keeps those out of `vllm:prefix_cache_*`).
 A request decoding is not touched every step: its computed tokens are `base + step index`, and
 it only has events when it needs a block or ends, so a step costs the requests that change in
 it, not the whole batch.
+
+An `EngineMode` (a peer's scheduling inside the engine, sim/peers.py) may order the waiting
+queue by each request's `priority` (vLLM's priority policy), choose preemption victims by it,
+let a waiting request preempt running ones, and pin a finished request's KV for a while.
+Without one the engine is vLLM's default, and no mode code runs.
 """
 
 from __future__ import annotations
 
 import heapq
+from bisect import insort
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from itertools import chain
 from typing import Protocol
 
 from thunderctl.sim.cost import CostModel, EngineShape, StepLoad
 from thunderctl.sim.kv import BlockPool, HostTier
+from thunderctl.sim.requests import EngineCounters, Request, cdiv
 
 
-@dataclass(frozen=True)
-class TokenStream:
-    """A program's tokens, seen as block hashes: block i of every program is the same while it
-    lies inside the shared system prompt, and the program's own after that. Every prompt of a
-    program is a prefix of its stream, and an answer continues it, so a program's next prompt
-    extends its previous prompt and answer."""
-
-    uid: int  # >= 1, unique per program in a run
-    shared_blocks: int = 0
-
-    def block_runs(self, start: int, stop: int) -> list[range]:
-        """The hashes of blocks start..stop-1 as runs of consecutive hashes: small integers
-        for the shared blocks, then the program's (uid << 32) + index."""
-        shared, own = self.shared_blocks, self.uid << 32
-        runs = [range(start, min(stop, shared)), range(own + max(start, shared), own + stop)]
-        return [run for run in runs if run]
-
-    def block_hashes(self, start: int, stop: int) -> list[int]:
-        """The hashes of blocks start..stop-1, one by one."""
-        return list(chain.from_iterable(self.block_runs(start, stop)))
-
-
-class BlockHashes(Protocol):
-    """What the engine knows of a request's tokens: the hashes of its blocks start..stop-1, as
-    increasing runs of consecutive integers and one by one (a `TokenStream`, or the HTTP
-    server's `ContentStream`, content-addressed over real token ids)."""
-
-    def block_runs(self, start: int, stop: int) -> list[range]: ...
-
-    def block_hashes(self, start: int, stop: int) -> list[int]: ...
-
-
-@dataclass(eq=False)
-class Request:
-    stream: BlockHashes
-    prompt_tokens: int
-    max_tokens: int  # the answer's length: ignore_eos, so exactly this many tokens
-    arrival_s: float = 0.0
-    on_finish: Callable[[Request], None] | None = None
-    output_tokens: int = 0
-    computed_tokens: int = 0
-    num_blocks: int = 0  # KV blocks it holds
-    registered_blocks: int = 0  # leading blocks whose hash is in the prefix cache
-    duplicate_runs: list[range] = field(default_factory=list)  # of those, hashes another block held first
-    preemptions: int = 0
-    finished_s: float | None = None
-    # While decoding: computed tokens = base + the engine's step index.
-    base: int = 0
-    decoding: bool = False
-    epoch: int = 0  # bumped when it leaves decoding, so its queued events go stale
-    order: int = 0  # position in the running queue: admission order
-    ready_s: float | None = None  # a host-tier load in flight until then
+class EngineMode(Protocol):
+    """A peer's scheduling inside the engine. vLLM's default (FCFS, the last running request
+    preempted, nothing pinned) is no mode at all."""
 
     @property
-    def num_tokens(self) -> int:
-        return self.prompt_tokens + self.output_tokens
+    def ordered(self) -> bool:
+        """The waiting queue is kept in (priority, arrival) order, preempted requests included."""
+        ...
 
     @property
-    def latency_s(self) -> float | None:
-        return None if self.finished_s is None else self.finished_s - self.arrival_s
-
-
-@dataclass
-class EngineCounters:
-    steps: int = 0
-    busy_s: float = 0.0
-    preemptions: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    preempted_queries: int = 0
-    preempted_hits: int = 0
-    host_hit_tokens: int = 0
-    transfer_s: float = 0.0
-    prefill_tokens: int = 0  # prompt tokens computed, recompute included
-    decode_tokens: int = 0
-    finished: int = 0
+    def preempt_by_priority(self) -> bool:
+        """A victim is the running request of largest (priority, arrival), not the last admitted."""
+        ...
 
     @property
-    def hit_rate(self) -> float | None:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else None
+    def admission_preempts(self) -> bool:
+        """The waiting head preempts running requests of larger priority until it fits."""
+        ...
+
+    def on_submit(self, request: Request) -> None:
+        """A request arrives: set its priority."""
+        ...
+
+    def finished(self, request: Request, now: float, engine: Engine) -> float:
+        """A request finished: how long its KV stays pinned on the GPU for its program's next (0: freed now)."""
+        ...
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+def queue_key(request: Request) -> tuple[float, float]:
+    return request.priority, request.arrival_s
 
 
 class Engine:
@@ -125,7 +76,12 @@ class Engine:
         host: HostTier | None = None,
         transfer_seconds: Callable[[int], float] | None = None,
         unbounded_kv: bool = False,
+        running_only_kv: bool = False,
+        mode: EngineMode | None = None,
     ) -> None:
+        """`unbounded_kv`: nothing is ever evicted (the `limit`); `running_only_kv`: only the
+        blocks running requests hold count against the cache, freed ones stay cached at no
+        charge (the `bound`)."""
         if shape.max_num_seqs > shape.max_num_batched_tokens:
             raise ValueError(
                 f"max_num_seqs ({shape.max_num_seqs}) exceeds max_num_batched_tokens "
@@ -136,7 +92,9 @@ class Engine:
         self.shape = shape
         self.cost = cost
         self.block_size = shape.block_size
-        self.pool = BlockPool(None if unbounded_kv else shape.num_gpu_blocks, host)
+        self.pool = BlockPool(None if unbounded_kv else shape.num_gpu_blocks, host, keep_freed=running_only_kv)
+        self.mode = mode
+        self._pinned: dict[str, tuple[float, Request]] = {}  # program -> (expiry, its finished request)
         self.transfer_seconds = transfer_seconds
         self.counters = EngineCounters()
         self.waiting: list[Request] = []
@@ -166,7 +124,19 @@ class Engine:
                 f"a request of {total} tokens does not fit a KV cache of {self.pool.num_blocks} blocks "
                 f"of {self.block_size}: give the engine more blocks or the workload a smaller max context"
             )
-        self.waiting.append(request)
+        if self.mode is None:
+            self.waiting.append(request)
+            return
+        self.mode.on_submit(request)
+        self._enqueue(request, front=False)
+
+    def _enqueue(self, request: Request, front: bool) -> None:
+        if self.mode is not None and self.mode.ordered:
+            insort(self.waiting, request, key=queue_key)
+        elif front:
+            self.waiting.insert(0, request)
+        else:
+            self.waiting.append(request)
 
     @property
     def kv_usage(self) -> float:
@@ -189,6 +159,10 @@ class Engine:
     def begin_step(self, now: float) -> float | None:
         """Schedule a step at `now`; returns its duration, or None when nothing can run."""
         budget = self.shape.max_num_batched_tokens
+        if self._pinned:
+            self._expire_pins(now)
+        if self.mode is not None and self.mode.admission_preempts and self.waiting:
+            self._preempt_for_head()
         preempted = self._schedule_decodes()
         budget -= self._decoders
         self._chunks = []
@@ -282,6 +256,8 @@ class Engine:
             if need > self.pool.num_free:
                 break
             del self.waiting[index]
+            if request.scheduled_s is None:
+                request.scheduled_s = now
             self._orders += 1
             request.order = self._orders
             self.running.append(request)
@@ -308,6 +284,9 @@ class Engine:
         if need + hits - self.pool.held(hit_runs) > self.pool.num_free:
             return False
         self.pool.take(hit_runs)
+        if self._pinned and request.program in self._pinned:
+            self.counters.pin_hits += 1
+            self._unpin(request.program)
         self.pool.allocate(host_blocks)
         request.num_blocks = hits + host_blocks
         request.registered_blocks = hits
@@ -345,14 +324,37 @@ class Engine:
         """Preempt from the back of the running queue until `blocks` are free; False when
         `request` itself had to go."""
         while blocks > self.pool.num_free:
-            victim = self.running[-1]
+            if self._pinned:  # pinned KV goes before a running request does
+                self._unpin(min(self._pinned, key=lambda program: self._pinned[program][0]))
+                continue
+            victim = self._victim()
             self._preempt(victim)
             if victim is request:
                 return False
         return True
 
+    def _victim(self) -> Request:
+        if self.mode is not None and self.mode.preempt_by_priority:
+            return max(self.running, key=queue_key)
+        return self.running[-1]
+
+    def _preempt_for_head(self) -> None:
+        """The waiting head takes the place of running requests it outranks, until its prompt
+        (less what is cached) and a sequence slot are free."""
+        head = self.waiting[0]
+        hashable = (head.num_tokens - 1) // self.block_size
+        need = cdiv(head.num_tokens, self.block_size) - self.pool.cache_hits(head.stream.block_runs(0, hashable))
+        while self.running and (need > self.pool.num_free or len(self.running) >= self.shape.max_num_seqs):
+            victim = max(self.running, key=queue_key)
+            if queue_key(victim) <= queue_key(head):
+                return
+            self._preempt(victim)
+
     def _preempt(self, request: Request) -> None:
-        self.running.pop()
+        if self.running[-1] is request:
+            self.running.pop()
+        else:
+            self.running.remove(request)
         if request.decoding:
             self._stop_decoding(request, self.step_index)
         else:
@@ -361,7 +363,7 @@ class Engine:
         request.computed_tokens = 0
         request.preemptions += 1
         self.counters.preemptions += 1
-        self.waiting.insert(0, request)
+        self._enqueue(request, front=True)
 
     def _start_decoding(self, request: Request, step: int) -> None:
         self._prefilling.remove(request)
@@ -402,11 +404,27 @@ class Engine:
         self.running.remove(request)
         if request in self._prefilling:  # its answer was its prompt's one sampled token
             self._prefilling.remove(request)
-        self._release_blocks(request)
+        pin_s = 0.0 if self.mode is None or request.program is None else self.mode.finished(request, now, self)
+        if pin_s > 0 and request.program is not None:
+            if request.program in self._pinned:
+                self._unpin(request.program)
+            self._register(request, request.computed_tokens)
+            self._pinned[request.program] = (now + pin_s, request)
+            self.counters.pins += 1
+        else:
+            self._release_blocks(request)
         request.finished_s = now
         self.counters.finished += 1
         if request.on_finish is not None:
             request.on_finish(request)
+
+    def _unpin(self, program: str) -> None:
+        _, request = self._pinned.pop(program)
+        self._release_blocks(request)
+
+    def _expire_pins(self, now: float) -> None:
+        for program in [p for p, (expiry, _) in self._pinned.items() if expiry < now]:
+            self._unpin(program)
 
     def _load(self) -> StepLoad:
         decode_context = self._decoder_base_sum + self._decoders * (self.step_index + 1)

@@ -83,16 +83,20 @@ class _BlockRun:
 class BlockPool:
     """`num_blocks` blocks (None: as many as asked for, never evicting) and the prefix cache.
 
+    With `keep_freed`, only held blocks count against `num_blocks`: a freed block stays cached
+    for good, off the count (the simulator's capacity bound, not a real cache).
+
     A request hands its hashed blocks in as runs of hashes, in its order; what it holds beyond
     them is a count of blocks without a hash, and the runs among its own that were duplicates
     when it registered them (`register` returns those).
     """
 
-    def __init__(self, num_blocks: int | None, host: HostTier | None = None) -> None:
+    def __init__(self, num_blocks: int | None, host: HostTier | None = None, keep_freed: bool = False) -> None:
         if num_blocks is not None and num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.host = host
+        self.keep_freed = keep_freed
         self._starts: list[int] = []  # every run's lo, sorted
         self._runs: dict[int, _BlockRun] = {}  # lo -> run
         self._queue: list[tuple[int, int, int]] = []  # (release, -top, CACHED or DUPLICATE)
@@ -150,7 +154,7 @@ class BlockPool:
 
     def allocate(self, count: int) -> None:
         """`count` new blocks from the head of the free queue; the caller checked num_free."""
-        if self.num_blocks is not None:
+        if self.num_blocks is not None and not self.keep_freed:
             short = count - (self.num_blocks - self._in_use - self._queued)
             if short > 0:
                 self._evict(short)

@@ -6,6 +6,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from thunderctl.percentiles import percentile
 from thunderctl.sim.agents import SimStep
 
 # Upper bounds (prompt tokens) of the context-size classes waits are reported by; the last is open.
@@ -15,14 +16,6 @@ CONTEXT_CLASSES: tuple[tuple[str, int | None], ...] = (
     ("16-32k", 32_768),
     (">32k", None),
 )
-
-
-def percentile(values: Sequence[float], q: int) -> float | None:
-    if not values:
-        return None
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
 def context_class(prompt_tokens: int) -> str:

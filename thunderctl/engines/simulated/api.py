@@ -50,6 +50,27 @@ def no_room_to_answer(max_tokens: int) -> VllmError:
     return VllmError(f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
 
 
+TOOL_ARGUMENTS_OPEN, TOOL_ARGUMENTS_CLOSE = '{"input": "', '"}'
+
+
+def tool_arguments(text: str) -> str:
+    """The arguments of a simulated tool call: the answer's words (letters and spaces, no escapes)."""
+    return TOOL_ARGUMENTS_OPEN + text + TOOL_ARGUMENTS_CLOSE
+
+
+def called_tool(body: dict[str, Any]) -> str | None:
+    """The function a chat request's answer calls: the one `tool_choice` names, else the first of
+    `tools` unless tool_choice is "none"."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if not isinstance(tools, list) or not tools or choice == "none":
+        return None
+    if isinstance(choice, dict):
+        return (choice.get("function") or {}).get("name")
+    first = tools[0] if isinstance(tools[0], dict) else {}
+    return (first.get("function") or {}).get("name")
+
+
 class Kind(StrEnum):
     CHAT = "chat"
     TEXT = "text"
@@ -63,6 +84,7 @@ class Answer:
     model: str
     prompt_tokens: int
     completion_tokens: int
+    tool: str | None = None  # the function it calls (the request offered tools): its words are the arguments
     id: str = field(default_factory=lambda: secrets.token_hex(16))
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -88,7 +110,8 @@ class Answer:
                 "index": 0,
                 "message": {
                     "role": "assistant",
-                    "content": text,
+                    "content": None if self.tool else text,
+                    "tool_calls": [self._call(tool_arguments(text))] if self.tool else [],
                     "refusal": None,
                     "annotations": None,
                     "audio": None,
@@ -96,7 +119,7 @@ class Answer:
                     "reasoning": None,
                 },
                 "logprobs": None,
-                "finish_reason": FINISH_REASON,
+                "finish_reason": "tool_calls" if self.tool else FINISH_REASON,
                 "stop_reason": None,
                 "token_ids": None,
             }
@@ -133,11 +156,19 @@ class Answer:
         }
         return f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n".encode()
 
-    def _delta(self, text: str, final: bool) -> dict[str, Any]:
+    def _call(self, arguments: str, first: bool = True) -> dict[str, Any]:
+        """A tool call, or (not `first`) a stream's later piece of its arguments."""
+        if not first:
+            return {"index": 0, "function": {"arguments": arguments}}
+        return {"index": 0, "id": f"chatcmpl-tool-{self.id}", "type": "function",
+                "function": {"name": self.tool, "arguments": arguments}}  # fmt: skip
+
+    def _delta(self, text: str, final: bool, first: bool = False) -> dict[str, Any]:
         if self.kind is Kind.CHAT:
-            choice: dict[str, Any] = {"index": 0, "delta": {"content": text}, "logprobs": None}
+            delta = {"tool_calls": [self._call(text, first)]} if self.tool else {"content": text}
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None}
             return (
-                {**choice, "finish_reason": FINISH_REASON, "stop_reason": None}
+                {**choice, "finish_reason": "tool_calls" if self.tool else FINISH_REASON, "stop_reason": None}
                 if final
                 else {**choice, "finish_reason": None}
             )
@@ -155,11 +186,14 @@ class Answer:
             yield self._chunk(
                 [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
             )
-        first = True
+        first, opened = True, False
         async for words, final in pieces:
             text = " ".join(words)
-            yield self._chunk([self._delta(text if first or not words else f" {text}", final)])
-            first = first and not words
+            text = text if first or not words else f" {text}"
+            if self.tool:  # the words are the arguments' one string: '{"input": "' before, '"}' after
+                text = ("" if opened else TOOL_ARGUMENTS_OPEN) + text + (TOOL_ARGUMENTS_CLOSE if final else "")
+            yield self._chunk([self._delta(text, final, not opened)])
+            first, opened = first and not words, True
         if include_usage:
             yield self._chunk([], usage=self.usage())
         yield DONE_LINE

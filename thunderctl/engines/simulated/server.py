@@ -27,7 +27,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from thunderctl.engines.simulated.api import Answer, Kind, VllmError, no_room_to_answer, prompt_too_long, unknown_model
+from thunderctl.engines.simulated.api import (
+    Answer,
+    Kind,
+    VllmError,
+    called_tool,
+    no_room_to_answer,
+    prompt_too_long,
+    unknown_model,
+)
 from thunderctl.engines.simulated.metrics import metrics_registry
 from thunderctl.engines.simulated.runner import RealTimeEngine
 from thunderctl.engines.simulated.tokens import render_chat, token_ids
@@ -174,7 +182,8 @@ class SimServer:
         stream = bool(body.get("stream"))
         await self.admitting.wait()
         generation = self.runner.submit(prompt, max_tokens, stream=stream)
-        answer = Answer(kind, self.config.served_model_name, len(prompt), max_tokens)
+        tool = called_tool(body) if kind is Kind.CHAT else None
+        answer = Answer(kind, self.config.served_model_name, len(prompt), max_tokens, tool)
         if stream:
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             return StreamingResponse(answer.stream(generation.pieces(), include_usage), media_type="text/event-stream")

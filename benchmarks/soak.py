@@ -30,7 +30,7 @@ import psutil
 import yaml
 
 from thunderctl.bench.closed_loop import LoadSpec, Target, run_load
-from thunderctl.bench.results import LoadResult, percentile
+from thunderctl.bench.results import LoadResult
 from thunderctl.bench.shapes import AgentShape, Uniform
 from thunderctl.daemon.status import ClusterStatus
 from thunderctl.gateway.gateway import AGENT_KEEPALIVE_S
@@ -41,6 +41,7 @@ from thunderctl.gateway.timings import (
     histogram_quantile,
     watch_loop_lag,
 )
+from thunderctl.percentiles import percentile
 from thunderctl.processes import pick_free_port, pick_free_ports, pid_alive
 from thunderctl.prometheus import parse_samples
 

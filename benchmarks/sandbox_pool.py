@@ -1,6 +1,6 @@
 """Sandbox pool benchmark on a real Docker engine (a measurement, not a test).
 
-    python -m thunderctl.sandbox.benchmark --image IMAGE [--samples 20] [--programs 8]
+    python benchmarks/sandbox_pool.py --image IMAGE [--samples 20] [--programs 8]
 
 1. Acquire latency, warm vs cold: time from `acquire` until the sandbox is ready, and until a
    first command (`true`) has run in it, one acquire at a time. Cold: no warm pool, so a

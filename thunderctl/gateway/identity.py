@@ -1,0 +1,351 @@
+"""Program identity from the conversation: a request that names no program continues the one whose
+answer it carries on from, or starts a new one.
+
+The gateway relays every answer, so it knows each conversation it has served. After an answer it
+remembers a few hashes of the conversation so far (never its text); the next request of the same
+agent carries that history, and hashing it finds the program again:
+
+- chat: the history is hashed message by message on a normal form that ignores how clients echo
+  an answer back (whitespace, content as a string or as parts, tool-call arguments re-serialised,
+  `name` added, reasoning dropped). A request continues a program when its messages up to an
+  assistant message hash to a conversation remembered there, or, when the client rewrote its
+  history (condensed it, truncated old observations), when its latest assistant message is the
+  program's last answer under the same opening (the first message and the first user message, the
+  task, which condensers keep). An answer alone is not enough: agents often answer alike (the same
+  first command), and a conversation forgotten must not join another program;
+- completions: the prompt (text, or token ids as RL rollout workers send) continues a program when
+  it starts with that program's last prompt and completion. It is found through a hash of the
+  prompt's head (the first 2^k units, k as large as the prompt allows), which leads to the few
+  programs whose conversation began the same way; each is checked by a hash of its prefix.
+
+Every match leads to the programs whose last answer it is; one not continued yet is taken first, so
+n identical first requests (the n samples of a GRPO group) stay n programs even when answers
+coincide. Memory is bounded by `remembered_conversations`, the least recently continued forgotten
+first; the cost of a request grows with its size, never with the number of conversations.
+
+Pure and synchronous: the gateway calls it around each relayed request.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from enum import StrEnum
+from hashlib import blake2b
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+DIGEST_BYTES = 16
+WHITESPACE = b" \t\n\r\x0b\x0c"
+
+
+class IdentityConfig(BaseModel):
+    """The settings of derived identity: profile keys under `gateway:`, `serve` options."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    derive_programs: bool = Field(
+        True,
+        description="a request that names no program belongs to the program whose conversation it continues "
+        "(off: it is served unscheduled)",
+    )
+    remembered_conversations: int = Field(
+        65_536,
+        ge=1,
+        description="conversations remembered for that (a few hashes each, about 1 KB); the least recently "
+        "continued is forgotten first, and its next request starts a new program",
+    )
+
+
+class Match(StrEnum):
+    """How a request found its program."""
+
+    HISTORY = "history"  # its messages (or prompt) extend the program's last request and answer
+    REWRITTEN = "rewritten"  # its history was rewritten; its latest assistant message is the program's answer
+    NEW = "new"  # it continues nothing: a new program
+
+
+@dataclass
+class Claim:
+    """One request's program, and what its answer needs to be remembered under."""
+
+    program_id: str
+    match: Match
+    _chain: bytes = b""  # chat: the hash of all the request's messages
+    _opening: bytes = b""  # chat: the hash of its opening messages
+    _prompt: Any = None  # completions: a hasher fed with the prompt
+    _prompt_units: int = 0
+    _head: bytes = b""  # completions: the key of the prompt's head
+    _token_ids: bool = False
+
+
+@dataclass
+class _Conversation:
+    """A program's last answer as the index holds it."""
+
+    keys: tuple[bytes, ...]
+    length: int = 0  # completions: units of prompt + completion
+    digest: bytes = b""  # completions: the hash of those units
+    continued: bool = False  # a request continued it since its answer
+
+
+@dataclass
+class _Bucket:
+    """Programs under one key, those whose last answer was not continued yet apart."""
+
+    fresh: dict[str, None] = field(default_factory=dict)
+    continued: dict[str, None] = field(default_factory=dict)
+
+    def pick(self) -> str | None:
+        if self.fresh:
+            return next(iter(self.fresh))
+        return next(reversed(self.continued)) if self.continued else None
+
+
+def _digest(*parts: bytes) -> bytes:
+    return blake2b(b"".join(parts), digest_size=DIGEST_BYTES).digest()
+
+
+def _text(content: Any) -> bytes:
+    """Content as UTF-8 without its whitespace (so however a client spaced it); a list of parts
+    joined. Deleting whitespace is one pass in C, where collapsing runs of it would build a string
+    per word."""
+    if isinstance(content, list):
+        pieces = []
+        for part in content:
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                pieces.append(part["text"])
+            elif isinstance(part, str):
+                pieces.append(part)
+            else:  # an image or other non-text part counts as it is
+                pieces.append(json.dumps(part, sort_keys=True))
+        content = "".join(pieces)
+    elif not isinstance(content, str):
+        content = "" if content is None else json.dumps(content, sort_keys=True)
+    return content.encode(errors="surrogatepass").translate(None, WHITESPACE)
+
+
+def _arguments(arguments: Any) -> bytes:
+    """Tool-call arguments in one canonical JSON form, however the client serialised them."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return _text(arguments)
+    return json.dumps(arguments, sort_keys=True, separators=(",", ":")).encode()
+
+
+def message_digest(message: Any) -> bytes:
+    """A message's normal form, hashed: role, text and tool calls; ids, `name`, reasoning and other
+    fields left out."""
+    if not isinstance(message, dict):
+        return _digest(json.dumps(message, sort_keys=True).encode())
+    hasher = blake2b(str(message.get("role")).encode(errors="surrogatepass"), digest_size=DIGEST_BYTES)
+    hasher.update(b"\0" + _text(message.get("content")))
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict):
+            hasher.update(b"\0" + str(function.get("name")).encode(errors="surrogatepass"))
+            hasher.update(b"\0" + _arguments(function.get("arguments")))
+    return hasher.digest()
+
+
+def _units(prompt: Any) -> tuple[bytes | memoryview, bool] | None:
+    """A completions prompt as bytes of fixed width per unit (a character or a token id), or None
+    for what cannot be followed (a batch of several prompts)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):  # prompt + completion encode as the prompt's bytes, then the completion's
+        return prompt.encode(errors="surrogatepass"), False
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str):
+        try:  # array checks every id is an integer that fits, at C speed
+            return memoryview(array("q", prompt)).cast("B"), True
+        except (TypeError, OverflowError):
+            return None
+    return None
+
+
+def _width(token_ids: bool) -> int:
+    """Bytes per unit: a token id's 8, a text's bytes themselves (UTF-8)."""
+    return 8 if token_ids else 1
+
+
+def _heads(units: bytes | memoryview, width: int, token_ids: bool) -> tuple[list[bytes], Any]:
+    """The keys of the prompt's heads (see _head_lengths), and a hasher fed with the whole prompt:
+    one pass over it."""
+    view, hasher, done, keys = memoryview(units), blake2b(digest_size=DIGEST_BYTES), 0, []
+    for length in _head_lengths(len(units) // width):
+        hasher.update(view[done : length * width])
+        done = length * width
+        keys.append(b"H" + bytes([token_ids]) + hasher.copy().digest())
+    hasher.update(view[done:])
+    return keys, hasher
+
+
+def _head_lengths(units: int) -> list[int]:
+    """The head lengths hashed for a prompt of this many units: every power of two up to it (their
+    sum is under twice the prompt). A conversation is remembered under the longest of its prompt's,
+    so those of a short head are the few programs whose prompt is about as short."""
+    lengths, head = [], 1
+    while head <= units:
+        lengths.append(head)
+        head *= 2
+    return lengths or [0]
+
+
+class ConversationIndex:
+    """Which program each unnamed request continues; see the module's docstring."""
+
+    def __init__(self, remembered: int) -> None:
+        self.remembered = remembered
+        self._conversations: OrderedDict[str, _Conversation] = OrderedDict()
+        self._index: dict[bytes, _Bucket] = {}
+        self._prefix = secrets.token_hex(4)  # derived ids of two gateways never meet in one trace
+        self._started = 0
+        self.matched = {m: 0 for m in Match}
+
+    def __len__(self) -> int:
+        return len(self._conversations)
+
+    # ---- a request ------------------------------------------------------------------------
+
+    def claim(self, body: dict[str, Any]) -> Claim | None:
+        """The program this request belongs to (None: one that cannot be followed, a batch of
+        prompts, served unscheduled)."""
+        if "messages" in body:
+            claim: Claim | None = self._claim_chat(body["messages"])
+        else:
+            claim = self._claim_completion(body.get("prompt"))
+        if claim is not None:
+            self.matched[claim.match] += 1
+        return claim
+
+    def _claim_chat(self, messages: list[Any]) -> Claim:
+        chain, chains, digests = b"", [], []
+        for message in messages:
+            digests.append(message_digest(message))
+            chain = _digest(chain, digests[-1])
+            chains.append(chain)
+        opening = _opening(messages, digests)
+        assistants = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"]
+        keys = [b"C" + chains[i] for i in reversed(assistants)]
+        rewritten = [b"O" + _digest(opening, digests[assistants[-1]])] if assistants else []
+        program = self._first(keys)
+        match = Match.HISTORY
+        if program is None:
+            program, match = self._first(rewritten), Match.REWRITTEN
+        return self._claimed(program, match, Claim("", Match.NEW, _chain=chain, _opening=opening))
+
+    def _claim_completion(self, prompt: Any) -> Claim | None:
+        found = _units(prompt)
+        if found is None:
+            return None
+        units, token_ids = found
+        width = _width(token_ids)
+        count = len(units) // width
+        heads, hasher = _heads(units, width, token_ids)
+        candidates: dict[int, list[tuple[bytes, str]]] = {}  # conversation length → (digest, program)
+        for head in heads:
+            bucket = self._index.get(head)
+            for program in [*bucket.fresh, *bucket.continued] if bucket else []:
+                conversation = self._conversations[program]
+                # A continuation is longer than what it continues (a prompt whose completion is unknown
+                # counts by its prompt alone).
+                if conversation.length < count:
+                    candidates.setdefault(conversation.length, []).append((conversation.digest, program))
+        found_program, fallback = None, None
+        for length in sorted(candidates, reverse=True):  # the longest conversation continued first
+            digest = blake2b(memoryview(units)[: length * width], digest_size=DIGEST_BYTES).digest()
+            for expected, program in candidates[length]:
+                if expected == digest:
+                    fallback = fallback or program
+                    if not self._conversations[program].continued:
+                        found_program = program
+                        break
+            if found_program is not None:
+                break
+        pending = Claim("", Match.NEW, _prompt=hasher, _prompt_units=count, _head=heads[-1], _token_ids=token_ids)
+        return self._claimed(found_program or fallback, Match.HISTORY, pending)
+
+    def _first(self, keys: list[bytes]) -> str | None:
+        """The first program under these keys (in this order of preference) not continued yet, else the
+        first one continued already (a client that sent the same request again)."""
+        fallback = None
+        for key in keys:
+            bucket = self._index.get(key)
+            if bucket is None:
+                continue
+            if bucket.fresh:
+                return bucket.pick()
+            fallback = fallback or bucket.pick()
+        return fallback
+
+    def _claimed(self, program: str | None, match: Match, claim: Claim) -> Claim:
+        if program is None:
+            self._started += 1
+            claim.program_id, claim.match = f"conv-{self._prefix}-{self._started}", Match.NEW
+            return claim
+        claim.program_id, claim.match = program, match
+        conversation = self._conversations[program]
+        self._conversations.move_to_end(program)
+        if not conversation.continued:
+            conversation.continued = True
+            for key in conversation.keys:
+                bucket = self._index[key]
+                del bucket.fresh[program]
+                bucket.continued[program] = None
+        return claim
+
+    # ---- its answer -----------------------------------------------------------------------
+
+    def answered_chat(self, claim: Claim, message: dict[str, Any]) -> None:
+        """Remember the conversation as it stands after this answer (an assistant message)."""
+        answer = message_digest({"role": "assistant", **message})
+        keys = (b"C" + _digest(claim._chain, answer), b"O" + _digest(claim._opening, answer))
+        self._remember(claim.program_id, _Conversation(keys))
+
+    def answered_completion(self, claim: Claim, text: str, token_ids: list[int] | None) -> None:
+        """Remember prompt + completion (the completion's token ids when the prompt was ids: without
+        them, the prompt alone)."""
+        hasher = claim._prompt.copy()
+        units = claim._prompt_units
+        if claim._token_ids:
+            completion = _units(token_ids) if token_ids else None
+        else:
+            completion = _units(text)
+        if completion is not None:
+            hasher.update(completion[0])
+            units += len(completion[0]) // _width(claim._token_ids)
+        self._remember(claim.program_id, _Conversation((claim._head,), length=units, digest=hasher.digest()))
+
+    def forget(self, program_id: str) -> None:
+        conversation = self._conversations.pop(program_id, None)
+        if conversation is None:
+            return
+        for key in conversation.keys:
+            bucket = self._index[key]
+            bucket.fresh.pop(program_id, None)
+            bucket.continued.pop(program_id, None)
+            if not bucket.fresh and not bucket.continued:
+                del self._index[key]
+
+    def _remember(self, program_id: str, conversation: _Conversation) -> None:
+        self.forget(program_id)
+        self._conversations[program_id] = conversation
+        for key in conversation.keys:
+            self._index.setdefault(key, _Bucket()).fresh[program_id] = None
+        while len(self._conversations) > self.remembered:
+            self.forget(next(iter(self._conversations)))
+
+
+def _opening(messages: list[Any], digests: list[bytes]) -> bytes:
+    """The hash of what condensers keep: the first message and the first user message (the task)."""
+    first_user = next(
+        (i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"),
+        0,
+    )
+    return _digest(digests[0], digests[first_user]) if digests else b""
