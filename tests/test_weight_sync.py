@@ -16,6 +16,7 @@ from rich.console import Console
 
 from thunderctl.daemon.control import build_control_app
 from thunderctl.daemon.status import ClusterStatus
+from thunderctl.gateway import Gateway, WorkerLink, build_app
 from thunderctl.gateway.auth import GatewayAuth
 from thunderctl.gateway.stalls import StallWatch
 from thunderctl.scheduler import Phase, Scheduler, SchedulerConfig, Status
@@ -105,15 +106,33 @@ async def test_the_routes_ask_for_the_gateways_key(gateway_app) -> None:
     assert shown.status_code == 200 and shown.json()["paused"] is False
 
 
+def without_dev_mode(request: httpx.Request) -> httpx.Response:
+    """A vLLM worker started without VLLM_SERVER_DEV_MODE=1: /pause and the like are 404."""
+    if request.url.path == "/health":
+        return httpx.Response(200)
+    if request.url.path == "/metrics":
+        return httpx.Response(200, text="")
+    if request.url.path == "/v1/chat/completions":
+        usage = {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}
+        return httpx.Response(200, json={"choices": [{"index": 0, "message": {"content": "ok"}}], "usage": usage})
+    return httpx.Response(404, json={"detail": "Not Found"})
+
+
 @pytest.mark.anyio
-async def test_a_worker_without_the_pause_route_leaves_the_cluster_running_and_says_why(gateway_app) -> None:
-    client, _ = await gateway_app()  # the fake worker serves no /pause, as vLLM without dev mode
-    refused = await client.post("/admin/pause", json={"mode": "keep"})
-    assert refused.status_code == 502
-    assert "VLLM_SERVER_DEV_MODE=1" in refused.json()["error"]["message"]
-    assert (await client.get("/admin/pause")).json()["paused"] is False
-    served = await client.post("/v1/chat/completions", json=chat("after-refusal"))
-    assert served.status_code == 200
+async def test_a_worker_without_the_pause_route_leaves_the_cluster_running_and_says_why() -> None:
+    gateway = Gateway([WorkerLink("plain", "http://plain")], transport=httpx.MockTransport(without_dev_mode))
+    await gateway.start()
+    transport = httpx.ASGITransport(app=build_app(gateway))
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+            refused = await client.post("/admin/pause", json={"mode": "keep"})
+            assert refused.status_code == 502
+            assert "VLLM_SERVER_DEV_MODE=1" in refused.json()["error"]["message"]
+            assert (await client.get("/admin/pause")).json()["paused"] is False
+            served = await client.post("/v1/chat/completions", json=chat("after-refusal"))
+            assert served.status_code == 200
+    finally:
+        await gateway.stop()
 
 
 @pytest.mark.anyio
