@@ -14,11 +14,14 @@ import httpx
 import pytest
 from rich.console import Console
 
+from thunderctl.cluster.plan import plan_workers
 from thunderctl.daemon.control import build_control_app
 from thunderctl.daemon.status import ClusterStatus
+from thunderctl.engines.vllm import DEV_MODE_ENV, dev_mode_env
 from thunderctl.gateway import Gateway, WorkerLink, build_app
 from thunderctl.gateway.auth import GatewayAuth
 from thunderctl.gateway.stalls import StallWatch
+from thunderctl.profile import DEFAULT_PROFILE, load_profile
 from thunderctl.scheduler import Phase, Scheduler, SchedulerConfig, Status
 from thunderctl.scheduler.pause import ClusterPause, PauseEnd, PauseMode
 from thunderctl.status_screen import status_renderable
@@ -90,6 +93,14 @@ def test_a_paused_engine_never_stalls_and_its_clock_starts_at_its_resume() -> No
     assert not any(poll(float(second), True) for second in range(0, 120, 2))  # frozen 2 minutes
     assert not poll(127.9, False)  # resumed: its bound counts from the last poll that saw it paused (118)
     assert poll(128.0, False)
+
+
+def test_up_starts_loopback_workers_with_the_pause_routes_and_no_others() -> None:
+    (plan,) = plan_workers(load_profile(DEFAULT_PROFILE))
+    assert plan.launch_env(None)[DEV_MODE_ENV] == "1"
+    assert f"{DEV_MODE_ENV}=1" in plan.shell_line()
+    # vLLM serves its dev routes without its key: a worker reachable from the network gets none.
+    assert dev_mode_env("0.0.0.0") == {} and dev_mode_env("10.0.0.7") == {}
 
 
 # ---- the routes -----------------------------------------------------------------------------

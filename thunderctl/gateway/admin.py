@@ -119,7 +119,7 @@ class WeightSync:
             "errors": refused,
         }
         log.warning(
-            "cluster resumed (%s) after %.1fs in %.2fs%s%s",
+            "cluster pause ended (%s) after %.1fs; the engines resumed in %.2fs%s%s",
             how, paused_s, answer["took_s"],
             f"; weights changed: caches reset, {forgotten} ACTING program(s) paused" if weights_changed else "",
             f"; workers that refused: {refused}" if refused else "",
