@@ -245,6 +245,7 @@ def test_vllm_server_env() -> None:
     env = vllm_server_env(LocalEngineConfig(port=1, kv_cache_space_gib=2), {"PATH": "/bin"})
     assert env == {
         "PATH": "/bin",
+        "VLLM_SERVER_DEV_MODE": "1",  # on loopback: /pause and /resume for a weight update
         "VLLM_CPU_KVCACHE_SPACE": "2",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",

@@ -32,6 +32,7 @@ from thunderctl.lifecycle.up_down import existing_state, launch, reconcile, reco
 from thunderctl.profile import DEFAULT_PROFILE, Profile, ProfileError, load_profile, state_root
 from thunderctl.status_screen import status_renderable
 from thunderctl.terminal import err, fail, out
+from thunderctl.weights_cli import pause, resume
 
 app = typer.Typer(
     help="Program-aware agentic inference: schedule whole agent programs over vLLM workers.",
@@ -42,6 +43,8 @@ app.add_typer(engine_app, name="engine")
 app.add_typer(bench_app, name="bench")
 app.add_typer(agents_app, name="agents")
 app.command(epilog=SCHEDULER_HELP)(serve)
+app.command()(pause)
+app.command()(resume)
 
 
 # ---- the cluster ------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from thunderctl.gateway.server import AGENT_BACKLOG
 from thunderctl.jsonapi import DEFAULT_MAX_BODY_BYTES
 from thunderctl.sandbox.config import SandboxConfig
 from thunderctl.scheduler import SchedulerConfig
+from thunderctl.scheduler.pause import AdminConfig
 from thunderctl.sim.presets import preset_names
 
 BUILTIN_TINY_MODEL = "builtin:tiny"
@@ -177,6 +178,7 @@ class Profile(Strict):
     nodes: list[NodeSpec] = Field(min_length=1)
     gateway: GatewaySpec = GatewaySpec()
     scheduler: SchedulerConfig = SchedulerConfig()
+    admin: AdminConfig = AdminConfig()
     sandboxes: SandboxConfig | None = Field(None, description="the Docker sandbox pool; absent: none")
     state_dir: Path | None = Field(None, description="default: $THUNDERCTL_STATE_DIR or ~/.local/state/thunderctl")
 

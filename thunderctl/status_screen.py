@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Group
 from rich.table import Table
 
-from thunderctl.daemon.status import ClusterStatus, GatewayStatus, SandboxStatus
+from thunderctl.daemon.status import ClusterStatus, GatewayStatus, PauseStatus, SandboxStatus
 
 
 def status_renderable(view: ClusterStatus) -> Group:
@@ -51,6 +51,7 @@ def status_renderable(view: ClusterStatus) -> Group:
         if sched.admission_gate_open
         else f"admission: ACTING weight {sched.acting_weight:.2f} · workers busy {sched.utilization:.0%}",
         f"sandboxes: {sandbox_line(view.sandboxes)}",
+        *([pause_line(view.pause)] if view.pause and (view.pause.paused or view.pause.last_end) else []),
         gateway_key_line(view.gateway),
     )
 
@@ -59,6 +60,16 @@ def sandbox_line(boxes: SandboxStatus) -> str:
     if not boxes.available:
         return f"unavailable ({boxes.reason or ''})"
     return f"warm {boxes.warm} · bound {boxes.bound} · preparing {boxes.preparing}"
+
+
+def pause_line(pause: PauseStatus) -> str:
+    if pause.paused:
+        return (
+            f"[bold]paused[/] ({pause.mode}) for {pause.paused_for_s or 0:.0f} s: requests wait at the gateway; "
+            f"it ends by itself in {pause.ends_by_itself_in_s or 0:.0f} s (`thunderctl resume` ends it now)"
+        )
+    ended = "ended by itself after admin.max_pause_s" if pause.last_end == "timed out" else pause.last_end
+    return f"last pause: {ended}, {pause.last_duration_s or 0:.1f} s"
 
 
 def gateway_key_line(gateway: GatewayStatus) -> str:

@@ -16,7 +16,7 @@ from thunderctl.engines.local import (
     vllm_server_env,
 )
 from thunderctl.engines.simulated.process import sim_command
-from thunderctl.engines.vllm import API_KEY_ENV
+from thunderctl.engines.vllm import API_KEY_ENV, DEV_MODE_ENV, dev_mode_env
 from thunderctl.gateway.auth import is_loopback_host
 from thunderctl.profile import BUILTIN_TINY_MODEL, NodeSpec, Profile
 
@@ -161,11 +161,11 @@ def gpu_worker(
             bind,
             model_path(profile, home),
             args,
-            env_from_host=(API_KEY_ENV,),
+            env_from_host=(API_KEY_ENV, DEV_MODE_ENV),
         )
-        return command, {}
+        return command, dev_mode_env(bind[0])
     command = [python, "-m", VLLM_SERVER_MODULE, *gpu_args(profile, node, bind_host(node), port, home)]
-    return command, {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
+    return command, {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus)), **dev_mode_env(bind_host(node))}
 
 
 def plan_workers(profile: Profile, home: EngineHome | None = None) -> list[WorkerPlan]:

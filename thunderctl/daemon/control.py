@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
 from typing import Any, Protocol
@@ -19,6 +20,7 @@ from thunderctl.cluster.workers import stop_worker
 from thunderctl.daemon.status import (
     ClusterStatus,
     GatewayStatus,
+    PauseStatus,
     ProgramCounts,
     SandboxStatus,
     SchedulerStatus,
@@ -26,6 +28,7 @@ from thunderctl.daemon.status import (
 )
 from thunderctl.daemon.supervisor import RestartPlanner
 from thunderctl.gateway import Gateway
+from thunderctl.gateway.admin import NotNow, WeightSync
 from thunderctl.gateway.auth import GatewayAuth
 from thunderctl.jsonapi import BadRequest, bad_request, error, read_json_object, shown
 from thunderctl.scheduler import Phase, Status
@@ -36,6 +39,7 @@ class Daemon(Protocol):
 
     state: ClusterState
     gateway: Gateway
+    weights: WeightSync
     auth: GatewayAuth
     restarts: RestartPlanner
     started_at: float
@@ -132,6 +136,7 @@ def status_view(daemon: Daemon) -> ClusterStatus:
             utilization=round(gateway.last_utilization, 3),
         ),
         sandboxes=SandboxStatus.model_validate(daemon.sandbox_stats()),
+        pause=PauseStatus.model_validate(daemon.weights.view()),
     )
 
 
@@ -191,6 +196,9 @@ def build_control_app(daemon: Daemon) -> Starlette:
         except BadRequest as exc:
             return bad_request(exc)
         daemon.stopping = True
+        if daemon.weights.state.paused:  # what a `keep` pause froze must finish, and held requests go
+            with contextlib.suppress(NotNow):  # it may have ended by itself meanwhile
+                await daemon.weights.resume(weights_changed=False)
         worker_ids = [w.id for w in daemon.state.workers]
         for worker_id in worker_ids:
             gateway.drain(worker_id)

@@ -23,6 +23,7 @@ from thunderctl.cluster.workers import revive_worker
 from thunderctl.daemon.control import build_control_app
 from thunderctl.daemon.supervisor import RestartPlanner
 from thunderctl.gateway import Gateway, WorkerLink, build_app
+from thunderctl.gateway.admin import WeightSync
 from thunderctl.gateway.answers import resume_priority
 from thunderctl.gateway.server import server_config
 from thunderctl.jsonapi import BodyLimits
@@ -71,6 +72,7 @@ class Daemon:
             identity=self.profile.gateway.identity(),
         )  # fmt: skip
         self.auth = self.profile.gateway.auth()
+        self.weights = WeightSync(self.gateway, self.profile.admin)
         limits = BodyLimits(max_bytes=self.profile.gateway.max_body_bytes)
         self.started_at = time.time()
         self.server: uvicorn.Server | None = None
@@ -89,6 +91,7 @@ class Daemon:
             on_release=self._collect if self.sandboxes else None,
             auth=self.auth,
             limits=limits,
+            weight_sync=self.weights,
         )
         control_app = build_control_app(self)
 
@@ -214,6 +217,7 @@ class Daemon:
                 task.cancel()
             if self.sandboxes is not None:
                 await self.sandboxes.shutdown()
+            await self.weights.stop()
             await self.gateway.stop()
             self.transports.close()
             self.state.socket_path.unlink(missing_ok=True)

@@ -69,6 +69,20 @@ class SandboxStatus(StatusPart):
     preparing: int
 
 
+class PauseStatus(StatusPart):
+    """The cluster-wide pause for a weight update (POST /admin/pause), or how the last one ended."""
+
+    paused: bool
+    mode: str | None
+    paused_for_s: float | None
+    ends_by_itself_in_s: float | None  # admin.max_pause_s from its start
+    max_pause_s: float
+    pauses_total: int
+    timed_out_total: int  # pauses nobody resumed, ended by the bound
+    last_end: str | None  # resumed, timed out, failed
+    last_duration_s: float | None
+
+
 class ClusterStatus(StatusPart):
     cluster: str
     endpoint: str
@@ -78,6 +92,7 @@ class ClusterStatus(StatusPart):
     workers: list[WorkerStatus]
     scheduler: SchedulerStatus
     sandboxes: SandboxStatus
+    pause: PauseStatus | None = None  # None from a daemon older than the pause
 
     def busy(self, worker_ids: list[str]) -> list[WorkerStatus]:
         """Those of the workers that still have work to finish."""

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from thunderctl.engines.vllm import API_KEY_ENV
+from thunderctl.engines.vllm import API_KEY_ENV, dev_mode_env
 from thunderctl.jsonapi import bearer_headers
 from thunderctl.processes import ProcessIdentity, poll_until, spawn_detached, stop_recorded_group, tail_of_file
 
@@ -196,6 +196,7 @@ def vllm_server_env(config: LocalEngineConfig, base: dict[str, str]) -> dict[str
     return {
         **base,
         **({API_KEY_ENV: config.api_key} if config.api_key else {}),
+        **dev_mode_env(config.host),  # /pause, /resume for a weight update (gateway/admin.py)
         "VLLM_CPU_KVCACHE_SPACE": str(config.kv_cache_space_gib),
         # Nothing can be downloaded here; fail fast instead of retrying a hub.
         "HF_HUB_OFFLINE": "1",

@@ -8,6 +8,7 @@ sample with `engine`; totals are summed over engines and each engine is kept as 
 
 from __future__ import annotations
 
+import ipaddress
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -191,3 +192,71 @@ async def is_healthy(client: httpx.AsyncClient, base_url: str) -> bool:
     except httpx.HTTPError:
         return False
     return response.status_code == 200
+
+
+# --- pause and resume (a weight update) ----------------------------------------------
+# vLLM serves these only with VLLM_SERVER_DEV_MODE=1 in its environment (`up` sets it).
+
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
+
+
+def dev_mode_env(listen_host: str) -> dict[str, str]:
+    """What a vLLM server listening on `listen_host` needs for the routes above: dev mode, on
+    loopback only. vLLM serves its dev routes (also /collective_rpc, /sleep) without its API key,
+    so a worker reachable from the network does not get them (reach it through a tunnel instead)."""
+    try:
+        loopback = ipaddress.ip_address(listen_host).is_loopback
+    except ValueError:
+        loopback = listen_host == "localhost"
+    return {DEV_MODE_ENV: "1"} if loopback else {}
+
+
+class EngineControlError(RuntimeError):
+    """A worker refused or did not answer a pause, resume or cache reset; the message says which and why."""
+
+
+async def _control(client: httpx.AsyncClient, base_url: str, path: str, params: dict[str, str] | None = None) -> dict:
+    url = f"{base_url.rstrip('/')}{path}"
+    try:
+        response = await client.post(url, params=params)
+    except httpx.HTTPError as exc:
+        raise EngineControlError(f"POST {url} failed: {exc!r}") from exc
+    if response.status_code == 404:
+        raise EngineControlError(
+            f"POST {url} answered 404: the worker does not serve {path}; start vLLM with {DEV_MODE_ENV}=1 "
+            "in its environment (`thunderctl up` does)"
+        )
+    if response.is_error:
+        raise EngineControlError(f"POST {url} answered {response.status_code}: {response.text[:300]}")
+    return response.json() if response.content else {}
+
+
+async def pause_engine(client: httpx.AsyncClient, base_url: str, mode: str) -> None:
+    """Stop generating (`mode`: keep, wait or abort, as vLLM's /pause takes them); the engine
+    keeps its caches: whether they are stale is the resume's to say."""
+    await _control(client, base_url, "/pause", {"mode": mode, "clear_cache": "false"})
+
+
+async def resume_engine(client: httpx.AsyncClient, base_url: str) -> None:
+    await _control(client, base_url, "/resume")
+
+
+async def reset_prefix_cache(client: httpx.AsyncClient, base_url: str) -> bool:
+    """Drop every cached block; requests the engine holds (a `keep` pause) are preempted and
+    recomputed. Whether the engine says it succeeded."""
+    answer = await _control(client, base_url, "/reset_prefix_cache", {"reset_running_requests": "true"})
+    return bool(answer.get("success"))
+
+
+async def engine_paused(client: httpx.AsyncClient, base_url: str) -> bool:
+    """Whether the engine says it is paused (GET /is_paused); False when it cannot say (no dev mode)."""
+    try:
+        response = await client.get(f"{base_url.rstrip('/')}/is_paused")
+    except httpx.HTTPError:
+        return False
+    if response.status_code != 200:
+        return False
+    try:
+        return bool(response.json().get("is_paused"))
+    except ValueError:
+        return False

@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from thunderctl.gateway.admin import WeightSync, admin_routes
 from thunderctl.gateway.auth import GatewayAuth, RequireApiKey
 from thunderctl.gateway.disconnects import CountDisconnects
 from thunderctl.gateway.gateway import Gateway, WorkerError
@@ -44,10 +45,12 @@ def build_app(
     on_release: Callable[[str], None] | None = None,
     auth: GatewayAuth = GatewayAuth(),
     limits: BodyLimits = BodyLimits(),
+    weight_sync: WeightSync | None = None,
 ) -> Starlette:
     """The gateway's routes; the daemon adds the sandbox pool's routes, metrics, adoption and
     collection at release (of any program: one may end before its first LLM request). With
-    an API key in `auth`, every route but /health (and /metrics, if public) asks for it."""
+    an API key in `auth`, every route but /health (and /metrics, if public) asks for it.
+    `weight_sync` serves /admin/pause and /admin/resume (default: with the default bound)."""
 
     def release_program(program_id: str) -> bool:
         released = gateway.scheduler.release(program_id)
@@ -128,6 +131,7 @@ def build_app(
             Route("/programs", programs, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
+            *admin_routes(weight_sync or WeightSync(gateway), limits),
             *extra_routes,
         ],
         middleware=[

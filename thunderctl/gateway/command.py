@@ -22,10 +22,12 @@ from thunderctl.gateway.recorder import TraceRecorder
 from thunderctl.jsonapi import DEFAULT_MAX_BODY_BYTES, BodyLimits
 from thunderctl.processes import pick_free_port
 from thunderctl.scheduler import Policy, SchedulerConfig
+from thunderctl.scheduler.pause import AdminConfig
 from thunderctl.settings import SettingError, parse_settings, settings_help
 from thunderctl.terminal import err, fail, out
 
-SCHEDULER_HELP = settings_help(SchedulerConfig, "--scheduler")  # `serve --help`'s epilog
+# `serve --help`'s epilog
+SCHEDULER_HELP = settings_help(SchedulerConfig, "--scheduler") + "\n\n" + settings_help(AdminConfig, "--admin")
 IDENTITY = IdentityConfig()
 IDENTITY_HELP = {name: info.description for name, info in IdentityConfig.model_fields.items()}
 
@@ -54,6 +56,14 @@ def serve(
             "-s",
             metavar="KEY=VALUE",
             help="A scheduler setting, as a profile's scheduler: section names it (repeat); listed below.",
+        ),
+    ] = None,
+    admin: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--admin",
+            metavar="KEY=VALUE",
+            help="A setting of /admin/pause and /admin/resume, as a profile's admin: section names it; listed below.",
         ),
     ] = None,
     derive_programs: Annotated[
@@ -105,6 +115,7 @@ def serve(
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         config = parse_settings(SchedulerConfig, scheduler or [], "--scheduler", {"policy": policy})
+        admin_config = parse_settings(AdminConfig, admin or [], "--admin")
     except SettingError as exc:
         raise fail(str(exc)) from exc
     auth = GatewayAuth(api_key or None, metrics_public)
@@ -146,7 +157,8 @@ def serve(
                 derive_programs=derive_programs, remembered_conversations=remembered_conversations
             )
             gateway = Gateway(links, config, recorder=recorder, worker_key=worker_api_key, identity=identity)
-            aio.run(serve_gateway(gateway, host, port, ready, auth, BodyLimits(max_bytes=max_body_bytes)))
+            limits = BodyLimits(max_bytes=max_body_bytes)
+            aio.run(serve_gateway(gateway, host, port, ready, auth, limits, admin_config))
         except WorkerUnreachable as exc:
             raise fail(str(exc)) from exc
         except KeyboardInterrupt:

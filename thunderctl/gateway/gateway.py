@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from thunderctl.engines.vllm import EngineMetrics, fetch_metrics, is_healthy
+from thunderctl.engines.vllm import EngineMetrics, engine_paused, fetch_metrics, is_healthy
 from thunderctl.gateway.answers import (
     StreamedAnswer,
     tool_in_response,
@@ -73,6 +73,7 @@ class WorkerState(StrEnum):
     DRAINED = "drained"
     UNHEALTHY = "unhealthy"
     STALLED = "stalled"
+    PAUSED = "paused"  # its engine says so (a weight update): nothing is lost, it resumes
     STOPPED = "stopped"
 
 
@@ -92,6 +93,7 @@ class WorkerLink:
     stalled: bool = False
     last_progress_s: float = 0.0  # when a request last ended, or started on an idle worker
     host_kv_tokens: int = 0  # its host KV tier (vLLM's CPU offloading), from the profile
+    engine_paused: bool = False  # its engine's GET /is_paused at the last poll
 
     @property
     def capacity(self) -> int | None:
@@ -159,6 +161,9 @@ class Gateway:
         self._resumed: dict[str, asyncio.Event] = {}
         self.stalls = StallWatch(self.scheduler.config.stall_timeout_s)
         self.unanswered = UnansweredRequests()
+        # Cleared while the cluster is paused for a weight update (admin.py): requests wait here.
+        self.admitting = asyncio.Event()
+        self.admitting.set()
         self._tasks: list[asyncio.Task[None]] = []
         self.client_disconnects = 0  # clients gone before their request's body had arrived
         # Every call to a worker (relay, health, metrics) carries the cluster's worker key.
@@ -209,6 +214,15 @@ class Gateway:
             with self.timings.tick.time():
                 beat(self.scheduler, self.utilization())
 
+    @property
+    def http(self) -> httpx.AsyncClient:
+        """The client every call to a worker goes through (it carries the worker key)."""
+        return self._client
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        return self._clock
+
     def utilization(self) -> float:
         """Mean utilisation of the workers in service since the last call."""
         meters = [u.meter for u in self.links.values() if u.usable]
@@ -225,9 +239,11 @@ class Gateway:
             *(fetch_metrics(self._client, u.url) for u in self.links.values()),
             return_exceptions=True,
         )
-        for link, result in zip(self.links.values(), results, strict=True):
+        paused = await asyncio.gather(*(engine_paused(self._client, u.url) for u in self.links.values()))
+        for link, result, link_paused in zip(self.links.values(), results, paused, strict=True):
             if link.stopped:
                 continue
+            link.engine_paused = link_paused
             if isinstance(result, BaseException):
                 link.failures += 1
                 log.warning("metrics of %s unavailable (%d in a row): %s", link.id, link.failures, result)
@@ -262,6 +278,7 @@ class Gateway:
             generation_tokens=metrics.generation_tokens,
             engine_busy=metrics.requests_running + metrics.requests_waiting > 0,
             now_s=self._clock(),
+            engine_paused=link.engine_paused,
         )
         if stalled == link.stalled:
             return
@@ -303,6 +320,8 @@ class Gateway:
         if link.draining:
             idle = link.in_flight == 0 and not self.scheduler.workers[link.id].programs
             return WorkerState.DRAINED if idle else WorkerState.DRAINING
+        if link.engine_paused:
+            return WorkerState.PAUSED
         return WorkerState.READY if link.metrics else WorkerState.STARTING
 
     # ---- admission ------------------------------------------------------------------------
@@ -354,6 +373,7 @@ class Gateway:
 
     async def admit(self, program_id: str | None, shape: PromptShape) -> tuple[WorkerLink, bool]:
         """Where this request goes, and whether it waited here for its program's resume."""
+        await self.admitting.wait()
         if program_id is None:
             return self.least_loaded(), False
         with self.timings.admission_wait.time():

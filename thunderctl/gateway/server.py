@@ -8,10 +8,12 @@ from typing import Any
 import uvicorn
 from starlette.types import ASGIApp
 
+from thunderctl.gateway.admin import WeightSync
 from thunderctl.gateway.app import build_app
 from thunderctl.gateway.auth import GatewayAuth
 from thunderctl.gateway.gateway import AGENT_KEEPALIVE_S, Gateway, WorkerLink
 from thunderctl.jsonapi import BodyLimits
+from thunderctl.scheduler.pause import AdminConfig
 
 # Connections the kernel queues for the gateway to accept: uvicorn's default (2,048) is no more
 # than a cluster's agents, who all reconnect at once after a restart of the daemon (the kernel
@@ -51,11 +53,13 @@ async def serve_gateway(
     on_ready: Callable[[list[str]], None],
     auth: GatewayAuth = GatewayAuth(),
     limits: BodyLimits = BodyLimits(),
+    admin: AdminConfig | None = None,
 ) -> None:
     """Check the workers, then serve until interrupted; the gateway's loops stop with it."""
     try:
         warnings = await gateway.start()  # a worker that does not answer raises here: close the client all the same
-        server = uvicorn.Server(server_config(build_app(gateway, auth=auth, limits=limits), host=host, port=port))
+        app = build_app(gateway, auth=auth, limits=limits, weight_sync=WeightSync(gateway, admin))
+        server = uvicorn.Server(server_config(app, host=host, port=port))
         on_ready(warnings)
         await server.serve()
     finally:

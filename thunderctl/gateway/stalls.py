@@ -24,7 +24,8 @@ class StallWatch:
     `last_progress_s`), or the worker's generated-token counter moving between two polls (so a
     worker busy with long answers is not taken for stalled). A worker with requests in flight
     and no progress for `bound_s` has stalled. It serves again once its counter moves, or once it
-    reports no request running or waiting (what it was stuck on is gone).
+    reports no request running or waiting (what it was stuck on is gone). An engine that says it
+    is paused (a weight update) is not stalled: its clock starts again when it resumes.
     """
 
     bound_s: float
@@ -41,9 +42,10 @@ class StallWatch:
         generation_tokens: int,
         engine_busy: bool,
         now_s: float,
+        engine_paused: bool = False,
     ) -> bool:
         """One poll of the worker's metrics; returns whether it is stalled now."""
-        moved = self._tokens.get(worker_id) != generation_tokens
+        moved = self._tokens.get(worker_id) != generation_tokens or engine_paused
         self._tokens[worker_id] = generation_tokens
         if moved:
             self._counter_moved_s[worker_id] = now_s

@@ -20,6 +20,8 @@ from thunderctl.profile import load_profile, state_root
 
 # Sandbox preparation can include an image pull; the gateway waits at most this long per call.
 READY_WAIT_S = 600.0
+# A `wait` pause lasts as long as the longest request in flight; a resume resets every engine's cache.
+PAUSE_WAIT_S = 3600.0
 # Room above a command's own timeout for the HTTP round trip and the kill of a timed-out command.
 EXEC_MARGIN_S = 30.0
 
@@ -126,6 +128,14 @@ class ClusterClient:
         """Release the program: its KV reservation and its sandboxes go. Idempotent; True if
         the gateway was tracking it."""
         return self._call("POST", "/programs/release", json={"program_id": program_id})["released"]
+
+    def pause(self, mode: str) -> dict:
+        """Pause the cluster for a weight update (POST /admin/pause); a `wait` pause answers once
+        the requests in flight have finished."""
+        return self._call("POST", "/admin/pause", timeout=PAUSE_WAIT_S, json={"mode": mode})
+
+    def resume(self, weights_changed: bool) -> dict:
+        return self._call("POST", "/admin/resume", timeout=PAUSE_WAIT_S, json={"weights_changed": weights_changed})
 
     def create_sandbox(
         self, program_id: str, image: str | None = None, env: dict[str, str] | None = None, setup: str | None = None

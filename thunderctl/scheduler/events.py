@@ -51,3 +51,4 @@ class Counters:
     priced_pauses: int = 0  # ACTING programs paused because their KV cost more to keep than to drop
     bound_pauses: int = 0  # ACTING programs paused to make room for a program at its wait bound
     gpu_waits: int = 0  # requests of admitted programs held back: their decode would not fit the GPU
+    cache_resets: int = 0  # weight updates after which no program's context was cached any more

@@ -83,6 +83,25 @@ class Scheduler:
         self._waiting.add(program, program.paused_at)
         self._resume_waiting()
 
+    def forget_cached_contexts(self) -> int:
+        """New weights: no worker holds any program's context any more (each cached block is stale).
+
+        ACTING programs pause, as a program whose KV the engine dropped is paused: their next
+        request waits in the queue and is charged again from the engine's usage once it ends.
+        No program keeps a worker it should return to (its prefix and host-tier KV are gone too).
+        REASONING ones stay where their request runs: the engine recomputes what it needs.
+        Returns how many programs paused.
+        """
+        acting = [p for p in self.programs.values() if p.status is Status.ACTIVE and p.phase is Phase.ACTING]
+        for program in acting:
+            self._pause(program)
+        for program in self.programs.values():
+            if program.status is not Status.ACTIVE:
+                program.worker = None
+        self.counters.cache_resets += 1
+        self._resume_waiting()
+        return len(acting)
+
     # ---- what the gateway reports ---------------------------------------------------------
 
     def on_request(

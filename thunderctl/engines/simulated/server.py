@@ -3,7 +3,9 @@ gateway, `bench` and agent clients use, in real time.
 
 Routes: `/v1/chat/completions` and `/v1/completions` (streamed or not, `max_tokens`, `ignore_eos`,
 `stream_options.include_usage`), `/v1/models`, `/tokenize`, `/health`, `/metrics` (vLLM's names),
-and `/sim/stall` (no vLLM has it): POST stops the engine stepping, DELETE starts it again.
+`/pause?mode=keep|wait`, `/resume`, `/is_paused` and `/reset_prefix_cache` as vLLM serves them in dev
+mode (a weight update; `abort` is not simulated), and `/sim/stall` (no vLLM has it): POST stops the
+engine stepping, DELETE starts it again.
 An answer is always `max_tokens` long, clamped to what fits `max_model_len` as vLLM clamps it:
 the model has no end-of-sequence token, so `ignore_eos` changes nothing.
 """
@@ -164,6 +166,8 @@ class SimServer:
         self.runner = RealTimeEngine(self.engine, config.time_scale)
         self.registry: CollectorRegistry = metrics_registry(self.engine, config.served_model_name)
         self.started = int(time.time())
+        self.admitting = asyncio.Event()  # cleared while paused: new requests queue, as vLLM queues them
+        self.admitting.set()
 
     def describe(self) -> str:
         shape = self.shape
@@ -192,6 +196,7 @@ class SimServer:
         except VllmError as exc:
             return exc.response()
         stream = bool(body.get("stream"))
+        await self.admitting.wait()
         generation = self.runner.submit(prompt, max_tokens, stream=stream)
         tool = called_tool(body) if kind is Kind.CHAT else None
         answer = Answer(kind, self.config.served_model_name, len(prompt), max_tokens, tool)
@@ -252,6 +257,38 @@ class SimServer:
         log.warning("engine %s (%s /sim/stall)", "stalled: no step runs" if stalled else "steps again", request.method)
         return JSONResponse({"stalled": self.runner.stalled})
 
+    async def pause(self, request: Request) -> Response:
+        """vLLM's dev-mode pause: `keep` freezes what runs, `wait` lets it finish first; new requests queue."""
+        mode = request.query_params.get("mode", "abort")
+        if mode not in ("keep", "wait"):
+            return JSONResponse(
+                {
+                    "error": f"pause mode {mode!r}: the simulated engine pauses with keep or wait (abort is not simulated)"
+                },
+                status_code=400,
+            )
+        self.admitting.clear()
+        if mode == "wait":
+            while self.engine.running or self.engine.waiting:
+                await asyncio.sleep(0.01)
+        self.runner.stall(True)
+        log.warning("engine paused (mode %s)", mode)
+        return JSONResponse({"status": "paused"})
+
+    async def resume(self, _: Request) -> Response:
+        self.runner.stall(False)
+        self.admitting.set()
+        log.warning("engine resumed")
+        return JSONResponse({"status": "resumed"})
+
+    async def is_paused(self, _: Request) -> Response:
+        return JSONResponse({"is_paused": not self.admitting.is_set()})
+
+    async def reset_prefix_cache(self, _: Request) -> Response:
+        self.runner.block_ids.forget()
+        log.warning("prefix cache reset")
+        return JSONResponse({"success": True})
+
     async def version(self, _: Request) -> Response:
         return JSONResponse({"version": SIM_VERSION})
 
@@ -268,6 +305,10 @@ class SimServer:
                 Route("/health", self.health, methods=["GET"]),
                 Route("/version", self.version, methods=["GET"]),
                 Route("/metrics", self.metrics, methods=["GET"]),
+                Route("/pause", self.pause, methods=["POST"]),
+                Route("/resume", self.resume, methods=["POST"]),
+                Route("/is_paused", self.is_paused, methods=["GET"]),
+                Route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"]),
                 Route("/sim/stall", self.stall, methods=["POST", "DELETE"]),  # fault tests: a hung engine
             ]
         )

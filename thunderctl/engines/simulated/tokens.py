@@ -70,6 +70,11 @@ class BlockIds:
         self._ids: OrderedDict[int, int] = OrderedDict()
         self._next = 0
 
+    def forget(self) -> None:
+        """No content is known any more (a prefix cache reset): every block from now on is a miss.
+        Ids keep rising, so no new block takes the id of one still in the pool."""
+        self._ids.clear()
+
     def runs_of(self, chained: Sequence[int]) -> list[range]:
         ids = self._ids
         known: list[int] = []
