@@ -97,9 +97,17 @@ class RealTimeEngine:
         request.on_finish = lambda _: self._finished(generation)
         if stream:
             self._streaming.add(generation)
+        # The API server's work on the prompt comes first (sim/engine.py, FrontendCost).
+        delay = self.engine.frontend_in_s(request, request.arrival_s) - request.arrival_s
+        if delay > 0:
+            asyncio.get_running_loop().call_later(delay * self.time_scale, self._enter, request)
+        else:
+            self._enter(request)
+        return generation
+
+    def _enter(self, request: Request) -> None:
         self.engine.submit(request)
         self._work.set()
-        return generation
 
     def abort(self, generation: Generation) -> None:
         """Its client went away: the request leaves the engine at the next step boundary (a step
@@ -123,7 +131,13 @@ class RealTimeEngine:
 
     def _finished(self, generation: Generation) -> None:
         self._streaming.discard(generation)
-        generation.finish()
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        delay = self.engine.frontend_out_s(generation.request, now) - now
+        if delay > 0:
+            loop.call_later(delay * self.time_scale, generation.finish)
+        else:
+            generation.finish()
 
     async def run(self) -> None:
         """Step while there is work, sleep until a request arrives otherwise; until cancelled."""

@@ -160,7 +160,7 @@ class SimServer:
     def __init__(self, config: SimEngineConfig) -> None:
         self.config = config
         self.preset, self.shape = config.preset_and_shape()
-        self.engine = Engine(self.shape, self.preset.cost)
+        self.engine = Engine(self.shape, self.preset.cost, frontend=self.preset.frontend)
         self.runner = RealTimeEngine(self.engine, config.time_scale)
         self.registry: CollectorRegistry = metrics_registry(self.engine, config.served_model_name)
         self.started = int(time.time())
