@@ -82,7 +82,8 @@ def measure(client: httpx.Client, rng: random.Random, words: int, answer: int) -
     start = time.perf_counter()
     response = client.post("/v1/chat/completions", json=body)
     client_s = time.perf_counter() - start
-    response.raise_for_status()
+    if response.is_error:
+        raise RuntimeError(f"the engine answered {response.status_code}: {response.text}")
     usage = response.json()["usage"]
     after = metrics(client)
     if after["count"] - before["count"] != 1:
