@@ -38,7 +38,7 @@ from thunderctl.prometheus import parse_samples
 from thunderctl.sim.cost import FrontendCost
 
 MODEL = "tiny"
-PROMPT_WORDS = (16, 256, 1024, 3000)
+PROMPT_WORDS = (16, 256, 1024, 2000)  # ~4.5 tokens a word: the longest within max_model_len 16384
 ANSWER_TOKENS = (1, 32, 256)
 METRICS = {
     "e2e": "vllm:e2e_request_latency_seconds_sum",

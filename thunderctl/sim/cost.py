@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 
@@ -60,6 +60,15 @@ class FrontendCost:
         figures = (self.per_request_s, self.per_prompt_token_s, self.per_output_token_s)
         if min(figures) < 0 or not 0 <= self.engine_cpu_share < 1:
             raise ValueError(f"frontend cost {self}: seconds must be >= 0 and engine_cpu_share in [0, 1)")
+
+    def scaled(self, factor: float) -> FrontendCost:
+        """The same work on a clock that runs `factor` times the model's seconds (engine sim's --time-scale)."""
+        return replace(
+            self,
+            per_request_s=self.per_request_s * factor,
+            per_prompt_token_s=self.per_prompt_token_s * factor,
+            per_output_token_s=self.per_output_token_s * factor,
+        )
 
     def before_engine_s(self, prompt_tokens: int) -> float:
         """Work before the engine sees the request: HTTP, chat template, tokenizing the prompt."""

@@ -79,6 +79,7 @@ class RealTimeEngine:
         self.time_scale = time_scale
         self._streaming: set[Generation] = set()
         self._aborted: list[Request] = []  # to leave the engine at the next step boundary
+        self._in_frontend: set[Request] = set()  # not in the engine yet: the frontend has their prompts
         self._work = asyncio.Event()
         self._unstalled = asyncio.Event()
         self._unstalled.set()
@@ -99,13 +100,17 @@ class RealTimeEngine:
             self._streaming.add(generation)
         # The API server's work on the prompt comes first (sim/engine.py, FrontendCost).
         delay = self.engine.frontend_in_s(request, request.arrival_s) - request.arrival_s
+        self._in_frontend.add(request)
         if delay > 0:
-            asyncio.get_running_loop().call_later(delay * self.time_scale, self._enter, request)
+            asyncio.get_running_loop().call_later(delay, self._enter, request)
         else:
             self._enter(request)
         return generation
 
     def _enter(self, request: Request) -> None:
+        if request not in self._in_frontend:
+            return  # its client went away before it reached the engine
+        self._in_frontend.discard(request)
         self.engine.submit(request)
         self._work.set()
 
@@ -113,7 +118,9 @@ class RealTimeEngine:
         """Its client went away: the request leaves the engine at the next step boundary (a step
         in flight computes it still), its blocks freed. Nothing happens to a finished one."""
         self._streaming.discard(generation)
-        if not generation.finished:
+        if generation.request in self._in_frontend:
+            self._in_frontend.discard(generation.request)
+        elif not generation.finished:
             self._aborted.append(generation.request)
             self._work.set()  # an idle loop (a request that cannot be scheduled) wakes to drop it
 
@@ -135,7 +142,7 @@ class RealTimeEngine:
         now = loop.time()
         delay = self.engine.frontend_out_s(generation.request, now) - now
         if delay > 0:
-            loop.call_later(delay * self.time_scale, generation.finish)
+            loop.call_later(delay, generation.finish)
         else:
             generation.finish()
 
