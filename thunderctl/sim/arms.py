@@ -232,6 +232,7 @@ def run_arm(arm: ArmName, spec: SimSpec, progress: Callable[[float], None] | Non
         engine = Engine(
             preset.engine, preset.cost, host=host, transfer_seconds=preset.transfer_seconds,
             unbounded_kv=arm is ArmName.LIMIT, running_only_kv=arm is ArmName.BOUND, mode=mode,
+            frontend=preset.frontend,
         )  # fmt: skip
         workers.append(SimWorker(f"w{index}", engine, clock))
     router, policy = build_router(

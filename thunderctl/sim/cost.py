@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 
@@ -40,6 +40,47 @@ class EngineShape:
 
 
 @dataclass(frozen=True)
+class FrontendCost:
+    """vLLM's API-server process, outside the engine step: the chat template, tokenizing the
+    prompt, detokenizing and framing each output token, HTTP. It runs beside the engine core, one
+    request after another (one asyncio process), so it delays answers without taking batch slots.
+
+    Fitted as the client's latency minus the engine's own `vllm:e2e_request_latency_seconds`
+    (benchmarks/fit_frontend.py). All zero: today's engine model, figure for figure.
+    """
+
+    per_request_s: float = 0.0
+    per_prompt_token_s: float = 0.0
+    per_output_token_s: float = 0.0
+    # Where the API server shares the engine's cores (cpu-tiny): the share of the engine's CPU
+    # it takes while it has work, so that a step started then runs 1 / (1 - share) times longer.
+    engine_cpu_share: float = 0.0
+
+    def __post_init__(self) -> None:
+        figures = (self.per_request_s, self.per_prompt_token_s, self.per_output_token_s)
+        if min(figures) < 0 or not 0 <= self.engine_cpu_share < 1:
+            raise ValueError(f"frontend cost {self}: seconds must be >= 0 and engine_cpu_share in [0, 1)")
+
+    def scaled(self, factor: float) -> FrontendCost:
+        """The same work on a clock that runs `factor` times the model's seconds (engine sim's --time-scale)."""
+        return replace(
+            self,
+            per_request_s=self.per_request_s * factor,
+            per_prompt_token_s=self.per_prompt_token_s * factor,
+            per_output_token_s=self.per_output_token_s * factor,
+        )
+
+    def before_engine_s(self, prompt_tokens: int) -> float:
+        """Work before the engine sees the request: HTTP, chat template, tokenizing the prompt."""
+        return self.per_request_s + self.per_prompt_token_s * prompt_tokens
+
+    def after_engine_s(self, output_tokens: int) -> float:
+        """Work between the engine's last token and the client's end of answer: detokenizing and
+        framing the output (what the fit attributes to output tokens)."""
+        return self.per_output_token_s * output_tokens
+
+
+@dataclass(frozen=True)
 class Preset:
     """A worker (model × hardware) the simulator can stand in for."""
 
@@ -49,6 +90,7 @@ class Preset:
     engine: EngineShape
     kv_bytes_per_token: int  # one worker's KV bytes per token, over all its GPUs
     host_link_bytes_per_s: float  # host ↔ GPU, what a host-tier hit moves its blocks over
+    frontend: FrontendCost = FrontendCost()
 
     def transfer_seconds(self, tokens: int) -> float:
         """Time to bring `tokens` of KV from the host tier back to the GPU."""

