@@ -35,7 +35,7 @@ BASE = dict(
     resume_threshold=0.9,
     buffer_tokens=0,
     resume_timeout_s=60,
-    idle_ttl_s=300,
+    end_unlearnt_s=300,
 )
 
 
@@ -272,6 +272,78 @@ def test_idle_program_expires_after_ttl_but_not_while_decoding() -> None:
     assert "idle" not in sched.programs and "decoding" in sched.programs
     assert kinds(events, "idle")[-1] is EventKind.EXPIRED
     assert sched.reserved_tokens("a") == 100
+
+
+def teach_gaps(sched: Scheduler, clock: FakeClock, gaps_s: list[float], tool: str | None = None) -> None:
+    """A program whose answers are continued after `gaps_s` (its tool times), then released."""
+    sched.on_request("teacher", 10)
+    for gap in gaps_s:
+        sched.on_response("teacher", 10, 0, tool)
+        clock.advance(gap)
+        sched.on_request("teacher", 10)
+    sched.on_response("teacher", 10, 0)
+    sched.release("teacher")
+
+
+@pytest.mark.parametrize(
+    ("gaps_s", "alive_at_s", "ended_by_s"),
+    [
+        ([], 299, 301),  # nothing learnt yet: end_unlearnt_s
+        ([5.0] * 7, 299, 301),  # fewer gaps than tool_time_min_samples: still unlearnt
+        ([5.0] * 8, 29, 31),  # short tool times: the 30 s floor
+        ([4.0] * 7 + [40.0], 79, 81),  # the longest of 8 gaps (q 0.99) × margin 2
+        ([60.0] * 100 + [5.0] * 8, 29, 31),  # an 8-gap window: older, longer gaps forgotten
+    ],
+)
+def test_a_program_never_released_ends_by_the_learnt_continuation_gap(gaps_s, alive_at_s, ended_by_s) -> None:
+    sched, clock, events = make(tool_time_window=8)
+    teach_gaps(sched, clock, gaps_s)
+    run_step(sched, "p", 100)
+    clock.advance(alive_at_s)
+    sched.tick()
+    assert "p" in sched.programs
+    clock.advance(ended_by_s - alive_at_s)
+    sched.tick()
+    assert "p" not in sched.programs and kinds(events, "p")[-1] is EventKind.EXPIRED
+    assert sched.reserved_tokens("a") == 0
+
+
+def test_a_slow_tool_is_waited_for_by_its_own_gaps_among_fast_ones() -> None:
+    sched, clock, _ = make(tool_time_window=1024)
+    teach_gaps(sched, clock, [2.0] * 800, "ls")
+    teach_gaps(sched, clock, [60.0] * 8, "pytest")  # under 1% of the cluster's gaps: past its 0.99 quantile
+    sched.on_request("p", 100)
+    sched.on_response("p", 100, 0, "pytest")
+    clock.advance(119)
+    sched.tick()
+    assert "p" in sched.programs
+
+
+@pytest.mark.parametrize("waiting", [False, True])
+def test_a_program_with_a_request_in_flight_or_waiting_never_ends(waiting) -> None:
+    sched, clock, _ = make()
+    teach_gaps(sched, clock, [5.0] * 8)
+    if waiting:
+        run_step(sched, "hog", 1000)  # no room: p's request waits
+    assert (sched.on_request("p", 100) is None) is waiting
+    clock.advance(59)  # under the forced resume, past the floor
+    sched.tick()
+    assert "p" in sched.programs
+
+
+def test_a_paused_program_silent_past_its_gap_is_not_resumed_into_room_others_need() -> None:
+    sched, clock, _ = make(retention=False)
+    teach_gaps(sched, clock, [5.0] * 8)
+    run_step(sched, "gone", 400)
+    clock.advance(20)  # past its expected 5 s, before the 30 s floor: not ended yet
+    run_step(sched, "soon", 300)
+    sched.drain("a")
+    sched.set_schedulable("a", True)
+    clock.advance(1)
+    sched.tick()
+    assert sched.programs["soon"].status is Status.ACTIVE  # within its gap: room held ahead of it
+    assert sched.programs["gone"].status is Status.PAUSED
+    assert sched.on_request("live", 500) == "a"
 
 
 def test_release_is_idempotent_and_frees_the_reservation() -> None:

@@ -49,9 +49,13 @@ def serve(
     resume_timeout: Annotated[
         float, typer.Option(help="Seconds before a waiting program is forced back.")
     ] = DEFAULTS.resume_timeout_s,
-    idle_ttl: Annotated[
-        float, typer.Option(help="Seconds of silence before a program is expired.")
-    ] = DEFAULTS.idle_ttl_s,
+    end_floor: Annotated[
+        float,
+        typer.Option(
+            help="A program never released ends when not continued within its learnt gap, and no sooner than "
+            "this many seconds after its last answer."
+        ),
+    ] = DEFAULTS.end_floor_s,
     acting_decay: Annotated[
         Decay, typer.Option(help="Decay of ACTING reservations (resume side).")
     ] = DEFAULTS.acting_decay,
@@ -134,7 +138,7 @@ def serve(
             resume_threshold=resume_threshold,
             buffer_tokens=buffer_tokens,
             resume_timeout_s=resume_timeout,
-            idle_ttl_s=idle_ttl,
+            end_floor_s=end_floor,
             acting_decay=acting_decay,
             acting_decay_tau_s=acting_decay_tau,
             acting_overbook=acting_overbook,

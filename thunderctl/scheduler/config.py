@@ -34,7 +34,18 @@ class SchedulerConfig(BaseModel):
     resume_threshold: float = Field(0.90, gt=0, le=1.5)
     buffer_tokens: int = Field(256, ge=0, description="decode headroom charged per program")
     resume_timeout_s: float = Field(600.0, gt=0)
-    idle_ttl_s: float = Field(900.0, gt=0)
+    end_floor_s: float = Field(
+        30.0, gt=0, description="a program never released ends no sooner than this after its last answer"
+    )
+    end_quantile: float = Field(
+        0.99, gt=0, le=1, description="share of the observed continuation gaps (answer → next request) waited for"
+    )
+    end_margin: float = Field(
+        2.0, ge=1, description="a silent program ends after this many times the gap it is expected back within"
+    )
+    end_unlearnt_s: float = Field(
+        900.0, gt=0, description="silence after which a program ends while too few continuation gaps are known"
+    )
     acting_decay: Decay = Decay.OFF
     acting_decay_tau_s: float = Field(30.0, gt=0)
     acting_overbook: float = Field(1.0, ge=0, le=1, description="weight of an ACTING reservation on the resume side")

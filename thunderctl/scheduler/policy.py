@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from thunderctl.scheduler.admission import AdmissionTuner
 from thunderctl.scheduler.capacity import decode_fits, gpu_binds, gpu_room, headroom
 from thunderctl.scheduler.config import Decay, SchedulerConfig
+from thunderctl.scheduler.ending import EndingLaw, silent
 from thunderctl.scheduler.events import Counters, EventKind, Listener, ProgramEvent
 from thunderctl.scheduler.ledger import Ledger, Load
 from thunderctl.scheduler.ordering import WaitingQueue, acting_decay, pause_key
@@ -42,6 +43,9 @@ class Scheduler:
             ToolTimes(cfg.tool_time_window, cfg.tool_time_min_samples), PrefillRate(cfg.prefill_tokens_per_s),
             cfg.host_transfer_tokens_per_s,
         )  # fmt: skip
+        self.ending = EndingLaw(
+            cfg.end_floor_s, cfg.end_quantile, cfg.end_margin, cfg.end_unlearnt_s, cfg.tool_time_min_samples
+        )
         self.counters = Counters()
         self.tuner = AdmissionTuner(self.config)
         self._waited = False  # a request waited for admission since the last adapt()
@@ -244,10 +248,10 @@ class Scheduler:
         return load
 
     def _expire_idle(self) -> None:
-        deadline = self.clock() - self.config.idle_ttl_s
+        """End the programs not continued within the learnt law (ending.py), as a release does."""
+        now, tool_times = self.clock(), self.retention.tool_times
         for program in list(self.programs.values()):
-            in_flight = program.phase is Phase.REASONING and program.status is Status.ACTIVE
-            if not in_flight and program.waiting_since is None and program.last_activity < deadline:
+            if silent(program) and now - program.last_activity > self.ending.ends_after_s(program, tool_times):
                 self._terminate(program, EventKind.EXPIRED)
                 self.counters.expired += 1
 
@@ -269,7 +273,13 @@ class Scheduler:
         buffer = self.config.buffer_tokens
         if not any(self._is_idle(b) or self._headroom(b, physical[b.id]) > buffer for b in targets):
             return  # a full cluster: no need to sort thousands of paused programs
-        idle = [p for p in self.resume_queue() if p.waiting_since is None]
+        # One silent past its expected gap is likely not coming back: no room is held for it.
+        now, tool_times = self.clock(), self.retention.tool_times
+        idle = [
+            p
+            for p in self.resume_queue()
+            if p.waiting_since is None and not self.ending.overdue(p, tool_times, now)
+        ]
         self._place_all(self._admit_in_order(idle, targets, physical), targets, physical)
 
     def _resume_waiting_programs(self, targets: list[Worker], force_overdue: bool) -> None:
@@ -352,6 +362,7 @@ class Scheduler:
         return choose(
             self.config.placement, program, fitting, list(self.workers),
             headroom=lambda b: self._headroom(b, loads[b.id]), contended=contended,
+            holds_prefix=lambda b: program.prefix_key is not None and loads[b.id].prefix_holders[program.prefix_key] > 0,
         )  # fmt: skip
 
     def _place(self, program: Program, worker: Worker, load: Load, forced: bool = False) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -31,6 +32,10 @@ class GapSamples:
         if len(tail) < min_samples:
             return None
         return sum(tail) / len(tail) - elapsed_s
+
+    def quantile(self, q: float) -> float:
+        """The q-th quantile (0-1) of the samples, the nearest one at or above it (non-empty)."""
+        return self._sorted[min(len(self._sorted) - 1, max(0, math.ceil(q * len(self._sorted)) - 1))]
 
     def __len__(self) -> int:
         return len(self._recent)
