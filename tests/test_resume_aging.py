@@ -76,6 +76,7 @@ def test_a_program_at_its_wait_bound_is_admitted_at_once_acting_programs_pausing
     config = SchedulerConfig(
         adaptive=False, retention=False, buffer_tokens=0, resume_timeout_s=600, end_floor_s=10_000,
         wait_bound_s=100, new_program_delay_s=0,
+        tool_time_min_samples=10_000,  # no tool times trusted: held-0 is not taken for ended (scheduler.md, Ending)
     )  # fmt: skip
     sched = Scheduler(config, clock)
     sched.add_worker("a", 1000)

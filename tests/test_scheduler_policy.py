@@ -291,7 +291,7 @@ def teach_gaps(sched: Scheduler, clock: FakeClock, gaps_s: list[float], tool: st
         ([], 299, 301),  # nothing learnt yet: end_unlearnt_s
         ([5.0] * 7, 299, 301),  # fewer gaps than tool_time_min_samples: still unlearnt
         ([5.0] * 8, 29, 31),  # short tool times: the 30 s floor
-        ([4.0] * 7 + [40.0], 79, 81),  # the longest of 8 gaps (q 0.99) × margin 2
+        ([4.0] * 7 + [40.0], 119, 121),  # the longest of 8 gaps (q 0.99) × margin 3
         ([60.0] * 100 + [5.0] * 8, 29, 31),  # an 8-gap window: older, longer gaps forgotten
     ],
 )

@@ -16,6 +16,11 @@ class EndingLaw:
     `min_samples` (its tool kind, itself, the cluster; the longest wins, so a slow tool is waited
     for by its own gaps), and ends once silent `margin` times that, never sooner than `floor_s`
     after its last answer. Before any key has enough gaps, it ends after `unlearnt_s`.
+
+    Long before that it is *likely ended*: once its silence is longer than all but a share
+    (1 − r) / r of the gaps, where r is the chance that an answer is continued at all, a program
+    that ended is more likely than one still in its tool (r·S(t) < 1 − r, S the gaps' survival).
+    Then its room is not held for it while others wait, nor reserved ahead of it.
     """
 
     floor_s: float
@@ -24,20 +29,22 @@ class EndingLaw:
     unlearnt_s: float
     min_samples: int
 
-    def expected_gap_s(self, program: Program, tool_times: ToolTimes) -> float | None:
-        """How long after its last answer the program is expected back; None before any evidence."""
-        gaps = [samples.quantile(self.quantile) for samples in self._evidence(program, tool_times)]
-        return max(gaps) if gaps else None
-
     def ends_after_s(self, program: Program, tool_times: ToolTimes) -> float:
         """Silence after which the program ends."""
-        expected = self.expected_gap_s(program, tool_times)
-        return max(self.floor_s, self.unlearnt_s if expected is None else self.margin * expected)
+        gaps = [samples.quantile(self.quantile) for samples in self._evidence(program, tool_times)]
+        return max(self.floor_s, self.margin * max(gaps) if gaps else self.unlearnt_s)
 
-    def overdue(self, program: Program, tool_times: ToolTimes, now: float) -> bool:
-        """Silent past its expected gap: not expected back soon, so no room is reserved for it ahead."""
-        expected = self.expected_gap_s(program, tool_times)
-        return expected is not None and silent(program) and now - program.last_activity > expected
+    def likely_ended(self, program: Program, tool_times: ToolTimes, return_chance: float, now: float) -> bool:
+        """Silent so long that it has more likely ended than not (False before any evidence)."""
+        if not silent(program):
+            return False
+        evidence = list(self._evidence(program, tool_times))
+        if not evidence:
+            return False
+        share = 1.0 - (1.0 - return_chance) / return_chance
+        if share <= 0:
+            return True  # answers are more often the last than continued
+        return now - program.last_activity > max(samples.quantile(share) for samples in evidence)
 
     def _evidence(self, program: Program, tool_times: ToolTimes) -> Iterator[GapSamples]:
         keys = [tool_times.cluster, tool_times.by_program.get(program.id)]

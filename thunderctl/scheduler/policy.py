@@ -208,6 +208,7 @@ class Scheduler:
         """
         try:
             self._expire_idle()
+            self._pause_likely_ended()
             self._resume()
             self._make_room_for_overdue()
             self._pause_overfull()
@@ -255,6 +256,21 @@ class Scheduler:
                 self._terminate(program, EventKind.EXPIRED)
                 self.counters.expired += 1
 
+    def _likely_ended(self, program: Program) -> bool:
+        law = self.retention
+        return self.ending.likely_ended(program, law.tool_times, law.returns.chance, self.clock())
+
+    def _pause_likely_ended(self) -> None:
+        """While requests wait, an ACTING program that has likely ended gives up its room (its KV
+        stays in the engine's cache until evicted, should it return)."""
+        if not self._waiting:
+            return
+        for worker in self.workers.values():
+            for program in [self.programs[i] for i in worker.programs]:
+                if program.phase is Phase.ACTING and self._likely_ended(program):
+                    self._pause(program)
+                    self.counters.ended_pauses += 1
+
     def _resume_waiting(self) -> None:
         """The event-driven resume: only programs whose request waits, nobody forced."""
         self._resume(force_overdue=False, waiting_only=True)
@@ -273,13 +289,8 @@ class Scheduler:
         buffer = self.config.buffer_tokens
         if not any(self._is_idle(b) or self._headroom(b, physical[b.id]) > buffer for b in targets):
             return  # a full cluster: no need to sort thousands of paused programs
-        # One silent past its expected gap is likely not coming back: no room is held for it.
-        now, tool_times = self.clock(), self.retention.tool_times
-        idle = [
-            p
-            for p in self.resume_queue()
-            if p.waiting_since is None and not self.ending.overdue(p, tool_times, now)
-        ]
+        # One that has likely ended is not coming back: no room is reserved for it.
+        idle = [p for p in self.resume_queue() if p.waiting_since is None and not self._likely_ended(p)]
         self._place_all(self._admit_in_order(idle, targets, physical), targets, physical)
 
     def _resume_waiting_programs(self, targets: list[Worker], force_overdue: bool) -> None:

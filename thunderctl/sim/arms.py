@@ -15,7 +15,7 @@ from enum import StrEnum
 from typing import Any
 
 from thunderctl.scheduler import PauseOrder, PlacementRule, SchedulerConfig
-from thunderctl.sim.agents import Router, SimStep, VirtualAgents, Workload
+from thunderctl.sim.agents import Client, Router, SimStep, VirtualAgents, Workload
 from thunderctl.sim.clock import VirtualClock
 from thunderctl.sim.cost import Preset
 from thunderctl.sim.engine import Engine, EngineCounters
@@ -50,6 +50,7 @@ class SimSpec:
     host_kv_gib: float = 0.0
     sample_interval_s: float = 10.0
     age_initial_programs: bool = False  # as `thunderctl bench` runs: the first programs start part-way
+    client: Client = Client.NAMED  # whether agents name and release their programs
 
     def __post_init__(self) -> None:
         if self.concurrency < 1 or self.workers < 1:
@@ -183,7 +184,7 @@ def run_arm(arm: ArmName, spec: SimSpec, progress: Callable[[float], None] | Non
     router, policy = build_router(arm, workers, clock, preset, spec.host_blocks * preset.engine.block_size)
     loop = VirtualAgents(
         spec.workload, spec.seed, spec.concurrency, clock, router, preset.engine.block_size,
-        age_initial_programs=spec.age_initial_programs,
+        age_initial_programs=spec.age_initial_programs, client=spec.client,
     )  # fmt: skip
     occupancy: list[OccupancySample] = []
     at_warmup: list[EngineCounters] = []
@@ -194,8 +195,8 @@ def run_arm(arm: ArmName, spec: SimSpec, progress: Callable[[float], None] | Non
             return {}
         c = policy.scheduler.counters
         return {
-            "pauses": c.pauses, "resumes": c.resumes, "forced_resumes": c.forced_resumes,
-            "priced_pauses": c.priced_pauses, "bound_pauses": c.bound_pauses, "gpu_waits": c.gpu_waits,
+            "pauses": c.pauses, "resumes": c.resumes, "forced_resumes": c.forced_resumes, "expired": c.expired,
+            "priced_pauses": c.priced_pauses, "ended_pauses": c.ended_pauses, "bound_pauses": c.bound_pauses, "gpu_waits": c.gpu_waits,
         }  # fmt: skip
 
     def sample() -> None:
