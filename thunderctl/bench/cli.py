@@ -40,8 +40,8 @@ from thunderctl.engines.vllm import API_KEY_ENV as ENGINE_KEY_ENV
 from thunderctl.gateway.auth import API_KEY_ENV
 from thunderctl.integrations.cluster import ClusterClient, Endpoints, cluster_endpoints
 from thunderctl.jsonapi import bearer_headers
-from thunderctl.sim.agents import Client
 from thunderctl.profile import ProfileError
+from thunderctl.sim.agents import Client
 from thunderctl.traceformat import TraceFormatError, write_trace
 
 bench_app = typer.Typer(

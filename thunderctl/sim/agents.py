@@ -159,7 +159,9 @@ class VirtualAgents:
         shared_blocks = self.workload.system_prompt_tokens // self.block_size
         aged = self.age_initial_programs and index < self.concurrency
         first_step = first_step_at(aged_start_fraction(self.seed, index), len(steps)) if aged else 0
-        run = _AgentRun(index, program_id(self.client, self.seed, index), TokenStream(index + 1, shared_blocks), steps, first_step)
+        run = _AgentRun(
+            index, program_id(self.client, self.seed, index), TokenStream(index + 1, shared_blocks), steps, first_step
+        )
         self.programs_started += 1
         # A program that starts part-way has its environment already.
         prepare_s = (program.env_prep_s or 0.0) if first_step == 0 else 0.0
