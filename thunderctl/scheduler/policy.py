@@ -370,10 +370,11 @@ class Scheduler:
         fitting = [b for b in targets if self._fits(program, b, loads[b.id])]
         if not fitting:
             return None
+        mean_load = sum(loads[b.id].tokens for b in targets) / len(targets)
         return choose(
             self.config.placement, program, fitting, list(self.workers),
             headroom=lambda b: self._headroom(b, loads[b.id]), contended=contended,
-            holds_prefix=lambda b: program.prefix_key is not None and loads[b.id].prefix_holders[program.prefix_key] > 0,
+            prefix_home=lambda b: loads[b.id].holds(program.prefix_key) and loads[b.id].tokens <= mean_load,
         )  # fmt: skip
 
     def _place(self, program: Program, worker: Worker, load: Load, forced: bool = False) -> None:
