@@ -291,7 +291,7 @@ def teach_gaps(sched: Scheduler, clock: FakeClock, gaps_s: list[float], tool: st
         ([], 299, 301),  # nothing learnt yet: end_unlearnt_s
         ([5.0] * 7, 299, 301),  # fewer gaps than tool_time_min_samples: still unlearnt
         ([5.0] * 8, 29, 31),  # short tool times: the 30 s floor
-        ([4.0] * 7 + [40.0], 119, 121),  # the longest of 8 gaps (q 0.99) × margin 3
+        ([4.0] * 7 + [40.0], 159, 161),  # the longest of 8 gaps (q 0.99) × margin 4
         ([60.0] * 100 + [5.0] * 8, 29, 31),  # an 8-gap window: older, longer gaps forgotten
     ],
 )
@@ -314,7 +314,7 @@ def test_a_slow_tool_is_waited_for_by_its_own_gaps_among_fast_ones() -> None:
     teach_gaps(sched, clock, [60.0] * 8, "pytest")  # under 1% of the cluster's gaps: past its 0.99 quantile
     sched.on_request("p", 100)
     sched.on_response("p", 100, 0, "pytest")
-    clock.advance(119)
+    clock.advance(239)  # 4 × its tool's 60 s
     sched.tick()
     assert "p" in sched.programs
 
@@ -511,7 +511,10 @@ def test_room_left_by_a_response_goes_to_the_waiting_queue_at_once() -> None:
 
 def test_busy_engine_lowers_the_weight_while_steps_per_second_rise_until_the_queue_moves() -> None:
     # The ladder alone, the queue shortest first (no aging): the short workers pass the waiter.
-    sched, clock, _ = make(adapt_window_s=10, retention=False, resume_aging_tokens_per_s=None)
+    # No tool time trusted: the silent holder is not taken for ended (scheduler.md, Ending).
+    sched, clock, _ = make(
+        adapt_window_s=10, retention=False, resume_aging_tokens_per_s=None, tool_time_min_samples=10_000
+    )
     run_step(sched, "holder", 800)
     sched.on_request("waiter", 850)  # fits only at weight 0
     responses_per_s = {1.0: 2, 0.5: 4, 0.0: 8}  # a load that more admission speeds up

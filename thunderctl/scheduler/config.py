@@ -41,7 +41,7 @@ class SchedulerConfig(BaseModel):
         0.99, gt=0, le=1, description="share of the observed continuation gaps (answer → next request) waited for"
     )
     end_margin: float = Field(
-        3.0, ge=1, description="a silent program ends after this many times the gap it is expected back within"
+        4.0, ge=1, description="a silent program ends after this many times the gap it is expected back within"
     )
     end_unlearnt_s: float = Field(
         900.0, gt=0, description="silence after which a program ends while too few continuation gaps are known"

@@ -125,6 +125,7 @@ class Scheduler:
             self._pause(program)
             self.counters.gpu_waits += 1
         self._waiting.add(program, waiting_since)
+        self._pause_likely_ended()  # the room of programs that have likely ended is for this one now
         self._resume_waiting()
         if program.status is not Status.ACTIVE:
             self._waited = True
