@@ -38,10 +38,10 @@ class SchedulerConfig(BaseModel):
         30.0, gt=0, description="a program never released ends no sooner than this after its last answer"
     )
     end_quantile: float = Field(
-        0.99, gt=0, le=1, description="share of the observed continuation gaps (answer → next request) waited for"
+        1.0, gt=0, le=1, description="share of the recent continuation gaps (answer → next request) waited for"
     )
     end_margin: float = Field(
-        4.0, ge=1, description="a silent program ends after this many times the gap it is expected back within"
+        3.0, ge=1, description="a silent program ends after this many times the gap it is expected back within"
     )
     end_unlearnt_s: float = Field(
         900.0, gt=0, description="silence after which a program ends while too few continuation gaps are known"
