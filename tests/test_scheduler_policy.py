@@ -296,7 +296,7 @@ def teach_gaps(sched: Scheduler, clock: FakeClock, gaps_s: list[float], tool: st
     ],
 )
 def test_a_program_never_released_ends_by_the_learnt_continuation_gap(gaps_s, alive_at_s, ended_by_s) -> None:
-    sched, clock, events = make(tool_time_window=8)
+    sched, clock, events = make(tool_time_window=8, end_gap_window=8)
     teach_gaps(sched, clock, gaps_s)
     run_step(sched, "p", 100)
     clock.advance(alive_at_s)
@@ -309,7 +309,7 @@ def test_a_program_never_released_ends_by_the_learnt_continuation_gap(gaps_s, al
 
 
 def test_a_slow_tool_is_waited_for_by_its_own_gaps_among_fast_ones() -> None:
-    sched, clock, _ = make(tool_time_window=64)
+    sched, clock, _ = make(tool_time_window=64, end_gap_window=64)
     teach_gaps(sched, clock, [60.0] * 8, "pytest")
     teach_gaps(sched, clock, [2.0] * 64, "ls")  # the cluster's window has forgotten pytest's gaps
     sched.on_request("p", 100)

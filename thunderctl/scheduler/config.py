@@ -43,6 +43,9 @@ class SchedulerConfig(BaseModel):
     end_margin: float = Field(
         3.0, ge=1, description="a silent program ends after this many times the gap it is expected back within"
     )
+    end_gap_window: int = Field(
+        4096, ge=1, description="recent continuation gaps of the cluster kept for the longest, which ending waits for"
+    )
     end_unlearnt_s: float = Field(
         900.0, gt=0, description="silence after which a program ends while too few continuation gaps are known"
     )

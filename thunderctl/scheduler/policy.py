@@ -40,7 +40,8 @@ class Scheduler:
         cfg = self.config
         self.retention = RetentionLaw(
             cfg.retention_price_scale, cfg.tool_time_min_samples,
-            ToolTimes(cfg.tool_time_window, cfg.tool_time_min_samples), PrefillRate(cfg.prefill_tokens_per_s),
+            ToolTimes(cfg.tool_time_window, cfg.tool_time_min_samples, cfg.end_gap_window),
+            PrefillRate(cfg.prefill_tokens_per_s),
             cfg.host_transfer_tokens_per_s,
         )  # fmt: skip
         self.ending = EndingLaw(

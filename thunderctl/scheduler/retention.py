@@ -55,15 +55,22 @@ class ToolTimes:
 
     window: int
     min_samples: int
+    # The cluster's gaps over a longer window, for the tail that ending waits for (ending.py): a
+    # busy cluster sees `window` gaps in seconds, too few to hold its rare long tools.
+    tail_window: int = 4096
     cluster: GapSamples = field(init=False)
+    tail: GapSamples = field(init=False)
     by_program: dict[str, GapSamples] = field(default_factory=dict)
     by_tool: dict[str, GapSamples] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.cluster = GapSamples(self.window)
+        self.tail = GapSamples(self.tail_window)
 
     def observe(self, program_id: str, tool: str | None, gap_s: float) -> None:
-        keys: list[GapSamples] = [self.cluster, self.by_program.setdefault(program_id, GapSamples(self.window))]
+        keys: list[GapSamples] = [
+            self.cluster, self.tail, self.by_program.setdefault(program_id, GapSamples(self.window))
+        ]  # fmt: skip
         if tool is not None:
             keys.append(self.by_tool.setdefault(tool, GapSamples(self.window)))
         for samples in keys:
