@@ -184,7 +184,8 @@ def test_the_plotted_timeline_has_no_drop_at_slice_boundaries() -> None:
 def arm(steps_per_min: float, hit_rate: float | None, p90_s: float) -> dict:
     return {
         "steps_per_min": steps_per_min, "hit_rate": hit_rate, "p50_s": 0.1, "p90_s": p90_s, "p99_s": 1.0,
-        "ttft_p50_s": None, "preemptions": 0, "pauses": None, "resumes": None, "programs_completed": 3,
+        "ttft_p50_s": None, "program_p50_s": 30.0, "program_p90_s": 60.0, "programs_per_min": 2.0,
+        "preemptions": 0, "pauses": None, "resumes": None, "programs_completed": 3,
         "steps_failed": 0, "slices": [{"wall_s": 50.0}, {"wall_s": 50.0}],
         "timeline": [{"t_s": t, "steps_per_min": steps_per_min, "hit_rate": hit_rate} for t in (40.0, 90.0)],
     }  # fmt: skip

@@ -62,9 +62,10 @@ def test_release_frees_the_program_and_its_reservation(pair_gateway) -> None:
     assert pair_gateway.metric("thunderctl_backend_reserved_tokens", backend=worker) == 0
 
 
-def test_program_that_never_releases_expires_after_its_ttl(vllm_pair, start_gateway) -> None:
-    gateway = start_gateway([vllm_pair[0].url], "-s", "tick_interval_s=0.2", "-s", "idle_ttl_s=1")
-    chat(gateway, "crashed-client", [{"role": "user", "content": "hello"}])
+def test_program_that_never_releases_ends_after_the_floor(vllm_pair, start_gateway) -> None:
+    gateway = start_gateway([vllm_pair[0].url], "-s", "tick_interval_s=0.2", "-s", "end_floor_s=1")
+    for step in range(9):  # 8 continuation gaps: the law is learnt, so the floor rules (scheduler.md, Ending)
+        chat(gateway, "crashed-client", [{"role": "user", "content": f"hello {step}"}])
     assert "crashed-client" in gateway.programs()
     wait_for(lambda: "crashed-client" not in gateway.programs(), timeout=5)
     assert gateway.metric("thunderctl_programs_expired_total") == 1

@@ -16,7 +16,7 @@ GPU = 1000
 # Round numbers: the GPU holds 1000 tokens, resume band 900, pause band 950; no buffer.
 BANDS = dict(
     pause_threshold=0.95, pause_target=0.8, resume_threshold=0.9, buffer_tokens=0, resume_timeout_s=600,
-    idle_ttl_s=3000, adaptive=False, retention=False, wait_bound_s=None,
+    end_floor_s=3000, adaptive=False, retention=False, wait_bound_s=None,
 )  # fmt: skip
 
 

@@ -1,4 +1,5 @@
-"""Placement: a program goes where its KV is while nobody else waits for room, else to the most headroom."""
+"""Placement: a program goes where its KV is (new, where its shared prefix is) while nobody else waits for
+room, else to the most headroom."""
 
 from __future__ import annotations
 
@@ -117,3 +118,38 @@ def test_the_reference_rule_places_a_new_program_on_the_most_headroom(home_backe
     load(sched, home_backend, 200)
     (pid,) = homed_on(home_backend)
     assert sched.on_request(pid, 50) == roomier
+
+
+def prefixed(sched: Scheduler, worker_id: str, tokens: int, prefix: str = "system") -> None:
+    """A decoding program of `tokens` on `worker_id` whose first 100 are the shared `prefix`."""
+    others = [b for b in sched.workers.values() if b.id != worker_id]
+    for worker in others:
+        worker.schedulable = False
+    assert sched.on_request(f"{prefix}_{worker_id}", tokens, prefix_key=prefix, prefix_tokens=100) == worker_id
+    for worker in others:
+        worker.schedulable = True
+
+
+@pytest.mark.parametrize(("cached_on", "other"), [("a", "b"), ("b", "a")])
+def test_a_new_program_goes_where_its_prefix_is_cached_not_to_its_hash_home(cached_on, other) -> None:
+    sched = make()
+    prefixed(sched, cached_on, 300)
+    load(sched, other, 400)  # p's hash home, with room for it
+    (pid,) = homed_on(other)
+    assert sched.on_request(pid, 150, prefix_key="system", prefix_tokens=100) == cached_on
+
+
+@pytest.mark.parametrize(("cached_on", "other"), [("a", "b"), ("b", "a")])
+def test_a_new_program_whose_prefix_worker_carries_more_than_its_share_goes_to_its_hash_home(cached_on, other) -> None:
+    sched = make()
+    prefixed(sched, cached_on, 400)  # the other worker is idle: the prefix would pile everything up here
+    (pid,) = homed_on(other)
+    assert sched.on_request(pid, 150, prefix_key="system", prefix_tokens=100) == other
+
+
+def test_a_new_program_of_another_prefix_goes_to_its_hash_home() -> None:
+    sched = make()
+    prefixed(sched, "a", 300)
+    load(sched, "b", 400)
+    (pid,) = homed_on("b")
+    assert sched.on_request(pid, 150, prefix_key="other", prefix_tokens=100) == "b"

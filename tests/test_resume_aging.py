@@ -15,7 +15,7 @@ def run(aging_tokens_per_s: float | None, seconds: int = 120) -> tuple[float | N
     asks at 5 s. Returns when the large one was admitted, and every small's (asked, admitted)."""
     clock = VirtualClock()
     config = SchedulerConfig(
-        adaptive=False, retention=False, buffer_tokens=0, resume_timeout_s=10_000, idle_ttl_s=10_000,
+        adaptive=False, retention=False, buffer_tokens=0, resume_timeout_s=10_000, end_floor_s=10_000,
         resume_aging_tokens_per_s=aging_tokens_per_s, new_program_delay_s=0,
     )  # fmt: skip
     sched = Scheduler(config, clock)
@@ -67,8 +67,9 @@ def test_a_program_at_its_wait_bound_is_admitted_at_once_acting_programs_pausing
     longest in its tool is the one that makes room."""
     clock = VirtualClock()
     config = SchedulerConfig(
-        adaptive=False, retention=False, buffer_tokens=0, resume_timeout_s=600, idle_ttl_s=10_000,
+        adaptive=False, retention=False, buffer_tokens=0, resume_timeout_s=600, end_floor_s=10_000,
         wait_bound_s=100, new_program_delay_s=0,
+        tool_time_min_samples=10_000,  # no tool times trusted: held-0 is not taken for ended (scheduler.md, Ending)
     )  # fmt: skip
     sched = Scheduler(config, clock)
     sched.add_worker("a", 1000)
@@ -99,7 +100,7 @@ def test_a_program_at_its_wait_bound_is_admitted_at_once_acting_programs_pausing
 def test_without_a_wait_bound_only_the_forced_resume_ends_the_wait() -> None:
     clock = VirtualClock()
     config = SchedulerConfig(
-        adaptive=False, retention=False, buffer_tokens=0, resume_timeout_s=200, idle_ttl_s=10_000, wait_bound_s=None
+        adaptive=False, retention=False, buffer_tokens=0, resume_timeout_s=200, end_floor_s=10_000, wait_bound_s=None
     )
     sched = Scheduler(config, clock)
     sched.add_worker("a", 1000)

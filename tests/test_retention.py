@@ -21,7 +21,7 @@ TRAINING_GAPS = 200
 
 def make(clock: VirtualClock) -> Scheduler:
     config = SchedulerConfig(
-        adaptive=False, buffer_tokens=0, resume_timeout_s=10_000, idle_ttl_s=100_000,
+        adaptive=False, buffer_tokens=0, resume_timeout_s=10_000, end_floor_s=100_000,
         prefill_tokens_per_s=PREFILL_TOKENS_PER_S, tool_time_min_samples=MIN_SAMPLES,
     )  # fmt: skip
     sched = Scheduler(config, clock)

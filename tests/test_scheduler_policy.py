@@ -24,7 +24,7 @@ BASE = dict(
     resume_threshold=0.9,
     buffer_tokens=0,
     resume_timeout_s=60,
-    idle_ttl_s=300,
+    end_unlearnt_s=300,
 )
 
 
@@ -263,6 +263,78 @@ def test_idle_program_expires_after_ttl_but_not_while_decoding() -> None:
     assert sched.reserved_tokens("a") == 100
 
 
+def teach_gaps(sched: Scheduler, clock: VirtualClock, gaps_s: list[float], tool: str | None = None) -> None:
+    """A program whose answers are continued after `gaps_s` (its tool times), then released."""
+    sched.on_request("teacher", 10)
+    for gap in gaps_s:
+        sched.on_response("teacher", 10, 0, tool)
+        clock.advance(gap)
+        sched.on_request("teacher", 10)
+    sched.on_response("teacher", 10, 0)
+    sched.release("teacher")
+
+
+@pytest.mark.parametrize(
+    ("gaps_s", "alive_at_s", "ended_by_s"),
+    [
+        ([], 299, 301),  # nothing learnt yet: end_unlearnt_s
+        ([5.0] * 7, 299, 301),  # fewer gaps than tool_time_min_samples: still unlearnt
+        ([5.0] * 8, 29, 31),  # short tool times: the 30 s floor
+        ([4.0] * 7 + [40.0], 119, 121),  # the longest of 8 gaps × margin 3
+        ([60.0] * 100 + [5.0] * 8, 29, 31),  # an 8-gap window: older, longer gaps forgotten
+    ],
+)
+def test_a_program_never_released_ends_by_the_learnt_continuation_gap(gaps_s, alive_at_s, ended_by_s) -> None:
+    sched, clock, events = make(tool_time_window=8, end_gap_window=8)
+    teach_gaps(sched, clock, gaps_s)
+    run_step(sched, "p", 100)
+    clock.advance(alive_at_s)
+    sched.tick()
+    assert "p" in sched.programs
+    clock.advance(ended_by_s - alive_at_s)
+    sched.tick()
+    assert "p" not in sched.programs and kinds(events, "p")[-1] is EventKind.EXPIRED
+    assert sched.reserved_tokens("a") == 0
+
+
+def test_a_slow_tool_is_waited_for_by_its_own_gaps_among_fast_ones() -> None:
+    sched, clock, _ = make(tool_time_window=64, end_gap_window=64)
+    teach_gaps(sched, clock, [60.0] * 8, "pytest")
+    teach_gaps(sched, clock, [2.0] * 64, "ls")  # the cluster's window has forgotten pytest's gaps
+    sched.on_request("p", 100)
+    sched.on_response("p", 100, 0, "pytest")
+    clock.advance(179)  # 3 × its tool's 60 s
+    sched.tick()
+    assert "p" in sched.programs
+
+
+@pytest.mark.parametrize("waiting", [False, True])
+def test_a_program_with_a_request_in_flight_or_waiting_never_ends(waiting) -> None:
+    sched, clock, _ = make()
+    teach_gaps(sched, clock, [5.0] * 8)
+    if waiting:
+        run_step(sched, "hog", 1000)  # no room: p's request waits
+    assert (sched.on_request("p", 100) is None) is waiting
+    clock.advance(59)  # under the forced resume, past the floor
+    sched.tick()
+    assert "p" in sched.programs
+
+
+def test_a_paused_program_silent_past_its_gap_is_not_resumed_into_room_others_need() -> None:
+    sched, clock, _ = make(retention=False)
+    teach_gaps(sched, clock, [5.0] * 8)
+    run_step(sched, "gone", 400)
+    clock.advance(20)  # past its expected 5 s, before the 30 s floor: not ended yet
+    run_step(sched, "soon", 300)
+    sched.drain("a")
+    sched.set_schedulable("a", True)
+    clock.advance(1)
+    sched.tick()
+    assert sched.programs["soon"].status is Status.ACTIVE  # within its gap: room held ahead of it
+    assert sched.programs["gone"].status is Status.PAUSED
+    assert sched.on_request("live", 500) == "a"
+
+
 def test_release_is_idempotent_and_frees_the_reservation() -> None:
     sched, _, events = make()
     run_step(sched, "p", 400)
@@ -428,7 +500,10 @@ def test_room_left_by_a_response_goes_to_the_waiting_queue_at_once() -> None:
 
 def test_busy_engine_lowers_the_weight_while_steps_per_second_rise_until_the_queue_moves() -> None:
     # The ladder alone, the queue shortest first (no aging): the short workers pass the waiter.
-    sched, clock, _ = make(adapt_window_s=10, retention=False, resume_aging_tokens_per_s=None)
+    # No tool time trusted: the silent holder is not taken for ended (scheduler.md, Ending).
+    sched, clock, _ = make(
+        adapt_window_s=10, retention=False, resume_aging_tokens_per_s=None, tool_time_min_samples=10_000
+    )
     run_step(sched, "holder", 800)
     sched.on_request("waiter", 850)  # fits only at weight 0
     responses_per_s = {1.0: 2, 0.5: 4, 0.0: 8}  # a load that more admission speeds up

@@ -46,7 +46,7 @@ def waited_for_room(factor: float | None) -> float:
     release, then one asks while nothing is released: how long it waits for room."""
     clock = FakeClock()
     config = SchedulerConfig(
-        adaptive=False, retention=False, buffer_tokens=0, resume_timeout_s=600, idle_ttl_s=10_000,
+        adaptive=False, retention=False, buffer_tokens=0, resume_timeout_s=600, end_unlearnt_s=10_000,
         new_program_delay_s=0, **(LAW | {"wait_bound_factor": factor}),
     )  # fmt: skip
     sched = Scheduler(config, clock)

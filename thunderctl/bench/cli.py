@@ -41,6 +41,7 @@ from thunderctl.gateway.auth import API_KEY_ENV
 from thunderctl.integrations.cluster import ClusterClient, Endpoints, cluster_endpoints
 from thunderctl.jsonapi import bearer_headers
 from thunderctl.profile import ProfileError
+from thunderctl.sim.agents import Client
 from thunderctl.terminal import fail
 from thunderctl.traceformat import TraceFormatError, write_trace
 
@@ -208,6 +209,14 @@ def swe_lite(
     sandbox_image: Annotated[
         str | None, typer.Option(help="With --sandboxes: the sandboxes' image (default: the cluster profile's).")
     ] = None,
+    client: Annotated[
+        Client,
+        typer.Option(
+            help="How the agents talk to a thunderctl gateway: named (a program id in every request and a release "
+            "at the end), unreleased (ids, never released: programs end by themselves), unchanged (no id, no "
+            "release: as harnesses ship; the gateway derives the programs). The direct arm names nothing anyway."
+        ),
+    ] = Client.NAMED,
 ) -> None:
     """Replay mini-swe-agent's recorded SWE-bench Lite runs (closed loop) and report steps/min, hit rate, latency."""
     console = Console() if sys.stdout.isatty() else Console(width=140)
@@ -229,7 +238,7 @@ def swe_lite(
         raise fail(str(exc)) from exc
     spec = LoadSpec(
         concurrency=concurrency, shape=workload, programs=programs, duration_s=duration, seed=seed, model=info.model,
-        warmup_s=warmup, stream=stream, age_initial_programs=True, time_scale=time_scale,
+        warmup_s=warmup, stream=stream, age_initial_programs=True, time_scale=time_scale, client=client,
     )  # fmt: skip
     console.print(
         f"{' vs '.join(arms)}: {endpoints.endpoint} ({'thunderctl' if info.thunderctl else 'plain endpoint'}), "
@@ -273,7 +282,7 @@ def swe_lite(
         "slices": rounds, "seed": seed, "stream": stream, "arms": arms, "routing": routing,
         "time_scale": time_scale, "endpoint": endpoints.endpoint, "engines": endpoints.engines,
         "model": info.model, "max_model_len": info.max_model_len, "thunderctl": info.thunderctl,
-        "sandboxes": sandboxes, "collect_at_release": collect, "sandbox_image": sandbox_image,
+        "sandboxes": sandboxes, "collect_at_release": collect, "sandbox_image": sandbox_image, "client": client,
     }  # fmt: skip
     report = build_report(workload.describe(), parameters, outcomes, time.monotonic() - started)
     console.print(report_table(report))

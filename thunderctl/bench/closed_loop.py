@@ -8,7 +8,8 @@ programs look like comes from a workload (bench/shapes.py: `AgentShape`'s unifor
 sizes per step, tool times), which bench/planning.py renders as text of those sizes. The same
 load can go straight to vLLM servers ("direct", each program sticky to one server, or each
 request to the next server) or through the thunderctl gateway ("gateway", with `program_id`
-on every request and a release at the end), so the two can be compared on equal terms. What a
+on every request and a release at the end, or as a `Client` that names or releases nothing), so
+the two can be compared on equal terms. What a
 run recorded, and the figures drawn from it, are bench/results.py's.
 """
 
@@ -32,16 +33,18 @@ from thunderctl.bench.results import (
     CacheDelta,
     CounterSample,
     LoadResult,
+    ProgramRun,
     ReleaseFailure,
     Resend,
     StepRecord,
+    steady_programs,
     steady_steps,
 )
 from thunderctl.bench.sandboxes import SandboxTools
 from thunderctl.bench.shapes import AgentShape, Workload
 from thunderctl.engines.vllm import EngineMetrics, fetch_metrics
 from thunderctl.jsonapi import bearer_headers
-from thunderctl.sim.agents import aged_start_fraction
+from thunderctl.sim.agents import Client, aged_start_fraction
 
 # Used when the engine cannot tokenize for us; real tokenizers give ~1.0-1.3 on these words.
 DEFAULT_TOKENS_PER_WORD = 1.0
@@ -83,6 +86,8 @@ class LoadSpec:
     # How long the client keeps an idle connection for the next request (httpx's default: 5 s). A
     # server must keep it longer, or a request sent as the server closes it fails.
     keepalive_s: float = 5.0
+    # Through the gateway: whether the agents name their programs and release them (Client).
+    client: Client = Client.NAMED
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -180,6 +185,7 @@ class ClosedLoop:
         self.observer = observer
         self.system_text = system_prompt(spec.shape, spec.seed, salt, tokens_per_word)
         self.records: list[StepRecord] = []
+        self.program_runs: list[ProgramRun] = []
         self.programs_started = 0
         self.programs_completed = 0
         self.steps_cancelled = 0
@@ -196,6 +202,15 @@ class ClosedLoop:
 
     def start_clock(self) -> None:
         self._t0 = time.monotonic()
+
+    @property
+    def names_programs(self) -> bool:
+        """Whether requests carry their program's id (so the gateway, not the agent, collects its sandbox)."""
+        return self.target.program_ids and self.spec.client.names
+
+    @property
+    def releases_programs(self) -> bool:
+        return self.target.program_ids and self.spec.client.releases
 
     async def execute(self) -> float:
         """Run until the programs are done or the time is up; returns the wall time."""
@@ -255,16 +270,18 @@ class ClosedLoop:
         try:
             await self.run_steps(plan, messages, sandbox_id)
         finally:
-            await self.tools.finish(sandbox_id, released=self.target.program_ids)
+            await self.tools.finish(sandbox_id, released=self.names_programs)
 
     async def run_steps(self, plan: ProgramPlan, messages: list[dict[str, str]], sandbox_id: str | None) -> None:
-        if self.target.program_ids:
+        if self.releases_programs:
             self.open_programs.add(plan.program_id)
         completed = True
+        sent: list[StepRecord] = []
         for offset, step in enumerate(plan.steps):
             url = self.target.url_for(plan.index)
             record, text = await self.send_step(url, plan, plan.first_step + offset, messages, step)
             self.records.append(record)
+            sent.append(record)
             if self.observer is not None:
                 self.observer.step(record)
             if not record.ok:
@@ -279,6 +296,10 @@ class ClosedLoop:
                     await self.tools.run_step(sandbox_id, plan, plan.first_step + offset, step, self.now)
         if completed:
             self.programs_completed += 1
+            start = sent[0].start_s
+            self.program_runs.append(
+                ProgramRun(plan.program_id, start, sent[-1].end_s - start, len(sent), plan.first_step == 0)
+            )
         await self.release(plan.program_id)
 
     async def send_step(
@@ -290,7 +311,7 @@ class ClosedLoop:
             "max_tokens": step.completion_tokens,
             "ignore_eos": True,
         }
-        if self.target.program_ids:
+        if self.names_programs:
             body["program_id"] = plan.program_id
         start = self.now()
         try:
@@ -325,7 +346,7 @@ class ClosedLoop:
         self.resends.append(Resend(self.now(), error_text(exc)))
 
     async def release(self, program_id: str) -> None:
-        if not self.target.program_ids or program_id not in self.open_programs:
+        if not self.releases_programs or program_id not in self.open_programs:
             return
         url = f"{self.target.urls[0].rstrip('/')}/programs/release"
 
@@ -427,6 +448,7 @@ async def run_load(
     samples.append(CounterSample(wall_s, engines - sampled))
     end = window_end(spec, loop.records, wall_s)
     steady = steady_steps(loop.records, spec.warmup_s, end)
+    completed = steady_programs(loop.program_runs, spec.warmup_s, end)
     return LoadResult(
         target=target.name,
         concurrency=spec.concurrency,
@@ -452,4 +474,7 @@ async def run_load(
         tool_records=tool_records,
         sandbox_samples=sandbox_samples,
         sandbox_create_failures=create_failures,
+        program_runs=loop.program_runs,
+        steady_programs_completed=len(completed),
+        steady_program_s=[run.latency_s for run in completed if run.whole],
     )

@@ -67,6 +67,27 @@ class StepRecord:
 
 
 @dataclass(frozen=True)
+class ProgramRun:
+    """A program that completed: its first request of the run sent at `start_s`, its last answer
+    received `latency_s` later."""
+
+    program_id: str
+    start_s: float  # since the start of the run
+    latency_s: float
+    steps: int  # its steps sent in this run
+    whole: bool  # it ran from its first step (not one of an aged run's programs that start part-way)
+
+    @property
+    def end_s(self) -> float:
+        return self.start_s + self.latency_s
+
+
+def steady_programs(runs: Sequence[ProgramRun], warmup_s: float, window_end_s: float) -> list[ProgramRun]:
+    """Programs that completed inside the steady window."""
+    return [run for run in runs if warmup_s <= run.end_s <= window_end_s]
+
+
+@dataclass(frozen=True)
 class ReleaseFailure:
     """A program's release that failed even when sent again: the gateway may still hold the program."""
 
@@ -186,6 +207,10 @@ class LoadResult:
     tool_records: list[ToolRecord] = listed(Pooling.SHIFTED, clock="start_s")
     sandbox_samples: list[SandboxSample] = listed(Pooling.SHIFTED, clock="t_s")
     sandbox_create_failures: int = pooled(Pooling.SUMMED, default=0)
+    # Programs completed (every step answered), and those that completed in the steady window:
+    program_runs: list[ProgramRun] = listed(Pooling.SHIFTED, clock="start_s")
+    steady_programs_completed: int = pooled(Pooling.SUMMED, default=0)
+    steady_program_s: list[float] = listed(Pooling.CONCATENATED)  # whole programs only: first request → last answer
 
     @property
     def steady_steps(self) -> int:
@@ -206,6 +231,22 @@ class LoadResult:
     @property
     def p99_s(self) -> float | None:
         return percentile(self.steady_latencies_s, 99)
+
+    @property
+    def program_p50_s(self) -> float | None:
+        return percentile(self.steady_program_s, 50)
+
+    @property
+    def program_p90_s(self) -> float | None:
+        return percentile(self.steady_program_s, 90)
+
+    @property
+    def program_p99_s(self) -> float | None:
+        return percentile(self.steady_program_s, 99)
+
+    @property
+    def programs_per_min(self) -> float:
+        return per_minute(self.steady_programs_completed, self.window_s)
 
     @property
     def ttft_p50_s(self) -> float | None:

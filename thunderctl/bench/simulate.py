@@ -24,6 +24,7 @@ from thunderctl.bench.report import fmt, write_outputs
 from thunderctl.bench.shapes import AgentShape
 from thunderctl.bench.swe_lite import SHARED_PREFIX_TOKENS, SweLite
 from thunderctl.bench.workloads import WorkloadChoice
+from thunderctl.sim.agents import Client
 from thunderctl.sim.arms import ArmName, SimSpec
 from thunderctl.sim.presets import UnknownPreset, get_preset, preset_names
 from thunderctl.sim.sweep import BASELINE, run_sweep
@@ -176,6 +177,13 @@ def simulate(
     ] = 0.0,
     arms: Annotated[str, typer.Option(help="Arms, comma-separated.")] = ",".join(arm.value for arm in ArmName),
     seed: Annotated[int, typer.Option(help="Which programs (the same seed gives the same report).")] = 0,
+    client: Annotated[
+        Client,
+        typer.Option(
+            help="The agents' client: named (ids and a release at the end), unreleased (ids, never released: "
+            "programs end by the learnt law), unchanged (no id: programs as the gateway derives them, never released)."
+        ),
+    ] = Client.NAMED,
     out: Annotated[Path | None, typer.Option(help="Write the JSON report here (and the plot beside it).")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write the PNG plot here (default: --out with .png).")] = None,
     jobs: Annotated[
@@ -192,7 +200,7 @@ def simulate(
         programs = build_workload(workload, trace, scale, shared_prefix, chosen.engine.max_model_len)
         spec = SimSpec(
             chosen, programs, concurrencies[0], duration, workers=workers, warmup_s=duration / 6 if warmup is None else warmup,
-            seed=seed, host_kv_gib=host_kv_gib,
+            seed=seed, host_kv_gib=host_kv_gib, client=client,
         )  # fmt: skip
     except (UnknownPreset, OSError, TraceFormatError, ValueError) as exc:
         raise fail(str(exc)) from exc

@@ -38,7 +38,7 @@ def gateway_families(gateway: Gateway) -> Iterator[Metric]:
         ("thunderctl_programs_released_total", "Programs released.", sched.counters.released),
         (
             "thunderctl_programs_expired_total",
-            "Programs ended after idle_ttl_s without activity.",
+            "Programs never released, ended when not continued (scheduler.md, Ending).",
             sched.counters.expired,
         ),
         ("thunderctl_scheduler_tick_failures_total", "Scheduler ticks that raised.", sched.counters.tick_failures),

@@ -65,8 +65,20 @@ class SchedulerConfig(BaseModel):
     resume_timeout_s: float = Field(
         600.0, gt=0, description="seconds a waiting request waits before its program is forced back in"
     )
-    idle_ttl_s: float = Field(
-        900.0, gt=0, description="seconds of silence before a program its client never released expires"
+    end_floor_s: float = Field(
+        30.0, gt=0, description="a program never released ends no sooner than this after its last answer"
+    )
+    end_quantile: float = Field(
+        1.0, gt=0, le=1, description="share of the recent continuation gaps (answer → next request) waited for"
+    )
+    end_margin: float = Field(
+        3.0, ge=1, description="a silent program ends after this many times the gap it is expected back within"
+    )
+    end_gap_window: int = Field(
+        4096, ge=1, description="recent continuation gaps of the cluster kept for the longest, which ending waits for"
+    )
+    end_unlearnt_s: float = Field(
+        900.0, gt=0, description="silence after which a program ends while too few continuation gaps are known"
     )
     acting_decay: Decay = Field(
         Decay.OFF, description="how an ACTING reservation shrinks with time in its tool (resume side)"

@@ -50,5 +50,6 @@ class Counters:
     steps: int = 0  # responses with usage: the throughput the admission law seeks
     priced_pauses: int = 0  # ACTING programs paused because their KV cost more to keep than to drop
     bound_pauses: int = 0  # ACTING programs paused to make room for a program at its wait bound
+    ended_pauses: int = 0  # ACTING programs paused while others waited: silent so long they have likely ended
     gpu_waits: int = 0  # requests of admitted programs held back: their decode would not fit the GPU
     cache_resets: int = 0  # weight updates after which no program's context was cached any more

@@ -18,6 +18,9 @@ class Load:
     prefix_holders: Counter[str] = field(default_factory=Counter)
     decoding: float = 0.0
 
+    def holds(self, prefix_key: str | None) -> bool:
+        return prefix_key is not None and self.prefix_holders[prefix_key] > 0
+
     def need(self, program: Program, weight: float, buffer: int) -> float:
         return sum(self._parts(program, weight, buffer))
 

@@ -1,4 +1,5 @@
-"""Which worker a program is placed on: where its KV is while the cluster has room for everyone, else the most headroom."""
+"""Which worker a program is placed on: where its KV is (or, new, its shared prefix) while the cluster has room
+for everyone, else the most headroom."""
 
 from __future__ import annotations
 
@@ -28,9 +29,18 @@ def choose(
     worker_ids: Sequence[str],
     headroom: Callable[[Worker], float],
     contended: bool,
+    prefix_home: Callable[[Worker], bool] = lambda worker: False,
 ) -> Worker:
     """One of the workers the program fits on (non-empty): its preferred one when the rule is
-    affinity and nobody else waits for room, otherwise the one with the most headroom."""
+    affinity and nobody else waits for room, otherwise the one with the most headroom.
+
+    Under affinity a program with no history (its first request, or one that continues no
+    conversation) has no KV anywhere but its shared prefix: it goes among its `prefix_home`s
+    (workers that hold the prefix and are not overloaded: they carry no more than the workers'
+    mean load), when one of them fits it, rather than to its hash home or the roomiest worker.
+    """
+    if rule is PlacementRule.AFFINITY and program.worker is None:
+        fitting = [worker for worker in fitting if prefix_home(worker)] or fitting
     if rule is PlacementRule.AFFINITY and not contended:
         target = preferred(program, worker_ids)
         for worker in fitting:

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from thunderctl.scheduler.admission import AdmissionTuner
 from thunderctl.scheduler.capacity import decode_fits, gpu_binds, gpu_room, headroom
 from thunderctl.scheduler.config import Decay, SchedulerConfig
+from thunderctl.scheduler.ending import EndingLaw, silent
 from thunderctl.scheduler.events import Counters, EventKind, Listener, ProgramEvent, notify
 from thunderctl.scheduler.ledger import Ledger, Load
 from thunderctl.scheduler.ordering import WaitingQueue, acting_decay, pause_key
@@ -39,6 +40,10 @@ class Scheduler:
         self._ledgers: dict[str, Ledger] = {}
         self._waiting = WaitingQueue(self.config)
         self.retention = RetentionLaw.from_config(self.config)
+        cfg = self.config
+        self.ending = EndingLaw(
+            cfg.end_floor_s, cfg.end_quantile, cfg.end_margin, cfg.end_unlearnt_s, cfg.tool_time_min_samples
+        )
         self.counters = Counters()
         self.tuner = AdmissionTuner(self.config)
         self.wait_bound = WaitBound(self.config)
@@ -138,6 +143,7 @@ class Scheduler:
             self._pause(program)
             self.counters.gpu_waits += 1
         self._waiting.add(program, waiting_since)
+        self._pause_likely_ended()  # the room of programs that have likely ended is for this one now
         self._resume_waiting()
         if program.status is not Status.ACTIVE:
             self._waited = True
@@ -221,6 +227,7 @@ class Scheduler:
         """
         try:
             self._expire_idle()
+            self._pause_likely_ended()
             self._resume()
             self._make_room_for_overdue()
             self._pause_overfull()
@@ -261,12 +268,27 @@ class Scheduler:
         return load
 
     def _expire_idle(self) -> None:
-        deadline = self.clock() - self.config.idle_ttl_s
+        """End the programs not continued within the learnt law (ending.py), as a release does."""
+        now, tool_times = self.clock(), self.retention.tool_times
         for program in list(self.programs.values()):
-            in_flight = program.phase is Phase.REASONING and program.status is Status.ACTIVE
-            if not in_flight and program.waiting_since is None and program.last_activity < deadline:
+            if silent(program) and now - program.last_activity > self.ending.ends_after_s(program, tool_times):
                 self._terminate(program, EventKind.EXPIRED)
                 self.counters.expired += 1
+
+    def _likely_ended(self, program: Program) -> bool:
+        law = self.retention
+        return self.ending.likely_ended(program, law.tool_times, law.returns.chance, self.clock())
+
+    def _pause_likely_ended(self) -> None:
+        """While requests wait, an ACTING program that has likely ended gives up its room (its KV
+        stays in the engine's cache until evicted, should it return)."""
+        if not self._waiting:
+            return
+        for worker in self.workers.values():
+            for program in [self.programs[i] for i in worker.programs]:
+                if program.phase is Phase.ACTING and self._likely_ended(program):
+                    self._pause(program)
+                    self.counters.ended_pauses += 1
 
     def _resume_waiting(self) -> None:
         """The event-driven resume: only programs whose request waits, nobody forced."""
@@ -286,7 +308,8 @@ class Scheduler:
         buffer = self.config.buffer_tokens
         if not any(self._is_idle(b) or self._headroom(b, physical[b.id]) > buffer for b in targets):
             return  # a full cluster: no need to sort thousands of paused programs
-        idle = [p for p in self.resume_queue() if p.waiting_since is None]
+        # One that has likely ended is not coming back: no room is reserved for it.
+        idle = [p for p in self.resume_queue() if p.waiting_since is None and not self._likely_ended(p)]
         self._place_all(self._admit_in_order(idle, targets, physical), targets, physical)
 
     def _resume_waiting_programs(self, targets: list[Worker], force_overdue: bool) -> None:
@@ -366,9 +389,11 @@ class Scheduler:
         fitting = [b for b in targets if self._fits(program, b, loads[b.id])]
         if not fitting:
             return None
+        mean_load = sum(loads[b.id].tokens for b in targets) / len(targets)
         return choose(
             self.config.placement, program, fitting, list(self.workers),
             headroom=lambda b: self._headroom(b, loads[b.id]), contended=contended,
+            prefix_home=lambda b: loads[b.id].holds(program.prefix_key) and loads[b.id].tokens <= mean_load,
         )  # fmt: skip
 
     def _place(self, program: Program, worker: Worker, load: Load, forced: bool = False) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -33,6 +34,10 @@ class GapSamples:
             return None
         return sum(tail) / len(tail) - elapsed_s
 
+    def quantile(self, q: float) -> float:
+        """The q-th quantile (0-1) of the samples, the nearest one at or above it (non-empty)."""
+        return self._sorted[min(len(self._sorted) - 1, max(0, math.ceil(q * len(self._sorted)) - 1))]
+
     def __len__(self) -> int:
         return len(self._recent)
 
@@ -51,15 +56,22 @@ class ToolTimes:
 
     window: int
     min_samples: int
+    # The cluster's gaps over a longer window, for the tail that ending waits for (ending.py): a
+    # busy cluster sees `window` gaps in seconds, too few to hold its rare long tools.
+    tail_window: int = 4096
     cluster: GapSamples = field(init=False)
+    tail: GapSamples = field(init=False)
     by_program: dict[str, GapSamples] = field(default_factory=dict)
     by_tool: dict[str, GapSamples] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.cluster = GapSamples(self.window)
+        self.tail = GapSamples(self.tail_window)
 
     def observe(self, program_id: str, tool: str | None, gap_s: float) -> None:
-        keys: list[GapSamples] = [self.cluster, self.by_program.setdefault(program_id, GapSamples(self.window))]
+        keys: list[GapSamples] = [
+            self.cluster, self.tail, self.by_program.setdefault(program_id, GapSamples(self.window))
+        ]  # fmt: skip
         if tool is not None:
             keys.append(self.by_tool.setdefault(tool, GapSamples(self.window)))
         for samples in keys:
@@ -173,7 +185,8 @@ class RetentionLaw:
     def from_config(cls, config: SchedulerConfig) -> RetentionLaw:
         return cls(
             config.retention_price_scale, config.tool_time_min_samples,
-            ToolTimes(config.tool_time_window, config.tool_time_min_samples), PrefillRate(config.prefill_tokens_per_s),
+            ToolTimes(config.tool_time_window, config.tool_time_min_samples, config.end_gap_window),
+            PrefillRate(config.prefill_tokens_per_s),
             config.host_transfer_tokens_per_s,
         )  # fmt: skip
 

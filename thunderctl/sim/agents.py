@@ -1,8 +1,8 @@
 """Agent programs in virtual time: a closed loop of `concurrency` slots, as `thunderctl bench` runs them.
 
 A program sends step k's prompt, gets its answer (exactly `completion_tokens`, like ignore_eos),
-waits out the step's tool time and sends step k+1; when it ends it is released and its slot
-starts the next program. Programs come from the same workloads as the benchmark (anything with
+waits out the step's tool time and sends step k+1; when it ends its slot starts the next program,
+and it is released if its client releases (`Client`). Programs come from the same workloads as the benchmark (anything with
 `program(seed, index)`), so every arm of a simulation, and a real run, sees the same programs.
 """
 
@@ -11,11 +11,35 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Protocol
 
 from thunderctl.sim.clock import VirtualClock
 from thunderctl.sim.requests import Request, TokenStream
 from thunderctl.sim.worker import SimWorker
+
+
+class Client(StrEnum):
+    """How an agent's client talks to the gateway."""
+
+    NAMED = "named"  # names its program in every request and releases it at the end
+    UNRELEASED = "unreleased"  # names it, never releases it
+    UNCHANGED = "unchanged"  # as shipped: names nothing (the gateway derives the program), never releases
+
+    @property
+    def names(self) -> bool:
+        return self is not Client.UNCHANGED
+
+    @property
+    def releases(self) -> bool:
+        return self is Client.NAMED
+
+
+def program_id(client: Client, seed: int, index: int) -> str:
+    """The id a program is scheduled under: its own, or, for a client that names nothing, the one
+    the gateway derives from its conversation (each conversation continues only itself, so
+    derivation is exact here: one id per program, in the gateway's namespace)."""
+    return f"sim-{seed}-{index}" if client.names else f"derived-{seed}-{index}"
 
 
 class Step(Protocol):
@@ -130,6 +154,7 @@ class VirtualAgents:
     # The first `concurrency` programs start part-way through their life, with a history no
     # cache has seen, as the real load generator's do, so a short run starts near steady state.
     age_initial_programs: bool = False
+    client: Client = Client.NAMED
     records: list[SimStep] = field(default_factory=list)
     completed: list[ProgramRun] = field(default_factory=list)  # programs that started at step 0, in end order
     sent: dict[int, float] = field(default_factory=dict)  # every such program's first request, ended or not
@@ -151,7 +176,9 @@ class VirtualAgents:
         shared_blocks = self.workload.system_prompt_tokens // self.block_size
         aged = self.age_initial_programs and index < self.concurrency
         first_step = first_step_at(aged_start_fraction(self.seed, index), len(steps)) if aged else 0
-        run = _AgentRun(index, f"sim-{self.seed}-{index}", TokenStream(index + 1, shared_blocks), steps, first_step)
+        run = _AgentRun(
+            index, program_id(self.client, self.seed, index), TokenStream(index + 1, shared_blocks), steps, first_step
+        )
         self.programs_started += 1
         # A program that starts part-way has its environment already.
         prepare_s = (program.env_prep_s or 0.0) if first_step == 0 else 0.0
@@ -195,5 +222,6 @@ class VirtualAgents:
         self.programs_completed += 1
         if run.sent_s is not None:
             self.completed.append(ProgramRun(run.index, run.sent_s, self.clock.now, len(run.steps)))
-        self.router.release(run.program_id)
+        if self.client.releases:
+            self.router.release(run.program_id)
         self._start_program()

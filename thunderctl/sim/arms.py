@@ -18,7 +18,7 @@ from typing import Any
 
 from thunderctl.percentiles import percentile
 from thunderctl.scheduler import SchedulerConfig
-from thunderctl.sim.agents import ProgramRun, Router, SimStep, VirtualAgents, Workload
+from thunderctl.sim.agents import Client, ProgramRun, Router, SimStep, VirtualAgents, Workload
 from thunderctl.sim.clock import VirtualClock
 from thunderctl.sim.completions import makespan, program_figures
 from thunderctl.sim.cost import Preset
@@ -74,6 +74,7 @@ class SimSpec:
     age_initial_programs: bool = False  # as `thunderctl bench` runs: the first programs start part-way
     # SchedulerConfig fields the thunderctl arm runs with instead of the defaults: a variant measured
     policy: dict[str, Any] = field(default_factory=dict)
+    client: Client = Client.NAMED  # whether agents name and release their programs
 
     def __post_init__(self) -> None:
         if self.concurrency < 1 or self.workers < 1:
@@ -240,7 +241,7 @@ def run_arm(arm: ArmName, spec: SimSpec, progress: Callable[[float], None] | Non
     )
     loop = VirtualAgents(
         spec.workload, spec.seed, spec.concurrency, clock, router, preset.engine.block_size,
-        age_initial_programs=spec.age_initial_programs,
+        age_initial_programs=spec.age_initial_programs, client=spec.client,
     )  # fmt: skip
     occupancy: list[OccupancySample] = []
     at_warmup: list[EngineCounters] = []
@@ -251,8 +252,8 @@ def run_arm(arm: ArmName, spec: SimSpec, progress: Callable[[float], None] | Non
             return {}
         c = policy.scheduler.counters
         return {
-            "pauses": c.pauses, "resumes": c.resumes, "forced_resumes": c.forced_resumes,
-            "priced_pauses": c.priced_pauses, "bound_pauses": c.bound_pauses, "gpu_waits": c.gpu_waits,
+            "pauses": c.pauses, "resumes": c.resumes, "forced_resumes": c.forced_resumes, "expired": c.expired,
+            "priced_pauses": c.priced_pauses, "ended_pauses": c.ended_pauses, "bound_pauses": c.bound_pauses, "gpu_waits": c.gpu_waits,
         }  # fmt: skip
 
     def sample() -> None:

@@ -99,6 +99,7 @@ def run_sweep(
             "duration_s": spec.duration_s,
             "warmup_s": spec.warmup_s,
             "seed": spec.seed,
+            "client": spec.client.value,
             "host_kv_gib": spec.host_kv_gib,
             "host_kv_blocks": spec.host_blocks,
             "kv_capacity_tokens": spec.preset.engine.kv_capacity_tokens,

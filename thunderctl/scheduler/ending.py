@@ -1,0 +1,59 @@
+"""When a program nobody releases ends: the continuation law of docs/scheduler.md ("Ending")."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from thunderctl.scheduler.program import Phase, Program, Status
+from thunderctl.scheduler.retention import GapSamples, ToolTimes
+
+
+@dataclass(frozen=True)
+class EndingLaw:
+    """A program is continued within the gaps (answer → its next request) the scheduler has seen,
+    or not at all. It is expected back within the `quantile` of the gaps of every key that has
+    `min_samples` (its tool kind, itself, the cluster's longer `tail` window; the longest wins, so
+    a slow tool is waited for by its own gaps), and ends once silent `margin` times that, never sooner than `floor_s`
+    after its last answer. Before any key has enough gaps, it ends after `unlearnt_s`.
+
+    Long before that it is *likely ended*: once its silence is longer than all but a share
+    (1 − r) / r of the gaps, where r is the chance that an answer is continued at all, a program
+    that ended is more likely than one still in its tool (r·S(t) < 1 − r, S the gaps' survival).
+    Then its room is not held for it while others wait, nor reserved ahead of it.
+    """
+
+    floor_s: float
+    quantile: float
+    margin: float
+    unlearnt_s: float
+    min_samples: int
+
+    def ends_after_s(self, program: Program, tool_times: ToolTimes) -> float:
+        """Silence after which the program ends."""
+        gaps = [samples.quantile(self.quantile) for samples in self._evidence(program, tool_times, tool_times.tail)]
+        return max(self.floor_s, self.margin * max(gaps) if gaps else self.unlearnt_s)
+
+    def likely_ended(self, program: Program, tool_times: ToolTimes, return_chance: float, now: float) -> bool:
+        """Silent so long that it has more likely ended than not (False before any evidence)."""
+        if not silent(program):
+            return False
+        evidence = list(self._evidence(program, tool_times, tool_times.cluster))
+        if not evidence:
+            return False
+        share = 1.0 - (1.0 - return_chance) / return_chance
+        if share <= 0:
+            return True  # answers are more often the last than continued
+        return now - program.last_activity > max(samples.quantile(share) for samples in evidence)
+
+    def _evidence(self, program: Program, tool_times: ToolTimes, cluster: GapSamples) -> Iterator[GapSamples]:
+        keys = [cluster, tool_times.by_program.get(program.id)]
+        if program.tool is not None:
+            keys.append(tool_times.by_tool.get(program.tool))
+        return (samples for samples in keys if samples is not None and len(samples) >= self.min_samples)
+
+
+def silent(program: Program) -> bool:
+    """No request of it in flight or waiting: only its client can continue it."""
+    in_flight = program.phase is Phase.REASONING and program.status is Status.ACTIVE
+    return not in_flight and program.waiting_since is None
