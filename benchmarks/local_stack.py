@@ -48,18 +48,36 @@ def start_engine(settings: EngineSettings, log_dir: Path, console: Console) -> L
 
 
 @contextlib.contextmanager
+def engine_for(settings: EngineSettings, engine_url: str | None, log_dir: Path, console: Console) -> Iterator[str]:
+    """The engine's URL: a new engine unless `engine_url` names a running one."""
+    engine = None if engine_url else start_engine(settings, log_dir, console)
+    try:
+        yield engine_url or engine.url  # type: ignore[union-attr]
+    finally:
+        if engine is not None:
+            engine.stop()
+
+
+@contextlib.contextmanager
+def local_gateway(engine_url: str, gateway_args: list[str], log_dir: Path, console: Console) -> Iterator[str]:
+    """A fresh `thunderctl serve` in front of the engine; its URL."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    gateway = ServeProcess([engine_url], gateway_args, log_dir / "gateway.log")
+    try:
+        gateway.wait_healthy()
+        console.print(f"engine {engine_url}, gateway {gateway.url} {' '.join(gateway_args)}")
+        yield gateway.url
+    finally:
+        gateway.stop()
+
+
+@contextlib.contextmanager
 def local_stack(
     settings: EngineSettings, engine_url: str | None, gateway_args: list[str], log_dir: Path, console: Console
 ) -> Iterator[tuple[str, str]]:
     """(engine URL, gateway URL): a new engine unless `engine_url` names a running one."""
-    engine = None if engine_url else start_engine(settings, log_dir, console)
-    url = engine_url or engine.url  # type: ignore[union-attr]
-    gateway = ServeProcess([url], gateway_args, log_dir / "gateway.log")
-    try:
-        gateway.wait_healthy()
-        console.print(f"engine {url}, gateway {gateway.url} {' '.join(gateway_args)}")
-        yield url, gateway.url
-    finally:
-        gateway.stop()
-        if engine is not None:
-            engine.stop()
+    with (
+        engine_for(settings, engine_url, log_dir, console) as url,
+        local_gateway(url, gateway_args, log_dir, console) as gateway_url,
+    ):
+        yield url, gateway_url

@@ -6,22 +6,31 @@ then prints one table of both arms. See benchmarks/README.md.
 
     python benchmarks/swe_lite_compare.py                      # 8,16,32 at scale 0.25, ~12 min
     python benchmarks/swe_lite_compare.py --concurrency 16 --duration 60
+    python benchmarks/swe_lite_compare.py --kv-blocks 1024 --concurrency 48 --duration 120 \
+        --clients named,unreleased,unchanged --steps 5-12     # drop-in clients, each with a fresh gateway
+
+With `--clients`, each kind of client (`bench swe-lite --client`) runs against a gateway of its own,
+started fresh, beside its own vLLM-alone arm; `--steps LO-HI` replays the recorded runs cut to a
+seeded number of steps in that range, so that whole programs end inside the window.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 from pathlib import Path
 from typing import Any
 
-from local_stack import EngineSettings, local_stack
+from local_stack import EngineSettings, engine_for, local_gateway
 from rich.console import Console
 from rich.table import Table
 
 from thunderctl.bench.cli import bench_app
+from thunderctl.bench.recorded import recorded_swe_lite
 from thunderctl.bench.report import fmt
+from thunderctl.traceformat import write_trace
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -39,35 +48,61 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--gateway-arg", action="append", default=[], metavar="ARG",
         help="Passed to `thunderctl serve` (repeat; write --gateway-arg=--scheduler=tick_interval_s=1).",
     )  # fmt: skip
+    parser.add_argument(
+        "--clients", default="named",
+        help="Comma-separated kinds of client (named, unreleased, unchanged): a fresh gateway each.",
+    )  # fmt: skip
+    parser.add_argument("--steps", help="LO-HI: the recorded runs cut to a seeded number of steps in this range.")
     parser.add_argument("--out-dir", type=Path, default=Path("results/swe_lite"))
     parser.add_argument("bench_args", nargs="*", help="More `swe-lite` options, after --.")
     return parser.parse_args(argv)
 
 
-def run_one(concurrency: int, args: argparse.Namespace, engine_url: str, gateway_url: str) -> dict[str, Any]:
-    out = args.out_dir / f"c{concurrency}.json"
+def cut_trace(steps: str, path: Path, seed: int = 0) -> Path:
+    """The recorded runs, each cut to a seeded number of steps in LO-HI (its last step calls no tool)."""
+    low, high = map(int, steps.split("-"))
+    draw = random.Random(seed)
+    programs = []
+    for program in recorded_swe_lite():
+        kept = program.steps[: draw.randint(low, high)]
+        kept[-1] = kept[-1].model_copy(update={"tool_s": 0.0})
+        programs.append(program.model_copy(update={"steps": kept}))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_trace(programs, path)
+    return path
+
+
+def run_one(
+    concurrency: int, client: str, args: argparse.Namespace, engine_url: str, gateway_url: str
+) -> dict[str, Any]:
+    out = args.out_dir / f"c{concurrency}-{client}.json"
+    trace = ["--trace", str(cut_trace(args.steps, args.out_dir / "trace.jsonl"))] if args.steps else []
     bench_app(
         [
-            "swe-lite", "--endpoint", gateway_url, "--engine", engine_url, "--compare",
+            "swe-lite", "--endpoint", gateway_url, "--engine", engine_url, "--compare", "--client", client,
             "--concurrency", str(concurrency), "--duration", str(args.duration), "--warmup", str(args.warmup),
-            "--scale", str(args.scale), "--out", str(out), *args.bench_args,
+            "--scale", str(args.scale), "--out", str(out), *trace, *args.bench_args,
         ],
         standalone_mode=False,
     )  # fmt: skip
     return json.loads(out.read_text())
 
 
-def summary_table(reports: dict[int, dict[str, Any]]) -> Table:
+def summary_table(reports: dict[tuple[int, str], dict[str, Any]]) -> Table:
     table = Table(title="swe-lite: thunderctl (cluster) vs straight to vLLM (direct), one vLLM-CPU engine")
-    for column in ("conc", "arm", "steps/min", "hit rate", "p50", "p90", "preempt", "pauses/resumes", "cluster/direct"):
-        table.add_column(column, justify="left" if column == "arm" else "right")
-    for concurrency, report in reports.items():
+    columns = ("conc", "client", "arm", "steps/min", "hit rate", "p50", "p90", "program p90", "programs/min",
+               "preempt", "pauses/resumes", "cluster/direct")  # fmt: skip
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("arm", "client") else "right")
+    for (concurrency, client), report in reports.items():
         for name, arm in report["arms"].items():
             pauses = "" if arm["pauses"] is None else f"{arm['pauses']:.0f}/{arm['resumes']:.0f}"
             ratio = fmt(report["ratios"]["steps_per_min"], "x") if name == "cluster" else ""
             table.add_row(
-                str(concurrency), name, fmt(arm["steps_per_min"], digits=1), fmt(arm["hit_rate"]),
-                fmt(arm["p50_s"], " s"), fmt(arm["p90_s"], " s"), str(arm["preemptions"]), pauses, ratio,
+                str(concurrency), client if name == "cluster" else "", name, fmt(arm["steps_per_min"], digits=1),
+                fmt(arm["hit_rate"]), fmt(arm["p50_s"], " s"), fmt(arm["p90_s"], " s"),
+                fmt(arm["program_p90_s"], " s", 1), fmt(arm["programs_per_min"], digits=1),
+                str(arm["preemptions"]), pauses, ratio,
             )  # fmt: skip
         table.add_section()
     return table
@@ -76,12 +111,12 @@ def summary_table(reports: dict[int, dict[str, Any]]) -> Table:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     console = Console() if sys.stdout.isatty() else Console(width=140)
-    log_dir = args.out_dir / "logs"
-    with local_stack(EngineSettings(kv_blocks=args.kv_blocks), args.engine_url, args.gateway_arg, log_dir, console) as (
-        engine_url,
-        gateway_url,
-    ):
-        reports = {c: run_one(c, args, engine_url, gateway_url) for c in map(int, args.concurrency.split(","))}
+    reports = {}
+    with engine_for(EngineSettings(kv_blocks=args.kv_blocks), args.engine_url, args.out_dir / "logs", console) as url:
+        for client in args.clients.split(","):
+            with local_gateway(url, args.gateway_arg, args.out_dir / "logs" / client, console) as gateway_url:
+                for concurrency in map(int, args.concurrency.split(",")):
+                    reports[concurrency, client] = run_one(concurrency, client, args, url, gateway_url)
     console.print(summary_table(reports))
 
 

@@ -12,12 +12,12 @@ import docker
 import httpx
 import pytest
 import yaml
-from thunderctl.bench.soak import MODEL, SoakSpec, soak_profile
 
-from support import Cli
+from support import Cli, sim_profile
 
 pytestmark = pytest.mark.docker
 
+MODEL = "qwen3-32b"  # profiles/sim.yaml's served name
 FLOOR_S = 6.0
 STEPS = 9  # 8 continuation gaps: tool_time_min_samples, so the law is learnt and the floor rules
 SLACK_S = 5.0  # ticks (0.5 s) and a loaded machine's lag
@@ -41,7 +41,8 @@ def listed(gateway: str) -> set[str]:
 @pytest.fixture
 def sim_cluster(tmp_path: Path, module_sandbox_image: str, docker_client: docker.DockerClient):
     name = f"ending-{secrets.token_hex(3)}"
-    profile = soak_profile(SoakSpec(workers=1, engine_time_scale=0.05, tick_interval_s=0.5), name)
+    profile = sim_profile(name, workers=1, time_scale=0.05)
+    profile["scheduler"]["tick_interval_s"] = 0.5
     profile["scheduler"]["end_floor_s"] = FLOOR_S
     profile["sandboxes"] = {"image": module_sandbox_image, "memory": "64m", "pids": 64, "cpus": 0.5}
     path = tmp_path / "profile.yaml"
