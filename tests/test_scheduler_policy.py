@@ -268,7 +268,7 @@ def teach_gaps(sched: Scheduler, clock: VirtualClock, gaps_s: list[float], tool:
     sched.on_request("teacher", 10)
     for gap in gaps_s:
         sched.on_response("teacher", 10, 0, tool)
-        clock.advance(gap)
+        clock.now += gap
         sched.on_request("teacher", 10)
     sched.on_response("teacher", 10, 0)
     sched.release("teacher")
@@ -288,10 +288,10 @@ def test_a_program_never_released_ends_by_the_learnt_continuation_gap(gaps_s, al
     sched, clock, events = make(tool_time_window=8, end_gap_window=8)
     teach_gaps(sched, clock, gaps_s)
     run_step(sched, "p", 100)
-    clock.advance(alive_at_s)
+    clock.now += alive_at_s
     sched.tick()
     assert "p" in sched.programs
-    clock.advance(ended_by_s - alive_at_s)
+    clock.now += ended_by_s - alive_at_s
     sched.tick()
     assert "p" not in sched.programs and kinds(events, "p")[-1] is EventKind.EXPIRED
     assert sched.reserved_tokens("a") == 0
@@ -303,7 +303,7 @@ def test_a_slow_tool_is_waited_for_by_its_own_gaps_among_fast_ones() -> None:
     teach_gaps(sched, clock, [2.0] * 64, "ls")  # the cluster's window has forgotten pytest's gaps
     sched.on_request("p", 100)
     sched.on_response("p", 100, 0, "pytest")
-    clock.advance(179)  # 3 × its tool's 60 s
+    clock.now += 179  # 3 × its tool's 60 s
     sched.tick()
     assert "p" in sched.programs
 
@@ -315,7 +315,7 @@ def test_a_program_with_a_request_in_flight_or_waiting_never_ends(waiting) -> No
     if waiting:
         run_step(sched, "hog", 1000)  # no room: p's request waits
     assert (sched.on_request("p", 100) is None) is waiting
-    clock.advance(59)  # under the forced resume, past the floor
+    clock.now += 59  # under the forced resume, past the floor
     sched.tick()
     assert "p" in sched.programs
 
@@ -324,11 +324,11 @@ def test_a_paused_program_silent_past_its_gap_is_not_resumed_into_room_others_ne
     sched, clock, _ = make(retention=False)
     teach_gaps(sched, clock, [5.0] * 8)
     run_step(sched, "gone", 400)
-    clock.advance(20)  # past its expected 5 s, before the 30 s floor: not ended yet
+    clock.now += 20  # past its expected 5 s, before the 30 s floor: not ended yet
     run_step(sched, "soon", 300)
     sched.drain("a")
     sched.set_schedulable("a", True)
-    clock.advance(1)
+    clock.now += 1
     sched.tick()
     assert sched.programs["soon"].status is Status.ACTIVE  # within its gap: room held ahead of it
     assert sched.programs["gone"].status is Status.PAUSED

@@ -45,8 +45,10 @@ def waited_for_room(factor: float | None) -> float:
     """A worker full of ACTING programs that keep returning; four programs wait 20 s each for a
     release, then one asks while nothing is released: how long it waits for room."""
     clock = FakeClock()
+    # No continuation gap is ever learnt: the held programs would look ended and give up their room
+    # before the bound, which is what this measures.
     config = SchedulerConfig(
-        adaptive=False, retention=False, buffer_tokens=0, resume_timeout_s=600, end_unlearnt_s=10_000,
+        adaptive=False, retention=False, buffer_tokens=0, resume_timeout_s=600, end_unlearnt_s=10_000, tool_time_min_samples=10_000,
         new_program_delay_s=0, **(LAW | {"wait_bound_factor": factor}),
     )  # fmt: skip
     sched = Scheduler(config, clock)
