@@ -30,7 +30,8 @@ from thunderctl.cluster.workers import (
     stop_workers,
     wait_workers_healthy,
 )
-from thunderctl.daemon.client import control_client, daemon_answers
+from thunderctl.daemon.client import control_client, daemon_answers, fetch_status
+from thunderctl.gateway.gateway import WorkerState
 from thunderctl.processes import (
     ProcessIdentity,
     StopError,
@@ -44,6 +45,8 @@ from thunderctl.profile import Profile, state_root
 
 DAEMON_START_TIMEOUT_S = 30.0
 DAEMON_EXIT_TIMEOUT_S = 60.0
+# A worker that answers /health rejoins at the daemon's next metrics poll (seconds apart).
+REJOIN_TIMEOUT_S = 30.0
 
 
 def new_state(profile: Profile, profile_path: Path) -> ClusterState:
@@ -149,8 +152,24 @@ def reconcile(
         restarted = client.post("/workers/revive").raise_for_status().json()["restarted"]
     if restarted:
         wait_workers_healthy(ClusterState.load(state.dir), timeout, report, transports)
+        wait_back_in_service(state, restarted)
     planned, running = [p.id for p in plans], [w.id for w in state.workers]
     return Reconciliation(restarted, [i for i in planned if i not in running], [i for i in running if i not in planned])
+
+
+def wait_back_in_service(state: ClusterState, worker_ids: list[str]) -> None:
+    """Until the daemon serves from the workers again (its next poll of their metrics), so that
+    `status` right after `up` shows them ready."""
+
+    def back() -> bool:
+        states = {w.id: w.state for w in fetch_status(state).workers}
+        return all(states.get(worker_id) == WorkerState.READY for worker_id in worker_ids)
+
+    if not poll_until(back, REJOIN_TIMEOUT_S, HEALTH_POLL_S):
+        raise LaunchError(
+            f"{', '.join(worker_ids)} answer their health check, but the daemon has not taken them back after "
+            f"{REJOIN_TIMEOUT_S:.0f} s; `thunderctl logs daemon` says why"
+        )
 
 
 def launch(
