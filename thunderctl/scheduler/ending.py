@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from thunderctl.scheduler.config import SchedulerConfig
 from thunderctl.scheduler.program import Phase, Program, Status
 from thunderctl.scheduler.retention import GapSamples, ToolTimes
 
@@ -28,6 +29,14 @@ class EndingLaw:
     margin: float
     unlearnt_s: float
     min_samples: int
+
+    @classmethod
+    def from_config(cls, cfg: SchedulerConfig) -> EndingLaw:
+        return cls(cfg.end_floor_s, cfg.end_quantile, cfg.end_margin, cfg.end_unlearnt_s, cfg.tool_time_min_samples)
+
+    def ended(self, programs: Iterable[Program], tool_times: ToolTimes, now: float) -> Iterator[Program]:
+        """The programs not continued within the law: they end, as a release ends them."""
+        return (p for p in programs if silent(p) and now - p.last_activity > self.ends_after_s(p, tool_times))
 
     def ends_after_s(self, program: Program, tool_times: ToolTimes) -> float:
         """Silence after which the program ends."""

@@ -4,9 +4,12 @@ part of it that decodes (must sit on the GPU when a host KV tier holds the rest)
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from thunderctl.scheduler.program import Phase, Program
+from thunderctl.scheduler.ordering import WaitingQueue
+from thunderctl.scheduler.program import Phase, Program, Status
 
 
 @dataclass
@@ -81,3 +84,24 @@ class Ledger:
         tokens = self.private - (1.0 - acting_weight) * self.acting_private
         prefixes = sum(self.prefix_tokens.values())
         return Load(tokens + prefixes, Counter(self.holders), self.decoding + prefixes)
+
+
+@contextmanager
+def recharged(program: Program, ledgers: dict[str, Ledger], waiting: WaitingQueue, buffer: int) -> Iterator[None]:
+    """Around a change of a program's size or phase: its worker's ledger is debited
+    before and credited after, and a waiting program takes its place in the queue
+    again, so ledgers and queue always match the programs."""
+    ledger = None
+    if program.status is Status.ACTIVE and program.worker is not None:
+        ledger = ledgers.get(program.worker)
+    if ledger is not None:
+        ledger.remove(program, buffer)
+    waiting_since = program.waiting_since
+    waiting.remove(program)
+    try:
+        yield
+    finally:
+        if ledger is not None:
+            ledger.add(program, buffer)
+        if waiting_since is not None:
+            waiting.add(program, waiting_since)

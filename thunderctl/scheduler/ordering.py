@@ -5,10 +5,10 @@ from __future__ import annotations
 import bisect
 import functools
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from thunderctl.scheduler.config import Decay, PauseOrder, SchedulerConfig
-from thunderctl.scheduler.program import Program
+from thunderctl.scheduler.program import Phase, Program
 
 ResumeKey = tuple[int, float, float]
 
@@ -47,6 +47,11 @@ def pause_key(order: PauseOrder) -> Callable[[Program], tuple[float, int, str]]:
     if order is PauseOrder.SHORTEST:
         return lambda p: (0.0, p.tokens, p.id)
     return lambda p: (p.acting_since, p.tokens, p.id)
+
+
+def acting_in_pause_order(programs: Iterable[Program], order: PauseOrder) -> list[Program]:
+    """The ACTING ones among `programs`, the first to pause first."""
+    return sorted((p for p in programs if p.phase is Phase.ACTING), key=pause_key(order))
 
 
 class WaitingQueue:

@@ -4,9 +4,11 @@ for everyone, else the most headroom."""
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from thunderctl.scheduler.config import PlacementRule
+from thunderctl.scheduler.capacity import headroom
+from thunderctl.scheduler.config import PlacementRule, SchedulerConfig
+from thunderctl.scheduler.ledger import Load
 from thunderctl.scheduler.program import Program, Worker
 
 
@@ -47,3 +49,49 @@ def choose(
             if worker.id == target:
                 return worker
     return max(fitting, key=headroom)
+
+
+def fits(program: Program, worker: Worker, load: Load, config: SchedulerConfig) -> bool:
+    """Whether the program fits the worker's resume band on top of `load`."""
+    # An idle worker takes any program: otherwise one larger than the resume band
+    # would wait for its forced resume while the engine sits empty.
+    need = load.need(program, 1.0, config.buffer_tokens)
+    return not worker.programs or need <= headroom(worker, load, config.resume_threshold)
+
+
+def admit_in_order(
+    queue: Iterable[Program], targets: list[Worker], loads: dict[str, Load], config: SchedulerConfig
+) -> list[Program]:
+    """The head of the queue that fits in the total headroom; nobody jumps the queue."""
+    room = sum(headroom(b, loads[b.id], config.resume_threshold) for b in targets)
+    chosen = []
+    for program in queue:
+        need = program.tokens + config.buffer_tokens
+        if need > room and not any(not b.programs for b in targets):
+            break
+        room -= need
+        chosen.append(program)
+    return chosen
+
+
+def fit(
+    program: Program,
+    targets: list[Worker],
+    loads: dict[str, Load],
+    contended: bool,
+    config: SchedulerConfig,
+    workers: Mapping[str, Worker],
+) -> Worker | None:
+    """The worker among `targets` the program goes to (`choose`), or None when it fits none."""
+    home = workers.get(program.worker or "")
+    if home is not None and home.host_capacity and home in targets:
+        targets = [home]  # its KV waits in that host tier: back by a transfer there, by a prefill elsewhere
+    fitting = [b for b in targets if fits(program, b, loads[b.id], config)]
+    if not fitting:
+        return None
+    mean_load = sum(loads[b.id].tokens for b in targets) / len(targets)
+    return choose(
+        config.placement, program, fitting, list(workers),
+        headroom=lambda b: headroom(b, loads[b.id], config.resume_threshold), contended=contended,
+        prefix_home=lambda b: loads[b.id].holds(program.prefix_key) and loads[b.id].tokens <= mean_load,
+    )  # fmt: skip

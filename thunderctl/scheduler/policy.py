@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 
 from thunderctl.scheduler.admission import AdmissionTuner
 from thunderctl.scheduler.capacity import decode_fits, gpu_binds, gpu_room, headroom
 from thunderctl.scheduler.config import Decay, SchedulerConfig
-from thunderctl.scheduler.ending import EndingLaw, silent
+from thunderctl.scheduler.ending import EndingLaw
 from thunderctl.scheduler.events import Counters, EventKind, Listener, ProgramEvent, notify
-from thunderctl.scheduler.ledger import Ledger, Load
-from thunderctl.scheduler.ordering import WaitingQueue, acting_decay, pause_key
-from thunderctl.scheduler.placement import choose
+from thunderctl.scheduler.ledger import Ledger, Load, recharged
+from thunderctl.scheduler.ordering import WaitingQueue, acting_decay, acting_in_pause_order
+from thunderctl.scheduler.placement import admit_in_order, fit, fits
 from thunderctl.scheduler.program import Phase, Program, Status, Worker
 from thunderctl.scheduler.retention import RetentionLaw
 from thunderctl.scheduler.waitbound import WaitBound
@@ -40,10 +39,7 @@ class Scheduler:
         self._ledgers: dict[str, Ledger] = {}
         self._waiting = WaitingQueue(self.config)
         self.retention = RetentionLaw.from_config(self.config)
-        cfg = self.config
-        self.ending = EndingLaw(
-            cfg.end_floor_s, cfg.end_quantile, cfg.end_margin, cfg.end_unlearnt_s, cfg.tool_time_min_samples
-        )
+        self.ending = EndingLaw.from_config(self.config)
         self.counters = Counters()
         self.tuner = AdmissionTuner(self.config)
         self.wait_bound = WaitBound(self.config)
@@ -129,7 +125,7 @@ class Scheduler:
             self._emit(EventKind.CREATED, program)
         self.retention.on_request(program, now)
         waiting_since = program.waiting_since or now
-        with self._recharged(program):
+        with recharged(program, self._ledgers, self._waiting, self.config.buffer_tokens):
             program.tokens = max(program.tokens, prompt_tokens)
             if prefix_key is not None:
                 program.prefix_key = prefix_key
@@ -157,7 +153,7 @@ class Scheduler:
         if program is None or program.status is Status.TERMINATED:
             return
         now = self.clock()
-        with self._recharged(program):
+        with recharged(program, self._ledgers, self._waiting, self.config.buffer_tokens):
             program.tokens = prompt_tokens + completion_tokens
             program.prefix_tokens = min(program.prefix_tokens, program.tokens)
             program.phase = Phase.ACTING
@@ -177,7 +173,7 @@ class Scheduler:
         program = self.programs.get(program_id)
         if program is None or program.status is Status.TERMINATED:
             return
-        with self._recharged(program):
+        with recharged(program, self._ledgers, self._waiting, self.config.buffer_tokens):
             program.phase = Phase.ACTING
         program.acting_since = program.last_activity = self.clock()
         program.responded_at = None  # no tool runs: the gap to its retry is not a tool time
@@ -269,11 +265,9 @@ class Scheduler:
 
     def _expire_idle(self) -> None:
         """End the programs not continued within the learnt law (ending.py), as a release does."""
-        now, tool_times = self.clock(), self.retention.tool_times
-        for program in list(self.programs.values()):
-            if silent(program) and now - program.last_activity > self.ending.ends_after_s(program, tool_times):
-                self._terminate(program, EventKind.EXPIRED)
-                self.counters.expired += 1
+        for program in self.ending.ended(list(self.programs.values()), self.retention.tool_times, self.clock()):
+            self._terminate(program, EventKind.EXPIRED)
+            self.counters.expired += 1
 
     def _likely_ended(self, program: Program) -> bool:
         law = self.retention
@@ -306,11 +300,11 @@ class Scheduler:
         # physical check leaves, never overbooked room, or the next pause pass takes it back.
         physical = {b.id: self._load(b, physical=True) for b in targets}
         buffer = self.config.buffer_tokens
-        if not any(self._is_idle(b) or self._headroom(b, physical[b.id]) > buffer for b in targets):
+        if not any(not b.programs or self._headroom(b, physical[b.id]) > buffer for b in targets):
             return  # a full cluster: no need to sort thousands of paused programs
         # One that has likely ended is not coming back: no room is reserved for it.
         idle = [p for p in self.resume_queue() if p.waiting_since is None and not self._likely_ended(p)]
-        self._place_all(self._admit_in_order(idle, targets, physical), targets, physical)
+        self._place_all(admit_in_order(idle, targets, physical, self.config), targets, physical)
 
     def _resume_waiting_programs(self, targets: list[Worker], force_overdue: bool) -> None:
         # Lazily: admission stops at the first program that does not fit, and a response
@@ -323,15 +317,15 @@ class Scheduler:
             return
         if force_overdue:
             waiting = self._force_overdue(list(waiting), targets, loads)
-        self._place_all(self._admit_in_order(waiting, targets, loads), targets, loads)
+        self._place_all(admit_in_order(waiting, targets, loads, self.config), targets, loads)
 
     def _place_all(self, chosen: list[Program], targets: list[Worker], loads: dict[str, Load]) -> None:
         # The largest chosen program first. While others wait the room decides who is admitted:
         # best fit decreasing, onto the most headroom (placement.py).
         left_waiting = len(self._waiting) > sum(p.waiting_since is not None for p in chosen)
-        contended = left_waiting or not all(any(self._fits(p, b, loads[b.id]) for b in targets) for p in chosen)
+        contended = left_waiting or not all(any(fits(p, b, loads[b.id], self.config) for b in targets) for p in chosen)
         for program in sorted(chosen, key=lambda p: p.tokens, reverse=True):
-            worker = self._fit(program, targets, loads, contended)
+            worker = fit(program, targets, loads, contended, self.config, self.workers)
             if worker is not None:
                 self._place(program, worker, loads[worker.id])
 
@@ -351,18 +345,6 @@ class Scheduler:
         worker = max(targets, key=lambda b: self._headroom(b, loads[b.id]))
         self._place(program, worker, loads[worker.id], forced=forced)
 
-    def _admit_in_order(self, queue: Iterable[Program], targets: list[Worker], loads: dict[str, Load]) -> list[Program]:
-        """The head of the queue that fits in the total headroom; nobody jumps the queue."""
-        headroom = sum(self._headroom(b, loads[b.id]) for b in targets)
-        chosen = []
-        for program in queue:
-            need = program.tokens + self.config.buffer_tokens
-            if need > headroom and not any(self._is_idle(b) for b in targets):
-                break
-            headroom -= need
-            chosen.append(program)
-        return chosen
-
     def _headroom(self, worker: Worker, load: Load) -> float:
         return headroom(worker, load, self.config.resume_threshold)
 
@@ -372,29 +354,6 @@ class Scheduler:
             return True
         cfg = self.config
         return decode_fits(worker, self._ledgers[worker.id], program, cfg.buffer_tokens, cfg.pause_threshold)
-
-    def _is_idle(self, worker: Worker) -> bool:
-        return not worker.programs
-
-    def _fits(self, program: Program, worker: Worker, load: Load) -> bool:
-        # An idle worker takes any program: otherwise one larger than the resume band
-        # would wait for its forced resume while the engine sits empty.
-        need = load.need(program, 1.0, self.config.buffer_tokens)
-        return self._is_idle(worker) or need <= self._headroom(worker, load)
-
-    def _fit(self, program: Program, targets: list[Worker], loads: dict[str, Load], contended: bool) -> Worker | None:
-        home = self.workers.get(program.worker or "")
-        if home is not None and home.host_capacity and home in targets:
-            targets = [home]  # its KV waits in that host tier: back by a transfer there, by a prefill elsewhere
-        fitting = [b for b in targets if self._fits(program, b, loads[b.id])]
-        if not fitting:
-            return None
-        mean_load = sum(loads[b.id].tokens for b in targets) / len(targets)
-        return choose(
-            self.config.placement, program, fitting, list(self.workers),
-            headroom=lambda b: self._headroom(b, loads[b.id]), contended=contended,
-            prefix_home=lambda b: loads[b.id].holds(program.prefix_key) and loads[b.id].tokens <= mean_load,
-        )  # fmt: skip
 
     def _place(self, program: Program, worker: Worker, load: Load, forced: bool = False) -> None:
         now = self.clock()
@@ -427,7 +386,7 @@ class Scheduler:
             if load.tokens <= worker.kv_capacity * cfg.pause_threshold:
                 continue
             target = worker.kv_capacity * cfg.pause_target
-            for program in self._acting_in_pause_order(worker):
+            for program in acting_in_pause_order((self.programs[i] for i in worker.programs), cfg.pause_order):
                 load.remove(program, 1.0, cfg.buffer_tokens)
                 self._pause(program)
                 if load.tokens <= target:
@@ -440,10 +399,6 @@ class Scheduler:
                     if program.phase is Phase.REASONING and program.status is Status.ACTIVE:
                         program.pause_at_boundary = True
                         load.remove(program, 1.0, cfg.buffer_tokens)
-
-    def _acting_in_pause_order(self, worker: Worker) -> list[Program]:
-        acting = [p for i in worker.programs if (p := self.programs[i]).phase is Phase.ACTING]
-        return sorted(acting, key=pause_key(self.config.pause_order))
 
     def _make_room_for_overdue(self) -> None:
         """A program that has waited the wait bound (waitbound.py) is admitted now onto the worker with the most
@@ -463,7 +418,7 @@ class Scheduler:
             load = loads[worker.id]
             if load.need(program, 1.0, cfg.buffer_tokens) > gpu_room(worker, load, cfg.resume_threshold):
                 continue  # what decodes fills the GPU: pausing ACTING programs frees none of it
-            for member in self._acting_in_pause_order(worker):
+            for member in acting_in_pause_order((self.programs[i] for i in worker.programs), cfg.pause_order):
                 if load.need(program, 1.0, cfg.buffer_tokens) <= self._headroom(worker, load):
                     break
                 load.remove(member, 1.0, cfg.buffer_tokens)
@@ -505,26 +460,6 @@ class Scheduler:
         if program.status is Status.ACTIVE and program.worker in self.workers:
             self.workers[program.worker].programs.discard(program.id)
             self._ledgers[program.worker].remove(program, self.config.buffer_tokens)
-
-    @contextmanager
-    def _recharged(self, program: Program) -> Iterator[None]:
-        """Around a change of a program's size or phase: its worker's ledger is debited
-        before and credited after, and a waiting program takes its place in the queue
-        again, so ledgers and queue always match the programs."""
-        ledger = None
-        if program.status is Status.ACTIVE and program.worker is not None:
-            ledger = self._ledgers.get(program.worker)
-        if ledger is not None:
-            ledger.remove(program, self.config.buffer_tokens)
-        waiting_since = program.waiting_since
-        self._waiting.remove(program)
-        try:
-            yield
-        finally:
-            if ledger is not None:
-                ledger.add(program, self.config.buffer_tokens)
-            if waiting_since is not None:
-                self._waiting.add(program, waiting_since)
 
     def _terminate(self, program: Program, kind: EventKind) -> None:
         self.retention.on_end(program)
