@@ -1,5 +1,6 @@
 """What a worker is charged: its programs' tokens, each shared prefix counted once, and the
-part of it that decodes (must sit on the GPU when a host KV tier holds the rest)."""
+part of it that decodes (must sit on the GPU when a host KV tier holds the rest); kept matching
+the programs as they change (`recharged`)."""
 
 from __future__ import annotations
 

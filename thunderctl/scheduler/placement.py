@@ -1,5 +1,5 @@
-"""Which worker a program is placed on: where its KV is (or, new, its shared prefix) while the cluster has room
-for everyone, else the most headroom."""
+"""Who is admitted (the head of the queue that fits) and which worker a program is placed on: where its KV is
+(or, new, its shared prefix) while the cluster has room for everyone, else the most headroom."""
 
 from __future__ import annotations
 
