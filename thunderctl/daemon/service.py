@@ -157,7 +157,11 @@ class Daemon:
         """Start again the workers whose process died, as the restart policy allows, or all of
         them at once with `now` (what `up` asks of a running cluster). Returns their ids."""
         async with self._reviving:
-            return await asyncio.to_thread(self._revive_due, now)
+            revived = await asyncio.to_thread(self._revive_due, now)
+        for worker_id in revived:  # on the loop: the gateway and its scheduler are not thread-safe
+            # Nothing serves there until the new engine answers; the gateway takes it back then.
+            self.gateway.restarting(worker_id)
+        return revived
 
     def _revive_due(self, now: bool) -> list[str]:
         revived = []

@@ -305,6 +305,12 @@ class Gateway:
         link.draining = False
         self.scheduler.set_schedulable(worker_id, link.usable)
 
+    def restarting(self, worker_id: str) -> None:
+        """Its process was started again: out of scheduling, and `starting`, until its metrics answer."""
+        link = self.links[worker_id]
+        link.metrics = None
+        self.mark_unhealthy(link)
+
     def mark_stopped(self, worker_id: str) -> None:
         link = self.links[worker_id]
         link.stopped = True
@@ -314,7 +320,7 @@ class Gateway:
         if link.stopped:
             return WorkerState.STOPPED
         if not link.healthy:
-            return WorkerState.UNHEALTHY
+            return WorkerState.UNHEALTHY if link.metrics else WorkerState.STARTING
         if link.stalled:
             return WorkerState.STALLED
         if link.draining:
