@@ -265,7 +265,8 @@ class Gateway:
         self.scheduler.drain(worker_id)
 
     def worker_state(self, link: WorkerLink) -> WorkerState:
-        return link.state(holds_programs=bool(self.scheduler.workers[link.id].programs))
+        # Only a draining worker's programs matter (DRAINING or DRAINED).
+        return link.state(holds_programs=link.draining and bool(self.scheduler.workers[link.id].programs))
 
     # ---- admission ------------------------------------------------------------------------
 
