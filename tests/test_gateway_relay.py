@@ -17,6 +17,7 @@ import uvicorn
 
 from thunderctl.engines.simulated.server import SimEngineConfig, SimServer
 from thunderctl.gateway import Gateway, WorkerLink, build_app
+from thunderctl.gateway.views import programs_view
 from thunderctl.prometheus import parse_samples
 
 pytestmark = pytest.mark.anyio
@@ -135,7 +136,7 @@ def chat(program_id: str | None = "p1", **extra: object) -> dict:
 
 
 def program(gateway: Gateway, program_id: str) -> dict:
-    return next(p for p in gateway.programs_view() if p["program_id"] == program_id)
+    return next(p for p in programs_view(gateway) if p["program_id"] == program_id)
 
 
 async def test_a_reply_is_relayed_as_is_and_its_usage_accounted(gateway_over, engine) -> None:

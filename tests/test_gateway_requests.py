@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from thunderctl.gateway.gateway import BusyMeter
 from thunderctl.gateway.requests import (
     BadRequest,
     PromptShape,
@@ -14,6 +13,7 @@ from thunderctl.gateway.requests import (
     prompt_shape,
 )
 from thunderctl.gateway.server import parse_worker
+from thunderctl.scheduler.front import BusyMeter
 
 
 @pytest.mark.parametrize(

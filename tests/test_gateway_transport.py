@@ -17,6 +17,7 @@ import pytest
 from thunderctl.gateway import Gateway, WorkerLink, build_app
 from thunderctl.gateway.identity import IdentityConfig
 from thunderctl.gateway.transport import AiohttpTransport
+from thunderctl.gateway.views import programs_view
 from thunderctl.processes import pick_free_port
 
 pytestmark = pytest.mark.anyio
@@ -56,12 +57,12 @@ async def test_a_stream_and_a_whole_answer_arrive_as_the_engine_sent_them(start_
         relayed, sent = sse_chunks(response.text), sse_chunks(expected)
         assert [c["choices"] for c in relayed] == [c["choices"] for c in sent]
         assert response.text.endswith("data: [DONE]\n\n")
-        seen = gateway.programs_view()[0]
+        seen = programs_view(gateway)[0]
         assert seen["steps"] == 1 and seen["tokens"] > 12  # the engine's usage: prompt + 12 answer tokens
 
         whole = await client.post("/v1/chat/completions", json=chat())
         assert whole.status_code == 200 and whole.json()["usage"]["completion_tokens"] == 12
-        assert gateway.programs_view()[0]["steps"] == 2
+        assert programs_view(gateway)[0]["steps"] == 2
         assert gateway.links["w0"].in_flight == 0
     finally:
         await client.aclose()

@@ -7,7 +7,8 @@ import re
 from pathlib import Path
 
 from thunderctl.engines.vllm import EngineMetrics
-from thunderctl.gateway.gateway import Gateway, WorkerLink
+from thunderctl.gateway.gateway import Gateway
+from thunderctl.gateway.links import WorkerLink
 from thunderctl.gateway.metrics import render_metrics
 from thunderctl.prometheus import parse_samples
 from thunderctl.sandbox.metrics import render_sandbox_metrics

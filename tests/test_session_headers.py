@@ -11,6 +11,7 @@ import pytest
 
 from thunderctl.gateway import Gateway, WorkerLink, build_app
 from thunderctl.gateway.requests import BadRequest, ends_session, pop_program_id
+from thunderctl.gateway.views import programs_view
 
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 SESSION = "x-dynamo-session-id"
@@ -112,7 +113,7 @@ async def test_a_streamed_final_response_releases_only_after_its_last_byte(fake_
     events: list[tuple[str, Any]] = []
 
     def known() -> bool:
-        return any(p["program_id"] == "stream-1" for p in gateway.programs_view())
+        return any(p["program_id"] == "stream-1" for p in programs_view(gateway))
 
     app = build_app(gateway, on_release=lambda pid: events.append(("released", pid)))
     payload = json.dumps(CHAT | {"stream": True}).encode()

@@ -126,7 +126,7 @@ def status_view(daemon: Daemon) -> ClusterStatus:
                 reasoning=counts[Phase.REASONING.value],
                 acting=counts[Phase.ACTING.value],
                 paused=counts["paused"],
-                derived=gateway.derived_programs(),
+                derived=gateway.derived.live(gateway.scheduler.programs),
             ),
             pauses_total=scheduler.counters.pauses,
             resumes_total=scheduler.counters.resumes,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from thunderctl.gateway.gateway import WorkerState
+from thunderctl.gateway.links import WorkerState
 
 # States in which a worker has nothing left it will finish: `drain --wait` waits for one.
 IDLE_STATES = (WorkerState.DRAINED, WorkerState.STOPPED, WorkerState.UNHEALTHY, WorkerState.STALLED)

@@ -19,7 +19,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from thunderctl.engines.vllm import pause_engine, reset_prefix_cache, resume_engine
-from thunderctl.gateway.gateway import Gateway, WorkerLink
+from thunderctl.gateway.gateway import Gateway
+from thunderctl.gateway.links import WorkerLink
 from thunderctl.jsonapi import BadRequest, BodyLimits, bad_request, error, read_json_object, shown
 from thunderctl.scheduler.pause import AdminConfig, ClusterPause, PauseEnd, PauseMode
 

@@ -27,6 +27,7 @@ from thunderctl.gateway.requests import (
     prompt_shape,
 )
 from thunderctl.gateway.streaming import RelayedStream
+from thunderctl.gateway.views import programs_view
 from thunderctl.jsonapi import (
     BadRequest,
     BodyLimits,
@@ -80,7 +81,7 @@ def build_app(
             shape = prompt_shape(body)
         except BadRequest as exc:
             return bad_request(exc)
-        claim = gateway.derive(body) if program_id is None else None
+        claim = gateway.derived.claim(body) if program_id is None else None
         if claim is not None:
             program_id = claim.program_id
         if docker_ids and program_id is not None and on_docker_ids is not None:
@@ -113,7 +114,7 @@ def build_app(
         return JSONResponse({"program_id": program_id, "released": release_program(program_id)})
 
     async def programs(_: Request) -> Response:
-        return JSONResponse({"programs": gateway.programs_view()})
+        return JSONResponse({"programs": programs_view(gateway)})
 
     async def metrics(_: Request) -> Response:
         text = render_metrics(gateway) + (extra_metrics() if extra_metrics else "")

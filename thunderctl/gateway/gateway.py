@@ -12,8 +12,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass, field
-from enum import StrEnum
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -24,7 +23,9 @@ from thunderctl.gateway.answers import (
     tool_in_response,
     uncached_prompt_tokens,
 )
-from thunderctl.gateway.identity import Claim, ConversationIndex, IdentityConfig
+from thunderctl.gateway.derived import DerivedPrograms
+from thunderctl.gateway.identity import Claim, IdentityConfig
+from thunderctl.gateway.links import WorkerLink, WorkerState
 from thunderctl.gateway.recorder import TraceRecorder
 from thunderctl.gateway.requests import PromptShape, TokenEstimator
 from thunderctl.gateway.sse import StreamRelay
@@ -35,7 +36,6 @@ from thunderctl.jsonapi import bearer_headers
 from thunderctl.scheduler import EventKind, ProgramEvent, Scheduler, SchedulerConfig
 from thunderctl.scheduler.front import (
     WAKING_EVENTS,
-    BusyMeter,
     account,
     beat,
     mean_utilization,
@@ -64,50 +64,6 @@ WORKER_KEEPALIVE_S = 4.0
 # Agents' connections idle through their tool calls; the gateway keeps them open longer than
 # their clients' pools (httpx: 5 s), so that the client, not the gateway, closes an idle one.
 AGENT_KEEPALIVE_S = 65
-
-
-class WorkerState(StrEnum):
-    STARTING = "starting"
-    READY = "ready"
-    DRAINING = "draining"
-    DRAINED = "drained"
-    UNHEALTHY = "unhealthy"
-    STALLED = "stalled"
-    PAUSED = "paused"  # its engine says so (a weight update): nothing is lost, it resumes
-    STOPPED = "stopped"
-
-
-@dataclass
-class WorkerLink:
-    """One vLLM worker as the gateway sees it."""
-
-    id: str
-    url: str
-    in_flight: int = 0
-    meter: BusyMeter = field(default_factory=BusyMeter)
-    metrics: EngineMetrics | None = None
-    draining: bool = False
-    healthy: bool = True
-    stopped: bool = False
-    failures: int = 0  # consecutive failed polls
-    stalled: bool = False
-    last_progress_s: float = 0.0  # when a request last ended, or started on an idle worker
-    host_kv_tokens: int = 0  # its host KV tier (vLLM's CPU offloading), from the profile
-    engine_paused: bool = False  # its engine's GET /is_paused at the last poll
-
-    @property
-    def capacity(self) -> int | None:
-        return self.metrics.kv_capacity_tokens if self.metrics else None
-
-    @property
-    def usable(self) -> bool:
-        return self.healthy and not self.draining and not self.stopped and not self.stalled
-
-    def add_in_flight(self, delta: int, now: float) -> None:
-        self.in_flight += delta
-        self.meter.set(self.in_flight, now)
-        if delta < 0 or self.in_flight == delta:
-            self.last_progress_s = now
 
 
 @dataclass(frozen=True)
@@ -149,10 +105,8 @@ class Gateway:
         self.last_utilization = 0.0
         self.estimator = TokenEstimator()
         self.recorder = recorder
-        identity = identity or IdentityConfig()
-        # Programs of requests that name none, found from their conversation (None: not derived).
-        self.conversations = ConversationIndex(identity.remembered_conversations) if identity.derive_programs else None
-        self.derived: set[str] = set()  # live programs whose id the gateway derived
+        # Programs of requests that name none, found from their conversation.
+        self.derived = DerivedPrograms(identity or IdentityConfig())
         self.timings = GatewayTimings()
         self.resumed_priority = resumed_priority  # sent with a request that waited for its resume
         self.metrics_interval_s = metrics_interval_s
@@ -317,65 +271,19 @@ class Gateway:
         self.scheduler.drain(worker_id)
 
     def worker_state(self, link: WorkerLink) -> WorkerState:
-        if link.stopped:
-            return WorkerState.STOPPED
-        if not link.healthy:
-            return WorkerState.UNHEALTHY if link.metrics else WorkerState.STARTING
-        if link.stalled:
-            return WorkerState.STALLED
-        if link.draining:
-            idle = link.in_flight == 0 and not self.scheduler.workers[link.id].programs
-            return WorkerState.DRAINED if idle else WorkerState.DRAINING
-        if link.engine_paused:
-            return WorkerState.PAUSED
-        return WorkerState.READY if link.metrics else WorkerState.STARTING
+        # Only a draining worker's programs matter (DRAINING or DRAINED).
+        return link.state(holds_programs=link.draining and bool(self.scheduler.workers[link.id].programs))
 
     # ---- admission ------------------------------------------------------------------------
 
     def _on_program_event(self, event: ProgramEvent) -> None:
-        if event.kind in (EventKind.RELEASED, EventKind.EXPIRED):
-            self.derived.discard(event.program.id)
-        if event.kind is EventKind.RELEASED and self.conversations is not None:
-            self.conversations.forget(event.program.id)  # a released conversation that goes on is a new program
+        self.derived.on_program_event(event)
         if self.recorder is not None and event.kind in (EventKind.RELEASED, EventKind.EXPIRED):
             self.recorder.on_end(event.program.id)
         if event.kind in WAKING_EVENTS:
             waiter = self._resumed.pop(event.program.id, None)
             if waiter is not None:
                 waiter.set()
-
-    def derive(self, body: dict[str, Any]) -> Claim | None:
-        """The program of a request that names none: the one whose conversation it continues, or a
-        new one (None: derivation is off, or the request cannot be followed)."""
-        claim = self.conversations.claim(body) if self.conversations is not None else None
-        if claim is not None:
-            self.derived.add(claim.program_id)
-        return claim
-
-    def derived_programs(self) -> int:
-        """Live programs whose id was derived from their conversation."""
-        return sum(1 for program_id in self.derived if program_id in self.scheduler.programs)
-
-    def _remember(self, claim: Claim | None, path: str, answered: dict[str, Any] | StreamedAnswer) -> None:
-        """Remember the conversation a derived program's answer extends, for its next request."""
-        if claim is None or self.conversations is None:
-            return
-        chat = path.endswith("/chat/completions")
-        if isinstance(answered, StreamedAnswer):
-            if chat:
-                self.conversations.answered_chat(claim, answered.message)
-            else:
-                self.conversations.answered_completion(claim, answered.text, answered.token_ids)
-            return
-        choices = answered.get("choices") or []
-        choice = choices[0] if choices and isinstance(choices[0], dict) else {}
-        if chat and isinstance(choice.get("message"), dict):
-            self.conversations.answered_chat(claim, choice["message"])
-        elif not chat and isinstance(choice.get("text"), str):
-            token_ids = choice.get("token_ids")
-            self.conversations.answered_completion(
-                claim, choice["text"], token_ids if isinstance(token_ids, list) else None
-            )
 
     async def admit(self, program_id: str | None, shape: PromptShape) -> tuple[WorkerLink, bool]:
         """Where this request goes, and whether it waited here for its program's resume."""
@@ -472,7 +380,7 @@ class Gateway:
             with contextlib.suppress(ValueError, AttributeError):
                 answered = json.loads(content)
                 usage, tool = answered.get("usage"), tool_in_response(answered)
-                self._remember(claim, path, answered)
+                self.derived.remember(claim, path, answered)
         self._finish(link, program_id, shape, usage, tool)
         media_type = response.headers.get("content-type", "application/json")
         return Relayed(response.status_code, media_type, content)
@@ -496,7 +404,7 @@ class Gateway:
             if rest := relay.end():
                 yield rest
             # Only a whole answer: a client whose stream was cut does not echo it back.
-            self._remember(claim, path, answer)
+            self.derived.remember(claim, path, answer)
         finally:
             # Runs on normal end, worker error and client disconnect alike: the slot is freed.
             await response.aclose()
@@ -548,21 +456,3 @@ class Gateway:
     def count_client_disconnect(self) -> int:
         self.client_disconnects += 1
         return self.client_disconnects
-
-    # ---- views ----------------------------------------------------------------------------
-
-    def programs_view(self) -> list[dict[str, Any]]:
-        now = self._clock()
-        return [
-            {
-                "program_id": p.id,
-                "phase": p.phase.value,
-                "status": p.status.value,
-                "backend": p.worker,
-                "tokens": p.tokens,
-                "steps": p.steps,
-                "paused_s": round(p.paused_total_s + (now - p.paused_at if p.paused_at else 0), 3),
-                "derived": p.id in self.derived,
-            }
-            for p in self.scheduler.programs.values()
-        ]

@@ -84,20 +84,21 @@ def identity_families(gateway: Gateway) -> Iterator[Metric]:
     yield GaugeMetricFamily(
         "thunderctl_programs_derived",
         "Live programs whose requests named none: found from their conversation.",
-        gateway.derived_programs(),
+        gateway.derived.live(gateway.scheduler.programs),
     )
-    if gateway.conversations is None:
+    conversations = gateway.derived.conversations
+    if conversations is None:
         return
     requests = CounterMetricFamily(
         "thunderctl_derived_requests",
         "Requests that named no program, by how their program was found (history, rewritten, new).",
         labels=["match"],
     )
-    for match, count in gateway.conversations.matched.items():
+    for match, count in conversations.matched.items():
         requests.add_metric([str(match)], count)
     yield requests
     yield GaugeMetricFamily(
         "thunderctl_conversations_remembered",
         "Conversations remembered to find the programs of requests that name none.",
-        len(gateway.conversations),
+        len(conversations),
     )

@@ -11,7 +11,8 @@ from starlette.types import ASGIApp
 from thunderctl.gateway.admin import WeightSync
 from thunderctl.gateway.app import build_app
 from thunderctl.gateway.auth import GatewayAuth
-from thunderctl.gateway.gateway import AGENT_KEEPALIVE_S, Gateway, WorkerLink
+from thunderctl.gateway.gateway import AGENT_KEEPALIVE_S, Gateway
+from thunderctl.gateway.links import WorkerLink
 from thunderctl.jsonapi import BodyLimits
 from thunderctl.scheduler.pause import AdminConfig
 

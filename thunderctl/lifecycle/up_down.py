@@ -31,7 +31,7 @@ from thunderctl.cluster.workers import (
     wait_workers_healthy,
 )
 from thunderctl.daemon.client import control_client, daemon_answers, fetch_status
-from thunderctl.gateway.gateway import WorkerState
+from thunderctl.gateway.links import WorkerState
 from thunderctl.processes import (
     ProcessIdentity,
     StopError,

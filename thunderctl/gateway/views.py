@@ -1,0 +1,25 @@
+"""The gateway's `/programs` view: every program the scheduler holds, as JSON."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from thunderctl.gateway.gateway import Gateway
+
+
+def programs_view(gateway: Gateway) -> list[dict[str, Any]]:
+    now = gateway.clock()
+    return [
+        {
+            "program_id": p.id,
+            "phase": p.phase.value,
+            "status": p.status.value,
+            "backend": p.worker,  # the API's key kept its old name
+            "tokens": p.tokens,
+            "steps": p.steps,
+            "paused_s": round(p.paused_total_s + (now - p.paused_at if p.paused_at else 0), 3),
+            "derived": p.id in gateway.derived,
+        }
+        for p in gateway.scheduler.programs.values()
+    ]
