@@ -287,3 +287,14 @@ async def test_a_client_gone_mid_body_is_counted_and_logged_in_one_line(gateway_
     lines = [r.getMessage() for r in caplog.records if r.name == "thunderctl.gateway.disconnects"]
     assert lines == ["client went away mid-body: POST /v1/chat/completions (1 so far)"]
     assert not [r for r in caplog.records if r.exc_info]  # no traceback, from uvicorn or anyone
+
+
+async def test_a_worker_started_again_gets_no_request_until_its_new_engine_answers(gateway_over, engine) -> None:
+    client, gateway = await gateway_over(engine)
+    gateway.restarting("a")  # what the daemon says once it has started a dead worker's process again
+    assert gateway.worker_state(gateway.links["a"]) == "starting"
+    for index in range(4):
+        response = await client.post("/v1/chat/completions", json=chat(f"p{index}"))
+        assert response.status_code == 200 and program(gateway, f"p{index}")["backend"] == "b"
+    await gateway.refresh_metrics()  # its engine answers again
+    assert gateway.worker_state(gateway.links["a"]) == "ready"
