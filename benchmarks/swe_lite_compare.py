@@ -64,7 +64,7 @@ def cut_trace(steps: str, path: Path, seed: int = 0) -> Path:
     draw = random.Random(seed)
     programs = []
     for program in recorded_swe_lite():
-        kept = program.steps[: draw.randint(low, high)]
+        kept = list(program.steps[: draw.randint(low, high)])
         kept[-1] = kept[-1].model_copy(update={"tool_s": 0.0})
         programs.append(program.model_copy(update={"steps": kept}))
     path.parent.mkdir(parents=True, exist_ok=True)
