@@ -66,7 +66,7 @@ def cut_trace(steps: str, path: Path, seed: int = 0) -> Path:
     for program in recorded_swe_lite():
         kept = list(program.steps[: draw.randint(low, high)])
         kept[-1] = kept[-1].model_copy(update={"tool_s": 0.0})
-        programs.append(program.model_copy(update={"steps": kept}))
+        programs.append(program.model_copy(update={"steps": tuple(kept)}))
     path.parent.mkdir(parents=True, exist_ok=True)
     write_trace(programs, path)
     return path
