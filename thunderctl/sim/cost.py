@@ -43,17 +43,21 @@ class EngineShape:
 class FrontendCost:
     """vLLM's API-server process, outside the engine step: the chat template, tokenizing the
     prompt, detokenizing and framing each output token, HTTP. It runs beside the engine core, one
-    request after another (one asyncio process), so it delays answers without taking batch slots.
+    piece of work after another (one asyncio process), so it delays answers without taking batch
+    slots. All zero: the engine model alone, figure for figure.
 
-    Fitted as the client's latency minus the engine's own `vllm:e2e_request_latency_seconds`
-    (benchmarks/fit_frontend.py). All zero: today's engine model, figure for figure.
+    Fitted by benchmarks/fit_frontend.py: what the client waits beyond the engine's prefill and
+    decode (per request and per prompt token) and, per output token, the CPU streaming takes.
     """
 
     per_request_s: float = 0.0
     per_prompt_token_s: float = 0.0
+    # Charged as the engine emits each token, step by step, as vLLM's output processor streams
+    # them: the answer is out once its last token is framed, and a frontend slower than the
+    # engine's steps falls behind.
     per_output_token_s: float = 0.0
     # Where the API server shares the engine's cores (cpu-tiny): the share of the engine's CPU
-    # it takes while it has work, so that a step started then runs 1 / (1 - share) times longer.
+    # it takes while it has work, so that the engine runs at (1 - share) of its speed meanwhile.
     engine_cpu_share: float = 0.0
 
     def __post_init__(self) -> None:
@@ -74,9 +78,8 @@ class FrontendCost:
         """Work before the engine sees the request: HTTP, chat template, tokenizing the prompt."""
         return self.per_request_s + self.per_prompt_token_s * prompt_tokens
 
-    def after_engine_s(self, output_tokens: int) -> float:
-        """Work between the engine's last token and the client's end of answer: detokenizing and
-        framing the output (what the fit attributes to output tokens)."""
+    def streamed_s(self, output_tokens: int) -> float:
+        """Work on the tokens one engine step emitted: detokenizing and framing them."""
         return self.per_output_token_s * output_tokens
 
 

@@ -188,8 +188,9 @@ class Engine:
         return self._frontend_work(now, self.frontend.before_engine_s(request.prompt_tokens))
 
     def frontend_out_s(self, request: Request, now: float) -> float:
-        """When the client has the whole answer of `request`, which the engine finished at `now`."""
-        return self._frontend_work(now, self.frontend.after_engine_s(request.output_tokens))
+        """When the client has the whole answer of `request`, which the engine finished at `now`:
+        once the API server has framed every token emitted so far, its last one included."""
+        return max(now, self._frontend_free_s)
 
     def _frontend_work(self, now: float, seconds: float) -> float:
         if seconds <= 0:
@@ -227,8 +228,11 @@ class Engine:
         if load.scheduled_tokens == 0:
             return None
         seconds = self.cost.step_seconds(load)
-        if self.frontend.engine_cpu_share and self._frontend_free_s > now:
-            seconds /= 1 - self.frontend.engine_cpu_share
+        if share := self.frontend.engine_cpu_share:
+            # The engine runs at (1 - share) of its speed while the frontend still works: slowed
+            # for the whole step, or for the frontend's remaining work and then at full speed.
+            busy = max(0.0, self._frontend_free_s - now)
+            seconds = min(seconds / (1 - share), seconds + busy * share)
         self.counters.steps += 1
         self.counters.busy_s += seconds
         return seconds
@@ -238,12 +242,14 @@ class Engine:
         step = self.step_index
         finished = []
         self.counters.decode_tokens += self._decoders
+        emitted = self._decoders
         for request, chunk in self._chunks:
             request.computed_tokens += chunk
             self.counters.prefill_tokens += chunk
             if request.computed_tokens < request.num_tokens:
                 continue
             request.output_tokens += 1
+            emitted += 1
             if request.output_tokens >= request.max_tokens:
                 finished.append(request)
             else:
@@ -256,6 +262,8 @@ class Engine:
                 finished.append(request)
         self._chunks = []
         self.step_index += 1
+        # The API server detokenizes and frames the step's tokens while the next step runs.
+        self._frontend_work(now, self.frontend.streamed_s(emitted))
         for request in finished:
             self._finish(request, now)
         return finished

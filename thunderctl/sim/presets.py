@@ -97,15 +97,24 @@ CPU_TINY_MAX_NUM_BATCHED_TOKENS = 2048
 CPU_TINY_MAX_NUM_SEQS = 128
 # The tiny model (2 layers, 1 KV head of 64, FP32): 2 × 2 × 1 × 64 × 4 B.
 CPU_TINY_KV_BYTES_PER_TOKEN = 1024
-# Fitted by benchmarks/fit_cpu_tiny.py to thunderctl/sim/data/cpu_tiny_steps.csv: medians of up to
-# 5 repeats of 42 loads on this 2-core machine while other work ran on it (load average ~21).
-# Out of fold: R² 0.92 on per-step seconds, median relative error 23 %, p90 72 %.
+# Fitted by benchmarks/fit_cpu_tiny.py to thunderctl/sim/data/cpu_tiny_steps.csv: medians of 2
+# repeats of 42 loads on this 2-core machine, quiet (the calibration's processes at nice -10, every
+# other process in a cpu cgroup of 2 shares), 2026-12-02.
+# Out of fold: R² 0.990 on per-step seconds, median relative error 16 %, p90 38 %.
 CPU_TINY_COST = LinearStepCost(
-    base_s=5.505e-3,
-    per_token_s=14.46e-6,
-    per_attention_pair_s=40.11e-9,
-    per_seq_s=171.9e-6,
-    per_context_token_s=59.52e-9,
+    base_s=2.601e-3,
+    per_token_s=16.35e-6,
+    per_attention_pair_s=12.23e-9,
+    per_seq_s=76.8e-6,
+    per_context_token_s=15.53e-9,
+)
+# benchmarks/fit_frontend.py on the same quiet machine, streamed answers: what a client waits
+# beyond the engine per request and per prompt token. Per output token, the API server's CPU per
+# streamed token at 16 closed-loop programs (its process's CPU over the engine's generated tokens,
+# less the prompt's tokenizing); single streams cost more (1.3 ms with the client's share). The
+# engine's two busy processes (its core and its worker) hold both cores: a third takes a third.
+CPU_TINY_FRONTEND = FrontendCost(
+    per_request_s=11.6e-3, per_prompt_token_s=1.64e-6, per_output_token_s=0.64e-3, engine_cpu_share=1 / 3
 )
 # A host tier on the CPU engine is a copy within the same RAM: this machine's memcpy rate
 # (a 256 MiB numpy copy, median of 7, under the usual load of other work).
@@ -170,8 +179,7 @@ def cpu_tiny() -> Preset:
         ),
         kv_bytes_per_token=CPU_TINY_KV_BYTES_PER_TOKEN,
         host_link_bytes_per_s=CPU_TINY_HOST_LINK_BYTES_PER_S,
-        # Not fitted yet: benchmarks/fit_frontend.py on a quiet machine (issue 24, item 2).
-        frontend=FrontendCost(),
+        frontend=CPU_TINY_FRONTEND,
     )
 
 
