@@ -33,6 +33,10 @@ class EngineShape:
     max_num_batched_tokens: int
     max_num_seqs: int
     max_model_len: int
+    # vLLM's `scheduler_reserve_full_isl` (default on since its V1 scheduler gained it): a waiting
+    # request is admitted only when blocks for its whole sequence are free, not just for its
+    # first chunk, so a full cache queues new requests instead of preempting running ones.
+    reserve_full_sequence: bool = True
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -330,6 +330,8 @@ class Engine:
         computed = (hits + host_blocks) * size
         if host_blocks:
             need = host_blocks  # the load fills whole blocks; its prefill is scheduled later
+        elif self.shape.reserve_full_sequence:
+            need = cdiv(min(request.num_tokens, self.shape.max_model_len), size) - hits
         else:
             first_chunk = min(request.num_tokens - computed, budget)
             need = cdiv(computed + first_chunk, size) - hits
