@@ -46,8 +46,11 @@ def under_pressure() -> dict[str, dict]:
 
 
 def test_the_engines_alone_thrash_under_pressure(under_pressure: dict[str, dict]) -> None:
-    assert under_pressure["sticky"]["preemptions"] > 0
-    assert under_pressure["least-loaded"]["preemptions"] > 0
+    # vLLM admits a request only when its whole sequence fits, so a full engine queues rather
+    # than preempts: its thrash is the contexts evicted while their programs are in a tool.
+    never_evicts = under_pressure["limit"]["hit_rate"]
+    assert under_pressure["sticky"]["hit_rate"] < never_evicts / 2
+    assert under_pressure["least-loaded"]["hit_rate"] < never_evicts / 2
 
 
 # The bound is the limit where the running requests fit the cache, as here: a closed loop that
