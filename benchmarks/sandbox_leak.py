@@ -1,6 +1,6 @@
 """The paper's third failure mode: sandboxes and their disk piling up when nothing collects them.
 
-    python benchmarks/sandbox_leak.py                      # 300 programs per arm, both at once: ~30 minutes here
+    python benchmarks/sandbox_leak.py                      # 300 programs per arm, both at once: 41 minutes at load 33
     python benchmarks/sandbox_leak.py --programs 40 --out results/leak-small.json
 
 Two arms at the same time, each on a cluster of its own (`thunderctl up`, then `down`): one

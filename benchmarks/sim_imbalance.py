@@ -1,6 +1,6 @@
 """Cross-node KV imbalance (the paper's Fig. 2a) from a `thunderctl bench simulate` report.
 
-    thunderctl bench simulate --workers 2 --workload mixed --concurrency 32,64,96,144 --duration 5400 \
+    thunderctl bench simulate --workers 2 --workload mixed --concurrency 32,48,64,96,144 --duration 5400 \
         --arms sticky,thunderctl --out results/sim-mixed.json
     python benchmarks/sim_imbalance.py results/sim-mixed.json --concurrency 64   # and results/sim-mixed-imbalance.png
 
