@@ -15,7 +15,6 @@ import io
 import json
 import re
 import secrets
-import shutil
 import tarfile
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -31,13 +30,12 @@ from starlette.applications import Starlette
 
 from thunderctl.processes import pick_free_port
 from thunderctl.sandbox import SandboxConfig, SandboxPool, sandbox_routes
+from thunderctl.sandbox.busybox import BusyboxMissing, build_busybox_image
 
 TEST_IMAGE = "thunderctl-test/busybox:latest"
 TEST_LABEL = "thunderctl.test"  # on everything the tests make outside a pool
-BUSYBOX = Path("/bin/busybox")  # Debian's busybox-static: runs in an image with no libc
 REGISTRY_PATH = re.compile(r"^/v2/(?P<repository>.+)/(?P<kind>manifests|blobs)/(?P<reference>[^/]+)$")
 MANIFEST_TYPE = "application/vnd.docker.distribution.manifest.v2+json"
-DOCKERFILE = 'FROM scratch\nCOPY busybox /bin/busybox\nRUN ["/bin/busybox", "--install", "-s", "/bin"]\n'
 
 
 @pytest.fixture(scope="session")
@@ -53,13 +51,11 @@ def docker_client() -> Iterator[docker.DockerClient]:
 
 
 @pytest.fixture(scope="session")
-def sandbox_image(docker_client: docker.DockerClient, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    if not BUSYBOX.exists():
-        pytest.fail(f"{BUSYBOX} is missing: run scripts/start-dockerd.sh (installs busybox-static)", pytrace=False)
-    context = tmp_path_factory.mktemp("sandbox-image")
-    shutil.copy(BUSYBOX, context / "busybox")
-    (context / "Dockerfile").write_text(DOCKERFILE)
-    image, _ = docker_client.images.build(path=str(context), tag=TEST_IMAGE, rm=True, labels={TEST_LABEL: "1"})
+def sandbox_image(docker_client: docker.DockerClient) -> Iterator[str]:
+    try:
+        image = build_busybox_image(docker_client, TEST_IMAGE, {TEST_LABEL: "1"})
+    except BusyboxMissing as exc:
+        pytest.fail(str(exc), pytrace=False)
     yield TEST_IMAGE
     for container in docker_client.containers.list(all=True, filters={"label": TEST_LABEL}):
         container.remove(force=True, v=True)
@@ -73,15 +69,12 @@ def sandbox_image(docker_client: docker.DockerClient, tmp_path_factory: pytest.T
 
 
 @pytest.fixture(scope="module")
-def module_sandbox_image(docker_client: docker.DockerClient, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def module_sandbox_image(docker_client: docker.DockerClient) -> Iterator[str]:
     """The test image under a tag and label of the module's own, for modules whose cluster runs for
     minutes: the session-wide image is removed by id when any pytest session on the machine ends
     (the same build gives the same id), which a shared machine's other sessions do at any time."""
-    context = tmp_path_factory.mktemp("module-sandbox-image")
-    shutil.copy(BUSYBOX, context / "busybox")
-    (context / "Dockerfile").write_text(DOCKERFILE)
     tag = f"thunderctl-test/module-busybox:{secrets.token_hex(3)}"
-    image, _ = docker_client.images.build(path=str(context), tag=tag, rm=True, labels={"thunderctl.module-test": tag})
+    image = build_busybox_image(docker_client, tag, {"thunderctl.module-test": tag})
     yield tag
     with contextlib.suppress(ImageNotFound):
         docker_client.images.remove(image.id, force=True)

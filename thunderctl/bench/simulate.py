@@ -19,6 +19,8 @@ from rich.table import Table
 
 from thunderctl.bench.long_tail import SYSTEM_PROMPT_TOKENS as LONG_TAIL_PREFIX
 from thunderctl.bench.long_tail import LongTail
+from thunderctl.bench.mixed import Mixed
+from thunderctl.bench.recorded import recorded_swe_lite
 from thunderctl.bench.replay import TraceWorkload
 from thunderctl.bench.report import fmt, write_outputs
 from thunderctl.bench.shapes import AgentShape
@@ -37,6 +39,7 @@ class WorkloadName(StrEnum):
     SYNTHETIC = "swe-lite-synthetic"  # `bench swe-lite --synthetic`: the seeded generator, programs without end
     SHAPE = "shape"  # AgentShape's uniform ranges, the closed-loop benchmark's default
     LONG_TAIL = "long-tail"  # OpenHands-like: 30-90 steps, contexts to ~100k, heavy-tailed tool times
+    MIXED = "mixed"  # the recorded runs with a quarter long-tail programs: sizes differ as real traffic's do
 
 
 def parse_list(text: str, what: str, parse: type) -> list[Any]:
@@ -60,18 +63,21 @@ def parse_arms(text: str) -> list[ArmName]:
 
 def build_workload(
     workload: WorkloadName, trace: Path | None, scale: float, shared_prefix: int | None, max_context: int
-) -> SweLite | TraceWorkload | AgentShape | LongTail:
+) -> SweLite | TraceWorkload | AgentShape | LongTail | Mixed:
     if trace is not None and workload is not WorkloadName.SWE_LITE:
         raise ValueError(f"--workload {workload} and --trace both name the programs: give one")
     if workload is WorkloadName.SHAPE:
         return AgentShape(max_context_tokens=max_context)
     if workload is WorkloadName.LONG_TAIL:
         return LongTail(scale, shared_prefix or LONG_TAIL_PREFIX, max_context)
+    if workload is WorkloadName.MIXED:
+        recorded = tuple(recorded_swe_lite())
+        return Mixed(scale, shared_prefix or SHARED_PREFIX_TOKENS, max_context, recorded=recorded)
     choice = WorkloadChoice(trace, synthetic=workload is WorkloadName.SYNTHETIC)
     return choice.load(scale, shared_prefix or SHARED_PREFIX_TOKENS, max_context)
 
 
-def describe(workload: SweLite | TraceWorkload | AgentShape | LongTail) -> dict[str, Any]:
+def describe(workload: SweLite | TraceWorkload | AgentShape | LongTail | Mixed) -> dict[str, Any]:
     if isinstance(workload, AgentShape):
         return {"name": "shape", "system_prompt_tokens": workload.system_prompt_tokens}
     return workload.describe()
@@ -155,7 +161,8 @@ def simulate(
         WorkloadName,
         typer.Option(
             help="The programs, unless --trace: the recorded SWE-bench Lite runs, their seeded generator, "
-            "long-tail (OpenHands-like: 30-90 steps, contexts to ~100k tokens, lognormal tool times), or shape."
+            "long-tail (OpenHands-like: 30-90 steps, contexts to ~100k tokens, lognormal tool times), mixed (the "
+            "recorded runs with a quarter long-tail programs among them: sizes differ by 10×, as real traffic's), or shape."
         ),
     ] = WorkloadName.SWE_LITE,
     trace: Annotated[Path | None, typer.Option(help="Replay this trace (JSONL, docs/trace-format.md) instead.")] = None,
@@ -165,7 +172,7 @@ def simulate(
         typer.Option(
             min=1,
             help=f"Prompt tokens all programs share (before --scale); default: the workload's own "
-            f"({SHARED_PREFIX_TOKENS} for swe-lite, {LONG_TAIL_PREFIX:,} for long-tail).",
+            f"({SHARED_PREFIX_TOKENS} for swe-lite and mixed, {LONG_TAIL_PREFIX:,} for long-tail).",
         ),
     ] = None,
     duration: Annotated[float, typer.Option(min=1, help="Simulated seconds per arm and point.")] = 1800.0,

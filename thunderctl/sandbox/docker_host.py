@@ -193,13 +193,14 @@ class DockerHost:
             created=datetime.fromisoformat(data["Created"]).timestamp(),
         )
 
-    def sandbox_containers(self) -> list[ContainerInfo]:
+    def sandbox_containers(self, size: bool = False) -> list[ContainerInfo]:
         """Every sandbox container of this cluster, running or not, as Docker's label filters
-        select them: a worker of the same cluster on this engine is never listed."""
+        select them: a worker of the same cluster on this engine is never listed. `size`: with
+        each one's writable layer, which Docker measures for the listed containers alone."""
         listed = {
             c["Id"]: c
             for selector in sandbox_selectors(self.cluster)
-            for c in self.api.containers(all=True, filters={"label": selector})
+            for c in self.api.containers(all=True, size=size, filters={"label": selector})
         }
         return [
             ContainerInfo(
@@ -208,6 +209,7 @@ class DockerHost:
                 running=c["State"] == "running",
                 image=c["Image"],
                 created=float(c["Created"]),
+                disk_bytes=c.get("SizeRw", 0) if size else None,
             )
             for c in listed.values()
         ]

@@ -37,6 +37,7 @@ class ContainerInfo:
     running: bool
     image: str
     created: float  # Unix time, on the Docker host's clock
+    disk_bytes: int | None = None  # its writable layer (Docker's SizeRw), when asked for: costs Docker a walk
 
 
 @dataclass
