@@ -37,29 +37,21 @@ def resume_key(config: SchedulerConfig, program: Program, delay_s: float = 0.0) 
     return 0, place + config.new_program_delay_s * program.is_new + delay_s, program.tokens
 
 
-def pause_key(
-    order: PauseOrder, delay_s: Callable[[Program], float] | None = None
-) -> Callable[[Program], tuple[float, int, str]]:
+def pause_key(order: PauseOrder) -> Callable[[Program], tuple[float, int, str]]:
     """The sort key of ACTING programs, the first to pause first.
 
     Longest in its tool first: its KV was freed to the engine's cache earliest, so the
     engine's LRU evicts it first anyway (pausing it keeps the scheduler's charge and the
     engine's cache in step), and under the tool times' heavy tail it is the one expected
-    back last. Ties (responses at the same instant) go shortest first, as the reference.
-    `delay_s` (nearest the end first, progress.py) counts a program as that much longer in its
-    tool: the one farthest from its end pauses first, as it would queue last."""
+    back last. Ties (responses at the same instant) go shortest first, as the reference."""
     if order is PauseOrder.SHORTEST:
         return lambda p: (0.0, p.tokens, p.id)
-    if delay_s is not None:
-        return lambda p: (p.acting_since - delay_s(p), p.tokens, p.id)
     return lambda p: (p.acting_since, p.tokens, p.id)
 
 
-def acting_in_pause_order(
-    programs: Iterable[Program], order: PauseOrder, delay_s: Callable[[Program], float] | None = None
-) -> list[Program]:
+def acting_in_pause_order(programs: Iterable[Program], order: PauseOrder) -> list[Program]:
     """The ACTING ones among `programs`, the first to pause first."""
-    return sorted((p for p in programs if p.phase is Phase.ACTING), key=pause_key(order, delay_s))
+    return sorted((p for p in programs if p.phase is Phase.ACTING), key=pause_key(order))
 
 
 class WaitingQueue:

@@ -389,9 +389,7 @@ class Scheduler:
             if load.tokens <= worker.kv_capacity * cfg.pause_threshold:
                 continue
             target = worker.kv_capacity * cfg.pause_target
-            for program in acting_in_pause_order(
-                (self.programs[i] for i in worker.programs), cfg.pause_order, self.lengths.queue_delay_s
-            ):
+            for program in acting_in_pause_order((self.programs[i] for i in worker.programs), cfg.pause_order):
                 load.remove(program, 1.0, cfg.buffer_tokens)
                 self._pause(program)
                 if load.tokens <= target:
@@ -423,9 +421,7 @@ class Scheduler:
             load = loads[worker.id]
             if load.need(program, 1.0, cfg.buffer_tokens) > gpu_room(worker, load, cfg.resume_threshold):
                 continue  # what decodes fills the GPU: pausing ACTING programs frees none of it
-            for member in acting_in_pause_order(
-                (self.programs[i] for i in worker.programs), cfg.pause_order, self.lengths.queue_delay_s
-            ):
+            for member in acting_in_pause_order((self.programs[i] for i in worker.programs), cfg.pause_order):
                 if load.need(program, 1.0, cfg.buffer_tokens) <= self._headroom(worker, load):
                     break
                 load.remove(member, 1.0, cfg.buffer_tokens)
