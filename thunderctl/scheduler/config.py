@@ -130,7 +130,7 @@ class SchedulerConfig(BaseModel):
         description="nearest the end first: a waiting program queues this many seconds times its expected share "
         "of steps left (from the lengths of programs that ended and the steps of those running) behind one "
         "expected to end now: a fresh program waits at most this much longer than an old one of its size "
-        "(300 measured; docs/admission.md, \"Nearest the end first\"); none: off (the default)",
+        '(300 measured; docs/admission.md, "Nearest the end first"); none: off (the default)',
     )
     nearest_end_window: int = Field(256, ge=1, description="lengths (steps) of the programs that ended lately kept")
     nearest_end_min_samples: int = Field(
