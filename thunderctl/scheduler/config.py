@@ -124,6 +124,18 @@ class SchedulerConfig(BaseModel):
         "none: shortest first, new programs last (the reference order, unbounded waits)",
     )
     new_program_delay_s: float = Field(60.0, ge=0, description="how far behind paused programs a new one queues")
+    nearest_end_s: float | None = Field(
+        None,
+        gt=0,
+        description="nearest the end first: a waiting program queues this many seconds times its expected share "
+        "of steps left (from the lengths of programs that ended and the steps of those running) behind one "
+        "expected to end now: a fresh program waits at most this much longer than an old one of its size "
+        '(300 measured; docs/admission.md, "Nearest the end first"); none: off (the default)',
+    )
+    nearest_end_window: int = Field(256, ge=1, description="lengths (steps) of the programs that ended lately kept")
+    nearest_end_min_samples: int = Field(
+        16, ge=1, description="programs (ended or running) seen before nearest_end_s orders anything"
+    )
     pause_order: PauseOrder = Field(
         PauseOrder.LONGEST_IN_TOOL, description="which ACTING programs an overfull worker pauses first"
     )

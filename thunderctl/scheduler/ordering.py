@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import bisect
-import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
@@ -24,8 +23,9 @@ def acting_decay(config: SchedulerConfig, idle_s: float) -> float:
             return 1.0
 
 
-def resume_key(config: SchedulerConfig, program: Program) -> ResumeKey:
-    """Programs whose request waits first, then the rest shortest first."""
+def resume_key(config: SchedulerConfig, program: Program, delay_s: float = 0.0) -> ResumeKey:
+    """Programs whose request waits first, then the rest shortest first. `delay_s` queues a
+    waiting program that much later (nearest the end first, progress.py)."""
     if program.waiting_since is None:
         return 1, program.tokens, program.paused_at or 0.0
     if config.resume_aging_tokens_per_s is None:
@@ -34,7 +34,7 @@ def resume_key(config: SchedulerConfig, program: Program) -> ResumeKey:
     # tokens / rate (+ the delay of a new program) after it. The key is fixed while it
     # waits, so the waiting list stays sorted by insertion.
     place = program.waiting_since + program.tokens / config.resume_aging_tokens_per_s
-    return 0, place + config.new_program_delay_s * program.is_new, program.tokens
+    return 0, place + config.new_program_delay_s * program.is_new + delay_s, program.tokens
 
 
 def pause_key(order: PauseOrder) -> Callable[[Program], tuple[float, int, str]]:
@@ -57,11 +57,22 @@ def acting_in_pause_order(programs: Iterable[Program], order: PauseOrder) -> lis
 class WaitingQueue:
     """The paused programs whose request waits, in resume order (their ids).
 
-    A waiting program's key does not change until it resumes, so insertion keeps it sorted."""
+    A waiting program's key is fixed when it enters (kept until it leaves), so insertion keeps it
+    sorted; `delay_s` gives a program's extra queueing delay then (none: 0)."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
-        self.key = functools.partial(resume_key, config)
+    def __init__(self, config: SchedulerConfig, delay_s: Callable[[Program], float] | None = None) -> None:
+        self._config = config
+        self._delay_s = delay_s
         self._entries: list[tuple[ResumeKey, str]] = []
+        self._keys: dict[str, ResumeKey] = {}
+
+    def key(self, program: Program) -> ResumeKey:
+        """Its place: the one it entered with while it waits, else what it would enter with."""
+        kept = self._keys.get(program.id)
+        if kept is not None and program.waiting_since is not None:
+            return kept
+        delay = self._delay_s(program) if self._delay_s is not None and program.waiting_since is not None else 0.0
+        return resume_key(self._config, program, delay)
 
     def __bool__(self) -> bool:
         return bool(self._entries)
@@ -75,11 +86,12 @@ class WaitingQueue:
     def add(self, program: Program, since: float) -> None:
         if program.waiting_since is None:
             program.waiting_since = since
-            bisect.insort(self._entries, (self.key(program), program.id))
+            key = self._keys[program.id] = self.key(program)
+            bisect.insort(self._entries, (key, program.id))
 
     def remove(self, program: Program) -> None:
         if program.waiting_since is not None:
-            self._entries.remove((self.key(program), program.id))
+            self._entries.remove((self._keys.pop(program.id), program.id))
             program.waiting_since = None
 
     def since_before(self, moment: float, programs: Mapping[str, Program]) -> list[Program]:

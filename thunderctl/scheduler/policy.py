@@ -16,6 +16,7 @@ from thunderctl.scheduler.ledger import Ledger, Load, recharged
 from thunderctl.scheduler.ordering import WaitingQueue, acting_decay, acting_in_pause_order
 from thunderctl.scheduler.placement import admit_in_order, fit, fits
 from thunderctl.scheduler.program import Phase, Program, Status, Worker
+from thunderctl.scheduler.progress import ProgramLengths
 from thunderctl.scheduler.retention import RetentionLaw
 from thunderctl.scheduler.waitbound import WaitBound
 
@@ -37,7 +38,8 @@ class Scheduler:
         self.programs: dict[str, Program] = {}
         self.workers: dict[str, Worker] = {}
         self._ledgers: dict[str, Ledger] = {}
-        self._waiting = WaitingQueue(self.config)
+        self.lengths = ProgramLengths(self.config)
+        self._waiting = WaitingQueue(self.config, self.lengths.queue_delay_s)
         self.retention = RetentionLaw.from_config(self.config)
         self.ending = EndingLaw.from_config(self.config)
         self.counters = Counters()
@@ -223,6 +225,7 @@ class Scheduler:
         """
         try:
             self._expire_idle()
+            self.lengths.survey(p.steps for p in self.programs.values())
             self._pause_likely_ended()
             self._resume()
             self._make_room_for_overdue()
@@ -463,6 +466,7 @@ class Scheduler:
 
     def _terminate(self, program: Program, kind: EventKind) -> None:
         self.retention.on_end(program)
+        self.lengths.observe(program.steps)
         self._detach(program)
         self._waiting.remove(program)
         program.status = Status.TERMINATED
