@@ -124,6 +124,17 @@ class SchedulerConfig(BaseModel):
         "none: shortest first, new programs last (the reference order, unbounded waits)",
     )
     new_program_delay_s: float = Field(60.0, ge=0, description="how far behind paused programs a new one queues")
+    group_head_start_s: float | None = Field(
+        300.0,
+        ge=0,
+        description="a waiting program of a group (group_id, X-Group-Id, or a shared first prompt) queues up to "
+        "this many seconds ahead of its aged place, in proportion to the share of its group that has ended, "
+        "so a batch's nearly finished groups finish first (docs/admission.md, Groups); none: groups do not "
+        "change the order",
+    )
+    groups_remembered: int = Field(
+        1024, ge=0, description="groups whose programs all ended kept for their counts (status, /programs)"
+    )
     pause_order: PauseOrder = Field(
         PauseOrder.LONGEST_IN_TOOL, description="which ACTING programs an overfull worker pauses first"
     )

@@ -33,7 +33,7 @@ def resume_key(config: SchedulerConfig, program: Program) -> ResumeKey:
     # Shorter first, but aged: a program is behind none that began waiting more than
     # tokens / rate (+ the delay of a new program) after it. The key is fixed while it
     # waits, so the waiting list stays sorted by insertion.
-    place = program.waiting_since + program.tokens / config.resume_aging_tokens_per_s
+    place = program.waiting_since + program.tokens / config.resume_aging_tokens_per_s - program.head_start_s
     return 0, place + config.new_program_delay_s * program.is_new, program.tokens
 
 
@@ -59,8 +59,9 @@ class WaitingQueue:
 
     A waiting program's key does not change until it resumes, so insertion keeps it sorted."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, head_start_s: Callable[[Program], float] = lambda p: 0.0) -> None:
         self.key = functools.partial(resume_key, config)
+        self._head_start_s = head_start_s  # its group's (groups.py), taken as it begins to wait
         self._entries: list[tuple[ResumeKey, str]] = []
 
     def __bool__(self) -> bool:
@@ -75,6 +76,7 @@ class WaitingQueue:
     def add(self, program: Program, since: float) -> None:
         if program.waiting_since is None:
             program.waiting_since = since
+            program.head_start_s = self._head_start_s(program)
             bisect.insort(self._entries, (self.key(program), program.id))
 
     def remove(self, program: Program) -> None:
