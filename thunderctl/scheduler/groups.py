@@ -70,6 +70,11 @@ class GroupBook:
             return 0.0
         return head_start * group.progress
 
+    def counts(self) -> list[tuple[str, int, int]]:
+        """(group id, programs ended, programs seen) of every group kept, the nearest done first."""
+        ordered = sorted(self.groups.values(), key=lambda g: (not g.live, -g.progress, g.id))
+        return [(g.id, g.done, g.total) for g in ordered]
+
     def _forget_finished(self) -> None:
         if len(self.groups) <= self.config.groups_remembered:
             return
