@@ -152,7 +152,9 @@ async def test_programs_shows_each_programs_group_and_the_groups_done_and_total(
     client, _ = await gateway_app()
     request = {"model": "fake", "max_tokens": 2, **chat("Fix issue 42.")}
     for program in ("s0", "s1"):
-        answered = await client.post("/v1/chat/completions", json=request, headers={"x-program-id": program, "x-group-id": "task-42"})
+        answered = await client.post(
+            "/v1/chat/completions", json=request, headers={"x-program-id": program, "x-group-id": "task-42"}
+        )
         assert answered.status_code == 200
     for _ in range(2):  # two unnamed samples of another task: a derived group
         assert (await client.post("/v1/chat/completions", json={**request, **chat("Fix 43.")})).status_code == 200

@@ -20,8 +20,8 @@ from thunderctl.cluster.workers import stop_worker
 from thunderctl.daemon.status import (
     ClusterStatus,
     GatewayStatus,
-    PauseStatus,
     GroupCounts,
+    PauseStatus,
     ProgramCounts,
     SandboxStatus,
     SchedulerStatus,

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from thunderctl.sim.agents import AgentProgram, ProgramRun, Step, Workload
+from thunderctl.sim.agents import AgentProgram, ProgramRun, Workload
 
 # Log-space sigmas of a sample's variation around its task: a sample's step count, each answer's
 # length, each step's new input and each tool time is the task's times e^N(0, sigma).
