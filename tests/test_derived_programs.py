@@ -91,6 +91,9 @@ def test_64_conversations_at_once_are_64_programs_each_step_its_own(served) -> N
     # The 56 whose first request was their own are one program from their first step (the 8 alike
     # are indistinguishable until their histories differ, and each still gets a program of its own).
     assert all(len(set(ids)) == 1 for ids in given[8:])
+    # The 8 alike are one group (the samples of one task), each of the others a group of its own.
+    groups = [programs[ids[-1]]["group"] for ids in given]
+    assert len(set(groups[:8])) == 1 and len(set(groups)) == 57
 
 
 def test_a_token_id_prompt_that_extends_the_last_one_continues_its_program(served) -> None:

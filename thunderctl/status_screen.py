@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Group
 from rich.table import Table
 
-from thunderctl.daemon.status import ClusterStatus, GatewayStatus, PauseStatus, SandboxStatus
+from thunderctl.daemon.status import ClusterStatus, GatewayStatus, GroupCounts, PauseStatus, SandboxStatus
 
 
 def status_renderable(view: ClusterStatus) -> Group:
@@ -45,6 +45,7 @@ def status_renderable(view: ClusterStatus) -> Group:
         "",
         f"programs: reasoning {programs.reasoning:,} · acting {programs.acting:,} · paused {programs.paused:,}"
         f" · derived {programs.derived:,}",
+        *([groups_line(sched.groups)] if sched.groups else []),
         f"scheduler: pauses {sched.pauses_total:,} · resumes {sched.resumes_total:,}"
         f" · forced {sched.forced_resumes_total:,}",
         "admission: open gate (the engines admit by their own KV cache)"
@@ -54,6 +55,14 @@ def status_renderable(view: ClusterStatus) -> Group:
         *([pause_line(view.pause)] if view.pause and (view.pause.paused or view.pause.last_end) else []),
         gateway_key_line(view.gateway),
     )
+
+
+def groups_line(groups: list[GroupCounts], shown: int = 3) -> str:
+    """How many groups, how many of them finished, and the nearest done of the others."""
+    running = [g for g in groups if g.done < g.total]
+    nearest = " · ".join(f"{g.group_id} {g.done}/{g.total}" for g in running[:shown])
+    line = f"groups: {len(groups):,} · finished {len(groups) - len(running):,}"
+    return line + (f" · nearest done: {nearest}" if nearest else "")
 
 
 def sandbox_line(boxes: SandboxStatus) -> str:

@@ -29,6 +29,7 @@ from thunderctl.bench.workloads import WorkloadChoice
 from thunderctl.sim.agents import Client
 from thunderctl.sim.arms import ArmName, SimSpec
 from thunderctl.sim.presets import UnknownPreset, get_preset, preset_names
+from thunderctl.sim.rollout import Rollout
 from thunderctl.sim.sweep import BASELINE, run_sweep
 from thunderctl.terminal import fail
 from thunderctl.traceformat import TraceFormatError
@@ -109,6 +110,30 @@ def point_table(report: dict[str, Any], point: dict[str, Any]) -> Table:
     return table
 
 
+def rollout_table(report: dict[str, Any], point: dict[str, Any]) -> Table:
+    """A batch's figures per arm: when it ended, when its median and last group did, and its pace."""
+    rollout = report["parameters"]["rollout"]
+    table = Table(title=f"{report['preset']} × {report['parameters']['workers']}, rollout {rollout} (tasks × samples)")
+    columns = ("arm", "makespan", "÷ best other", "÷ sticky", "median group", "last group", "last ÷ median",
+               "programs/min", "hit rate", "preempt", "pauses/resumes")  # fmt: skip
+    for column in columns:
+        table.add_column(column, justify="left" if column == "arm" else "right")
+    arms = point["arms"]
+    for name, arm in arms.items():
+        others = [a["makespan_s"] for n, a in arms.items() if n not in (name, ArmName.LIMIT.value, ArmName.BOUND.value)]
+        best_other = min((m for m in others if m is not None), default=None)
+        sticky = arms.get(BASELINE.value, {}).get("makespan_s")
+        makespan = arm["makespan_s"]
+        table.add_row(
+            name, fmt(makespan, " s", 0), fmt(makespan / best_other if makespan and best_other else None, "x"),
+            fmt(makespan / sticky if makespan and sticky else None, "x"), fmt(arm["group_median_s"], " s", 0),
+            fmt(arm["group_last_s"], " s", 0), fmt(arm["group_last_to_median"], "x"),
+            fmt(arm["programs_per_min"], digits=2), fmt(arm["hit_rate"]), str(arm["preemptions"]),
+            f"{arm['pauses']}/{arm['resumes']}" if "pauses" in arm else "",
+        )  # fmt: skip
+    return table
+
+
 def plot_sweep(report: dict[str, Any], path: Path) -> None:
     """Steps/min and hit rate against concurrency per arm; KV occupancy over time per worker."""
     import matplotlib  # imported here: slow, and only a finished run draws
@@ -175,7 +200,22 @@ def simulate(
             f"({SHARED_PREFIX_TOKENS} for swe-lite and mixed, {LONG_TAIL_PREFIX:,} for long-tail).",
         ),
     ] = None,
-    duration: Annotated[float, typer.Option(min=1, help="Simulated seconds per arm and point.")] = 1800.0,
+    duration: Annotated[
+        float | None,
+        typer.Option(
+            min=1,
+            help="Simulated seconds per arm and point (default 1800); with --rollout, the most a batch may "
+            "take (default 6 h: a batch not over by then has no makespan).",
+        ),
+    ] = None,
+    rollout: Annotated[
+        str | None,
+        typer.Option(
+            help="TASKSxSAMPLES, e.g. 32x8: instead of --concurrency, one RL batch of TASKS tasks × SAMPLES samples "
+            "(GRPO groups), every program started at 0, each sample with its own answers; reports the "
+            "makespan (key makespan_s), the median and last group's finish, programs/min and hit rate per arm.",
+        ),
+    ] = None,
     warmup: Annotated[
         float | None, typer.Option(min=0, help="Simulated seconds not measured (default: a sixth).")
     ] = None,
@@ -202,12 +242,17 @@ def simulate(
     console = Console() if sys.stdout.isatty() else Console(width=160)
     try:
         chosen = get_preset(preset)
-        concurrencies = parse_list(concurrency, "--concurrency", int)
+        batch = Rollout.parse(rollout) if rollout is not None else None
+        if batch is not None and warmup:
+            raise ValueError("--warmup: a rollout batch is measured whole, from its start; leave --warmup out")
+        concurrencies = [batch.programs] if batch else parse_list(concurrency, "--concurrency", int)
+        duration = duration or (6 * 3600.0 if batch else 1800.0)
         arm_names = parse_arms(arms)
         programs = build_workload(workload, trace, scale, shared_prefix, chosen.engine.max_model_len)
         spec = SimSpec(
-            chosen, programs, concurrencies[0], duration, workers=workers, warmup_s=duration / 6 if warmup is None else warmup,
-            seed=seed, host_kv_gib=host_kv_gib, client=client,
+            chosen, programs, concurrencies[0], duration, workers=workers,
+            warmup_s=0.0 if batch else duration / 6 if warmup is None else warmup,
+            seed=seed, host_kv_gib=host_kv_gib, client=client, rollout=batch,
         )  # fmt: skip
     except (UnknownPreset, OSError, TraceFormatError, ValueError) as exc:
         raise fail(str(exc)) from exc
@@ -229,6 +274,7 @@ def simulate(
         bar.console.print(
             f"{time.strftime('%H:%M:%S')} concurrency {point}, {arm.value}: {summary['steps_per_min']:.1f} steps/min, "
             f"hit rate {fmt(summary['hit_rate'])}, p90 {fmt(summary['p90_s'], ' s')}, {summary['preemptions']} preemptions"
+            + (f", makespan {fmt(summary['makespan_s'], ' s', 0)}" if batch else "")
         )
 
     with bar:
@@ -236,6 +282,6 @@ def simulate(
             spec, concurrencies, arm_names, describe(programs), progress, finished, jobs=jobs or os.cpu_count() or 1
         )
     for point in report["points"]:
-        console.print(point_table(report, point))
+        console.print(rollout_table(report, point) if batch else point_table(report, point))
     console.print(f"simulated in {report['wall_s']:.1f} s wall, {report['cpu_s']:.1f} s CPU")
     write_outputs(report, out, plot, console, draw=plot_sweep)

@@ -20,6 +20,7 @@ from thunderctl.cluster.workers import stop_worker
 from thunderctl.daemon.status import (
     ClusterStatus,
     GatewayStatus,
+    GroupCounts,
     PauseStatus,
     ProgramCounts,
     SandboxStatus,
@@ -134,6 +135,7 @@ def status_view(daemon: Daemon) -> ClusterStatus:
             acting_weight=round(scheduler.acting_weight, 3),
             admission_gate_open=scheduler.tuner.gate_open,
             utilization=round(gateway.last_utilization, 3),
+            groups=[GroupCounts(group_id=g, done=done, total=total) for g, done, total in scheduler.groups.counts()],
         ),
         sandboxes=SandboxStatus.model_validate(daemon.sandbox_stats()),
         pause=PauseStatus.model_validate(daemon.weights.view()),

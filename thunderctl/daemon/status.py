@@ -49,6 +49,14 @@ class ProgramCounts(StatusPart):
     derived: int = 0  # of them, those found from their conversation (their requests named none)
 
 
+class GroupCounts(StatusPart):
+    """A group of programs (the samples of one task): how many ended of all it has seen."""
+
+    group_id: str
+    done: int
+    total: int
+
+
 class SchedulerStatus(StatusPart):
     programs: ProgramCounts
     pauses_total: int
@@ -57,6 +65,7 @@ class SchedulerStatus(StatusPart):
     acting_weight: float
     admission_gate_open: bool
     utilization: float  # mean share of time the workers in service were busy
+    groups: list[GroupCounts] = []  # the nearest done first, groups whose programs all ended last
 
 
 class SandboxStatus(StatusPart):

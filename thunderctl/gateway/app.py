@@ -23,11 +23,12 @@ from thunderctl.gateway.requests import (
     check_generation_fields,
     ends_session,
     pop_docker_ids,
+    pop_group_id,
     pop_program_id,
     prompt_shape,
 )
 from thunderctl.gateway.streaming import RelayedStream
-from thunderctl.gateway.views import programs_view
+from thunderctl.gateway.views import groups_view, programs_view
 from thunderctl.jsonapi import (
     BadRequest,
     BodyLimits,
@@ -64,17 +65,18 @@ def build_app(
             body = await read_json_object(request, limits)
             headers = dict(request.headers)
             program_id = pop_program_id(body, headers)
+            group = pop_group_id(body, headers)
             final = ends_session(headers, program_id)
         except BadRequest as exc:
             return bad_request(exc)
-        response = await answer(request.url.path, body, program_id)
+        response = await answer(request.url.path, body, program_id, group)
         if final:
             # The session's last request, whatever its answer: released once the response has
             # gone out (a stream, after its last byte), as POST /programs/release would.
             response.background = BackgroundTask(release_program, program_id)
         return response
 
-    async def answer(path: str, body: dict[str, Any], program_id: str | None) -> Response:
+    async def answer(path: str, body: dict[str, Any], program_id: str | None, group: str | None) -> Response:
         try:
             docker_ids = pop_docker_ids(body)
             check_generation_fields(body)
@@ -83,11 +85,11 @@ def build_app(
             return bad_request(exc)
         claim = gateway.derived.claim(body) if program_id is None else None
         if claim is not None:
-            program_id = claim.program_id
+            program_id, group = claim.program_id, group or claim.group
         if docker_ids and program_id is not None and on_docker_ids is not None:
             on_docker_ids(program_id, docker_ids)
         try:
-            relayed = await gateway.relay(path, body, program_id, shape, claim)
+            relayed = await gateway.relay(path, body, program_id, shape, claim, group)
         except (WorkerError, httpx.HTTPError) as exc:
             return error(502, str(exc), "backend_error")
         # The client learns the program it was given, to release it or to name it from now on.
@@ -114,7 +116,7 @@ def build_app(
         return JSONResponse({"program_id": program_id, "released": release_program(program_id)})
 
     async def programs(_: Request) -> Response:
-        return JSONResponse({"programs": programs_view(gateway)})
+        return JSONResponse({"programs": programs_view(gateway), "groups": groups_view(gateway)})
 
     async def metrics(_: Request) -> Response:
         text = render_metrics(gateway) + (extra_metrics() if extra_metrics else "")

@@ -285,21 +285,25 @@ class Gateway:
             if waiter is not None:
                 waiter.set()
 
-    async def admit(self, program_id: str | None, shape: PromptShape) -> tuple[WorkerLink, bool]:
-        """Where this request goes, and whether it waited here for its program's resume."""
+    async def admit(
+        self, program_id: str | None, shape: PromptShape, group: str | None = None
+    ) -> tuple[WorkerLink, bool]:
+        """Where this request (of a program of `group`, when named) goes, and whether it waited here
+        for its program's resume."""
         await self.admitting.wait()
         if program_id is None:
             return self.least_loaded(), False
         with self.timings.admission_wait.time():
-            return await self._admit_program(program_id, shape)
+            return await self._admit_program(program_id, shape, group)
 
-    async def _admit_program(self, program_id: str, shape: PromptShape) -> tuple[WorkerLink, bool]:
+    async def _admit_program(self, program_id: str, shape: PromptShape, group: str | None) -> tuple[WorkerLink, bool]:
         while True:
             worker = self.scheduler.on_request(
                 program_id,
                 self.estimator.prompt_tokens(shape),
                 shape.prefix_key,
                 self.estimator.estimate(shape.prefix_chars),
+                group,
             )
             if worker is not None:
                 return self.links[worker], False
@@ -322,9 +326,11 @@ class Gateway:
         program_id: str | None,
         shape: PromptShape,
         claim: Claim | None = None,
+        group: str | None = None,
     ) -> Relayed:
         """Send the request to its worker; account the engine's usage when it ends. `claim`: the
-        request's derived program, whose conversation its answer extends.
+        request's derived program, whose conversation its answer extends; `group`: the program's
+        group (groups.py), named or derived.
 
         A request that fails before any byte reached the client (its worker died or stalled) is tried
         once more on another worker.
@@ -340,7 +346,7 @@ class Gateway:
         # ASCII escapes: a lone surrogate from the client's JSON stays representable.
         payload = json.dumps(body).encode()
         for attempt in (1, 2):
-            link, waited = await self.admit(program_id, shape)
+            link, waited = await self.admit(program_id, shape, group)
             if waited and self.resumed_priority is not None:
                 # Resumed programs first inside the engine, as Dynamo's resume boost does.
                 payload = json.dumps({**body, "priority": self.resumed_priority}).encode()

@@ -20,7 +20,9 @@ agent carries that history, and hashing it finds the program again:
 
 Every match leads to the programs whose last answer it is; one not continued yet is taken first, so
 n identical first requests (the n samples of a GRPO group) stay n programs even when answers
-coincide. Memory is bounded by `remembered_conversations`, the least recently continued forgotten
+coincide. A new program's group is its first request: programs whose first requests are the same
+(the same messages in the normal form above, or the same prompt) are one group, `first-<hash>`, as
+the samples of one task in an RL rollout are. Memory is bounded by `remembered_conversations`, the least recently continued forgotten
 first; the cost of a request grows with its size, never with the number of conversations.
 
 Pure and synchronous: the gateway calls it around each relayed request.
@@ -75,6 +77,7 @@ class Claim:
 
     program_id: str
     match: Match
+    group: str | None = None  # a new program's: the hash of its first request, which its group shares
     _chain: bytes = b""  # chat: the hash of all the request's messages
     _opening: bytes = b""  # chat: the hash of its opening messages
     _prompt: Any = None  # completions: a hasher fed with the prompt
@@ -288,6 +291,8 @@ class ConversationIndex:
         if program is None:
             self._started += 1
             claim.program_id, claim.match = f"conv-{self._prefix}-{self._started}", Match.NEW
+            first = claim._chain if claim._prompt is None else claim._prompt.digest()
+            claim.group = f"first-{first.hex()}"
             return claim
         claim.program_id, claim.match = program, match
         conversation = self._conversations[program]

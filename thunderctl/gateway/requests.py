@@ -16,6 +16,7 @@ from thunderctl.jsonapi import (
 )
 
 PROGRAM_HEADER = "x-program-id"
+GROUP_HEADER = "x-group-id"
 # Dynamo's clients name an agent's session, and mark its last request, with these.
 SESSION_HEADER = "x-dynamo-session-id"
 SESSION_FINAL_HEADER = "x-dynamo-session-final"
@@ -28,14 +29,24 @@ def pop_program_id(body: dict[str, Any], headers: dict[str, str]) -> str | None:
     The id is removed from the body so the engine never sees a field it does not know. An
     empty id is no id: the request is served unscheduled.
     """
-    found = [("program_id", body.pop("program_id", None))]
+    return _pop_id(body, headers, "program_id", (PROGRAM_HEADER, SESSION_HEADER))
+
+
+def pop_group_id(body: dict[str, Any], headers: dict[str, str]) -> str | None:
+    """Take the group id (the task a GRPO sample belongs to) out of the body (top level or
+    `extra_body`) or the X-Group-Id header, in that order of precedence, as `pop_program_id` does
+    the program's. An empty id is no group."""
+    return _pop_id(body, headers, "group_id", (GROUP_HEADER,))
+
+
+def _pop_id(body: dict[str, Any], headers: dict[str, str], key: str, header_names: tuple[str, ...]) -> str | None:
+    found = [(key, body.pop(key, None))]
     extra = body.get("extra_body")
-    if isinstance(extra, dict) and "program_id" in extra:
-        found.append(("extra_body.program_id", extra.pop("program_id")))
+    if isinstance(extra, dict) and key in extra:
+        found.append((f"extra_body.{key}", extra.pop(key)))
         if not extra:
             del body["extra_body"]
-    found.append((f"the {PROGRAM_HEADER} header", headers.get(PROGRAM_HEADER)))
-    found.append((f"the {SESSION_HEADER} header", headers.get(SESSION_HEADER)))
+    found.extend((f"the {name} header", headers.get(name)) for name in header_names)
     ids = [valid_program_id(value, where) for where, value in found if value not in (None, "")]
     return ids[0] if ids else None
 

@@ -1,4 +1,4 @@
-"""The gateway's `/programs` view: every program the scheduler holds, as JSON."""
+"""The gateway's `/programs` view: every program the scheduler holds, and their groups, as JSON."""
 
 from __future__ import annotations
 
@@ -6,6 +6,12 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from thunderctl.gateway.gateway import Gateway
+
+
+def groups_view(gateway: Gateway) -> list[dict[str, Any]]:
+    """Each group the scheduler keeps: its programs that ended and all it has seen, the nearest
+    done first (the groups whose programs all ended last)."""
+    return [{"group_id": g, "done": done, "total": total} for g, done, total in gateway.scheduler.groups.counts()]
 
 
 def programs_view(gateway: Gateway) -> list[dict[str, Any]]:
@@ -20,6 +26,7 @@ def programs_view(gateway: Gateway) -> list[dict[str, Any]]:
             "steps": p.steps,
             "paused_s": round(p.paused_total_s + (now - p.paused_at if p.paused_at else 0), 3),
             "derived": p.id in gateway.derived,
+            "group": p.group,
         }
         for p in gateway.scheduler.programs.values()
     ]

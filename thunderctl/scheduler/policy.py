@@ -12,6 +12,7 @@ from thunderctl.scheduler.capacity import decode_fits, gpu_binds, gpu_room, head
 from thunderctl.scheduler.config import Decay, SchedulerConfig
 from thunderctl.scheduler.ending import EndingLaw
 from thunderctl.scheduler.events import Counters, EventKind, Listener, ProgramEvent, notify
+from thunderctl.scheduler.groups import GroupBook
 from thunderctl.scheduler.ledger import Ledger, Load, recharged
 from thunderctl.scheduler.ordering import WaitingQueue, acting_decay, acting_in_pause_order
 from thunderctl.scheduler.placement import admit_in_order, fit, fits
@@ -39,7 +40,8 @@ class Scheduler:
         self.workers: dict[str, Worker] = {}
         self._ledgers: dict[str, Ledger] = {}
         self.lengths = ProgramLengths(self.config)
-        self._waiting = WaitingQueue(self.config, self.lengths.queue_delay_s)
+        self.groups = GroupBook(self.config)
+        self._waiting = WaitingQueue(self.config, self._queue_delay_s)
         self.retention = RetentionLaw.from_config(self.config)
         self.ending = EndingLaw.from_config(self.config)
         self.counters = Counters()
@@ -113,8 +115,10 @@ class Scheduler:
         prompt_tokens: int,
         prefix_key: str | None = None,
         prefix_tokens: int = 0,
+        group: str | None = None,
     ) -> str | None:
-        """A request of the program arrived; returns its worker, or None while it must wait.
+        """A request of the program (a sample of `group`, when it names one) arrived; returns its
+        worker, or None while it must wait.
 
         `prompt_tokens` is the gateway's estimate of the prompt; the engine's usage replaces
         it when the response ends.
@@ -125,6 +129,7 @@ class Scheduler:
             program = Program(program_id, created_at=now, paused_at=now)
             self.programs[program_id] = program
             self._emit(EventKind.CREATED, program)
+        self.groups.join(program, group)
         self.retention.on_request(program, now)
         waiting_since = program.waiting_since or now
         with recharged(program, self._ledgers, self._waiting, self.config.buffer_tokens):
@@ -464,9 +469,15 @@ class Scheduler:
             self.workers[program.worker].programs.discard(program.id)
             self._ledgers[program.worker].remove(program, self.config.buffer_tokens)
 
+    def _queue_delay_s(self, program: Program) -> float:
+        """How far behind its aged place a program that begins to wait queues: later the more
+        steps it has left (nearest the end first), sooner the more of its group has ended."""
+        return self.lengths.queue_delay_s(program) - self.groups.head_start_s(program)
+
     def _terminate(self, program: Program, kind: EventKind) -> None:
         self.retention.on_end(program)
         self.lengths.observe(program.steps)
+        self.groups.end(program)
         self._detach(program)
         self._waiting.remove(program)
         program.status = Status.TERMINATED

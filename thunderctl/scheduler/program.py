@@ -38,6 +38,7 @@ class Program:
     pause_at_boundary: bool = False  # REASONING and chosen to pause once its response is out
     responded_at: float | None = None  # its last response ended and no request followed yet
     tool: str | None = None  # the tool its last answer called, when the answer names one
+    group: str | None = None  # the group it is a sample of (groups.py), once a request named one
 
     @property
     def is_new(self) -> bool:

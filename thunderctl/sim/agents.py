@@ -42,6 +42,12 @@ def program_id(client: Client, seed: int, index: int) -> str:
     return f"sim-{seed}-{index}" if client.names else f"derived-{seed}-{index}"
 
 
+def group_id(client: Client, seed: int, group: int) -> str:
+    """A rollout task's group: named by the client, or, for one that names nothing, the group the
+    gateway derives from the first prompt its samples share (docs/gateway.md)."""
+    return f"task-{seed}-{group}" if client.names else f"first-{seed}-{group}"
+
+
 class Step(Protocol):
     @property
     def prompt_tokens(self) -> int: ...
@@ -71,8 +77,16 @@ class Workload(Protocol):
 class Router(Protocol):
     """How a request finds its worker: one per arm."""
 
-    def send(self, program_id: str, prompt_tokens: int, shared_tokens: int, go: Callable[[SimWorker], None]) -> None:
-        """Place a request; `go(worker)` submits it there, now or once it is admitted."""
+    def send(
+        self,
+        program_id: str,
+        prompt_tokens: int,
+        shared_tokens: int,
+        go: Callable[[SimWorker], None],
+        group: str | None = None,
+    ) -> None:
+        """Place a request of the program (of `group`, a rollout's task); `go(worker)` submits it
+        there, now or once it is admitted."""
         ...
 
     def done(self, program_id: str, worker: SimWorker, prompt_tokens: int, completion_tokens: int) -> None: ...
@@ -137,6 +151,7 @@ class ProgramRun:
 class _AgentRun:
     index: int
     program_id: str
+    group: str | None
     stream: TokenStream
     steps: Sequence[Step]
     next_step: int = 0
@@ -155,6 +170,10 @@ class VirtualAgents:
     # cache has seen, as the real load generator's do, so a short run starts near steady state.
     age_initial_programs: bool = False
     client: Client = Client.NAMED
+    # A rollout batch (sim/rollout.py): programs in groups of `samples` (index // samples), which
+    # share their first prompt; and no program starts after the first `concurrency`.
+    samples: int = 0
+    refill: bool = True
     records: list[SimStep] = field(default_factory=list)
     completed: list[ProgramRun] = field(default_factory=list)  # programs that started at step 0, in end order
     sent: dict[int, float] = field(default_factory=dict)  # every such program's first request, ended or not
@@ -176,9 +195,12 @@ class VirtualAgents:
         shared_blocks = self.workload.system_prompt_tokens // self.block_size
         aged = self.age_initial_programs and index < self.concurrency
         first_step = first_step_at(aged_start_fraction(self.seed, index), len(steps)) if aged else 0
-        run = _AgentRun(
-            index, program_id(self.client, self.seed, index), TokenStream(index + 1, shared_blocks), steps, first_step
-        )
+        group, stream = None, TokenStream(index + 1, shared_blocks)
+        if self.samples:
+            task = index // self.samples
+            group = group_id(self.client, self.seed, task)
+            stream = TokenStream(index + 1, shared_blocks, task + 1, steps[0].prompt_tokens // self.block_size)
+        run = _AgentRun(index, program_id(self.client, self.seed, index), group, stream, steps, first_step)
         self.programs_started += 1
         # A program that starts part-way has its environment already.
         prepare_s = (program.env_prep_s or 0.0) if first_step == 0 else 0.0
@@ -199,7 +221,7 @@ class VirtualAgents:
             )  # fmt: skip
             worker.submit(request)
 
-        self.router.send(run.program_id, step.prompt_tokens, self.workload.system_prompt_tokens, submit)
+        self.router.send(run.program_id, step.prompt_tokens, self.workload.system_prompt_tokens, submit, run.group)
 
     def _done(self, run: _AgentRun, worker: SimWorker, request: Request, admitted_s: float) -> None:
         step = run.steps[run.next_step]
@@ -224,4 +246,5 @@ class VirtualAgents:
             self.completed.append(ProgramRun(run.index, run.sent_s, self.clock.now, len(run.steps)))
         if self.client.releases:
             self.router.release(run.program_id)
-        self._start_program()
+        if self.refill:
+            self._start_program()

@@ -32,6 +32,7 @@ from thunderctl.sim.peers import (
     DynamoRouter,
     PrefixAwareRouter,
 )
+from thunderctl.sim.rollout import Rollout, SampledWorkload, batch_figures
 from thunderctl.sim.routing import LeastLoadedRouter, PolicyRouter, StickyRouter
 from thunderctl.sim.waits import program_fairness, waits_by_class
 from thunderctl.sim.worker import SimWorker
@@ -75,8 +76,13 @@ class SimSpec:
     # SchedulerConfig fields the thunderctl arm runs with instead of the defaults: a variant measured
     policy: dict[str, Any] = field(default_factory=dict)
     client: Client = Client.NAMED  # whether agents name and release their programs
+    # A batch of `concurrency` programs in groups (sim/rollout.py), all started at 0 and none after:
+    # the run ends when the last one does (or at `duration_s`), and is measured whole.
+    rollout: Rollout | None = None
 
     def __post_init__(self) -> None:
+        if self.rollout is not None and (self.concurrency != self.rollout.programs or self.warmup_s):
+            raise ValueError(f"a rollout of {self.rollout} runs {self.rollout.programs} programs with no warm-up")
         if self.concurrency < 1 or self.workers < 1:
             raise ValueError(f"concurrency ({self.concurrency}) and workers ({self.workers}) must be at least 1")
         if not 0 <= self.warmup_s < self.duration_s:
@@ -111,6 +117,7 @@ class ArmResult:
     completed: list[ProgramRun] = field(default_factory=list)
     sent: dict[int, float] = field(default_factory=dict)  # first request of each program that started at step 0
     first_wave: int = 0  # programs that started together at 0 from step 0 (none when aged)
+    rollout: Rollout | None = None
 
     def steady(self, warmup_s: float) -> list[SimStep]:
         end = warmup_s + self.window_s
@@ -134,6 +141,7 @@ class ArmResult:
             "steps_cut": self.steps_cut,
             **program_figures(self.completed, self.sent, warmup_s, warmup_s + self.window_s),
             "makespan_s": makespan(self.completed, self.first_wave) if self.first_wave else None,
+            **(batch_figures(self.completed, self.rollout) if self.rollout else {}),
             "prefill_tokens": w.prefill_tokens,
             "decode_tokens": w.decode_tokens,
             "host_hit_tokens": w.host_hit_tokens,
@@ -239,9 +247,11 @@ def run_arm(arm: ArmName, spec: SimSpec, progress: Callable[[float], None] | Non
     router, policy = build_router(
         arm, workers, clock, preset, spec.host_blocks * preset.engine.block_size, mode, spec.policy
     )
+    samples = spec.rollout.samples if spec.rollout else 0
     loop = VirtualAgents(
-        spec.workload, spec.seed, spec.concurrency, clock, router, preset.engine.block_size,
-        age_initial_programs=spec.age_initial_programs, client=spec.client,
+        SampledWorkload(spec.workload, samples) if samples else spec.workload, spec.seed, spec.concurrency, clock,
+        router, preset.engine.block_size, age_initial_programs=spec.age_initial_programs, client=spec.client,
+        samples=samples, refill=not samples,
     )  # fmt: skip
     occupancy: list[OccupancySample] = []
     at_warmup: list[EngineCounters] = []
@@ -273,11 +283,15 @@ def run_arm(arm: ArmName, spec: SimSpec, progress: Callable[[float], None] | Non
         clock.run_until(min(spec.duration_s, chunk * 60.0))
         if progress is not None:
             progress(clock.now)
+        if samples and loop.programs_completed == spec.concurrency:
+            break  # the batch is over: measured up to its last answer
+    ended = samples and loop.programs_completed == spec.concurrency
+    end_s = max(r.done_s for r in loop.completed) if ended else spec.duration_s
     window = subtract_counters(add_counters([w.engine.counters for w in workers]), at_warmup[0])
     scheduler_counters = {name: value - policy_at_warmup[name] for name, value in policy_counters().items()}
     return ArmResult(
-        arm=arm.value, workers=spec.workers, window_s=spec.duration_s - spec.warmup_s, records=loop.records, window=window,
+        arm=arm.value, workers=spec.workers, window_s=end_s - spec.warmup_s, records=loop.records, window=window,
         occupancy=occupancy, programs_started=loop.programs_started, programs_completed=loop.programs_completed,
         steps_cut=loop.steps_cut, scheduler_counters=scheduler_counters, completed=loop.completed, sent=loop.sent,
-        first_wave=0 if spec.age_initial_programs else spec.concurrency,
+        first_wave=0 if spec.age_initial_programs else spec.concurrency, rollout=spec.rollout,
     )  # fmt: skip

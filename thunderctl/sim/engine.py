@@ -179,9 +179,12 @@ class Engine:
         return request.output_tokens
 
     def wake_s(self) -> float | None:
-        """When a host-tier load that holds up the waiting queue completes, if any."""
-        loads = [r.ready_s for r in self.waiting if r.ready_s is not None]
-        return min(loads) if loads else None
+        """When a host-tier load that holds up the waiting queue completes, or pinned KV that keeps
+        it out expires, if any: an idle engine must step again then, or the queue waits forever."""
+        moments = [r.ready_s for r in self.waiting if r.ready_s is not None]
+        if self.waiting and self._pinned:
+            moments.append(min(expiry for expiry, _ in self._pinned.values()))
+        return min(moments) if moments else None
 
     def frontend_in_s(self, request: Request, now: float) -> float:
         """When the API server, given `request` at `now`, hands it to the engine."""
@@ -478,7 +481,7 @@ class Engine:
         self._release_blocks(request)
 
     def _expire_pins(self, now: float) -> None:
-        for program in [p for p, (expiry, _) in self._pinned.items() if expiry < now]:
+        for program in [p for p, (expiry, _) in self._pinned.items() if expiry <= now]:
             self._unpin(program)
 
     def _load(self) -> StepLoad:

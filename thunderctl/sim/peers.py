@@ -53,7 +53,7 @@ class PrefixAwareRouter(EngineRouter):
         self.indexed = {w.id: 0 for w in self.workers}
         self.random = random.Random(seed)
 
-    def send(self, program_id: str, prompt_tokens: int, shared_tokens: int, go: Go) -> None:
+    def send(self, program_id: str, prompt_tokens: int, shared_tokens: int, go: Go, group: str | None = None) -> None:
         queues = [len(w.engine.waiting) for w in self.workers]
         low, high = min(queues), max(queues)
         scored = []
@@ -231,7 +231,7 @@ class AutellixRouter(EngineRouter):
         super().__init__(workers)
         self.last: dict[str, SimWorker] = {}
 
-    def send(self, program_id: str, prompt_tokens: int, shared_tokens: int, go: Go) -> None:
+    def send(self, program_id: str, prompt_tokens: int, shared_tokens: int, go: Go, group: str | None = None) -> None:
         worker = self.last.get(program_id)
         if worker is None or prompt_tokens < AUTELLIX_SHORT_CALL_TOKENS:
             worker = self.least_loaded()

@@ -18,12 +18,21 @@ class TokenStream:
 
     uid: int  # >= 1, unique per program in a run
     shared_blocks: int = 0
+    # The samples of one task (a GRPO group) share their first prompt: blocks shared_blocks..
+    # group_blocks-1 are the group's, (group_uid << 32) + 2^31 + index, the same for each sample.
+    group_uid: int = 0
+    group_blocks: int = 0
 
     def block_runs(self, start: int, stop: int) -> list[range]:
         """The hashes of blocks start..stop-1 as runs of consecutive hashes: small integers
-        for the shared blocks, then the program's (uid << 32) + index."""
-        shared, own = self.shared_blocks, self.uid << 32
-        runs = [range(start, min(stop, shared)), range(own + max(start, shared), own + stop)]
+        for the shared blocks, the group's first prompt, then the program's (uid << 32) + index."""
+        shared, group, own = self.shared_blocks, max(self.group_blocks, self.shared_blocks), self.uid << 32
+        group_own = (self.group_uid << 32) + (1 << 31)
+        runs = [
+            range(start, min(stop, shared)),
+            range(group_own + max(start, shared), group_own + min(stop, group)),
+            range(own + max(start, group), own + stop),
+        ]
         return [run for run in runs if run]
 
     def block_hashes(self, start: int, stop: int) -> list[int]:

@@ -49,7 +49,7 @@ class StickyRouter(EngineRouter):
         super().__init__(workers)
         self.by_id = {worker.id: worker for worker in self.workers}
 
-    def send(self, program_id: str, prompt_tokens: int, shared_tokens: int, go: Go) -> None:
+    def send(self, program_id: str, prompt_tokens: int, shared_tokens: int, go: Go, group: str | None = None) -> None:
         # The scheduler's own hash home: where nobody waits, affinity placement is this arm.
         self.dispatch(self.by_id[home(program_id, list(self.by_id))], go)
 
@@ -57,7 +57,7 @@ class StickyRouter(EngineRouter):
 class LeastLoadedRouter(EngineRouter):
     """Each request to the worker with the fewest requests in flight."""
 
-    def send(self, program_id: str, prompt_tokens: int, shared_tokens: int, go: Go) -> None:
+    def send(self, program_id: str, prompt_tokens: int, shared_tokens: int, go: Go, group: str | None = None) -> None:
         self.dispatch(self.least_loaded(), go)
 
 
@@ -79,8 +79,8 @@ class PolicyRouter(EngineRouter):
         self._waiting: dict[str, tuple[int, int, Go]] = {}
         clock.after(config.tick_interval_s, self._tick)
 
-    def send(self, program_id: str, prompt_tokens: int, shared_tokens: int, go: Go) -> None:
-        worker_id = self.scheduler.on_request(program_id, prompt_tokens, SYSTEM_PREFIX_KEY, shared_tokens)
+    def send(self, program_id: str, prompt_tokens: int, shared_tokens: int, go: Go, group: str | None = None) -> None:
+        worker_id = self.scheduler.on_request(program_id, prompt_tokens, SYSTEM_PREFIX_KEY, shared_tokens, group)
         if worker_id is None:
             self._waiting[program_id] = (prompt_tokens, shared_tokens, go)
             return

@@ -105,6 +105,7 @@ def run_sweep(
             "kv_capacity_tokens": spec.preset.engine.kv_capacity_tokens,
             "concurrency": list(concurrencies),
             "arms": [arm.value for arm in arms],
+            "rollout": str(spec.rollout) if spec.rollout else None,
         },
         "points": points,
         "wall_s": time.monotonic() - started,

@@ -1,0 +1,83 @@
+"""Groups of programs (a GRPO group: the G samples of one task) and the head start that finishes
+a batch sooner (docs/admission.md, "Groups").
+
+A program names its group once (its first request that names one); the book counts each group's
+programs that ended (released or expired) against all it has seen. A waiting program of a group
+most of whose programs have ended gets a head start in the queue, up to `group_head_start_s`:
+its group, and with it the batch, waits on it alone. The head start is taken when the program
+begins to wait and kept until it is admitted, so the waiting queue stays sorted by insertion.
+Pure and synchronous, as the policy is.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from thunderctl.scheduler.config import SchedulerConfig
+from thunderctl.scheduler.program import Program
+
+
+@dataclass
+class Group:
+    id: str
+    live: set[str] = field(default_factory=set)  # its programs that have not ended
+    done: int = 0  # its programs that ended
+
+    @property
+    def total(self) -> int:
+        return self.done + len(self.live)
+
+    @property
+    def progress(self) -> float:
+        """The share of its programs that ended (0 for a group nobody finished)."""
+        return self.done / self.total if self.total else 0.0
+
+
+class GroupBook:
+    """Every group with a live program, and the last `remembered` groups whose programs all ended
+    (a sample that starts after its group's others ended still counts with them)."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.groups: OrderedDict[str, Group] = OrderedDict()
+
+    def join(self, program: Program, group_id: str | None) -> None:
+        """The program's request named `group_id`: the program belongs to it from now on (its first
+        group stays: a program is one sample of one task)."""
+        if group_id is None or program.group is not None:
+            return
+        program.group = group_id
+        group = self.groups.setdefault(group_id, Group(group_id))
+        group.live.add(program.id)
+        self.groups.move_to_end(group_id)
+
+    def end(self, program: Program) -> None:
+        """The program ended (released or expired): one more of its group is done."""
+        group = self.groups.get(program.group or "")
+        if group is None or program.id not in group.live:
+            return
+        group.live.discard(program.id)
+        group.done += 1
+        self._forget_finished()
+
+    def head_start_s(self, program: Program) -> float:
+        """How far ahead of its aged place the program queues: `group_head_start_s` times the share
+        of its group that ended (0 without a group, or with the law off)."""
+        group = self.groups.get(program.group or "")
+        head_start = self.config.group_head_start_s
+        if group is None or head_start is None:
+            return 0.0
+        return head_start * group.progress
+
+    def counts(self) -> list[tuple[str, int, int]]:
+        """(group id, programs ended, programs seen) of every group kept, the nearest done first."""
+        ordered = sorted(self.groups.values(), key=lambda g: (not g.live, -g.progress, g.id))
+        return [(g.id, g.done, g.total) for g in ordered]
+
+    def _forget_finished(self) -> None:
+        if len(self.groups) <= self.config.groups_remembered:
+            return
+        finished = [g.id for g in self.groups.values() if not g.live]
+        for group_id in finished[: max(0, len(finished) - self.config.groups_remembered)]:
+            del self.groups[group_id]
