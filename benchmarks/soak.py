@@ -28,7 +28,6 @@ from typing import Any
 import httpx
 import psutil
 import yaml
-
 from soak_series import RSS_DRIFT_ALLOWED, SeriesRecorder, SoakSample, rss_drift
 
 from thunderctl.bench.closed_loop import LoadSpec, Target, run_load

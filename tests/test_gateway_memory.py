@@ -7,8 +7,8 @@ import asyncio
 import tracemalloc
 
 import pytest
-from support import eventually
 
+from support import eventually
 from thunderctl.gateway import Gateway, WorkerLink
 from thunderctl.gateway.requests import prompt_shape
 
