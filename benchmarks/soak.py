@@ -50,6 +50,9 @@ MIB = 2**20
 MODEL = "sim"
 # How long the gateway may take to finish requests cut off at the deadline before its programs are counted.
 SETTLE_TIMEOUT_S = 120.0
+# How long `up`, `status` or `down` may take: on this shared machine at a load average of 40, `up`
+# of eight workers and the daemon took over 300 s (Python's imports alone, at the lowest priority).
+CLI_TIMEOUT_S = 900.0
 # How often the daemon's RSS, tick and loop lag are sampled (soak_series.py).
 SAMPLE_S = 10.0
 # Programs per HTTP client of the load: httpcore's pool scans every connection it has for each
@@ -213,7 +216,7 @@ class Cluster:
         self.state_path = workdir / "state" / self.name / "state.json"
         self.gateway = f"http://127.0.0.1:{profile['gateway']['port']}"
 
-    def cli(self, *args: str, timeout: float = 300) -> str:
+    def cli(self, *args: str, timeout: float = CLI_TIMEOUT_S) -> str:
         done = subprocess.run(
             [sys.executable, "-m", "thunderctl", *args], env=self.env, capture_output=True, text=True, timeout=timeout
         )

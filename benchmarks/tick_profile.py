@@ -7,8 +7,9 @@
 The simulator's `thunderctl` arm (thunderctl/sim/arms.py) on the soak's agents
 (benchmarks/soak.py's SOAK_SHAPE) drives the real policy as the gateway does, one `beat` (adapt
 and tick) every tick interval of virtual time. Each beat's wall time is measured (perf_counter),
-as the gateway's `thunderctl_scheduler_tick_seconds` measures it; printed are its p50, p99 and
-max over the beats after the first simulated minute (the programs have arrived by then), the
+as the gateway's `thunderctl_scheduler_tick_seconds` measures it, and its CPU time (process_time:
+what a loaded machine's other processes do not inflate); printed are the p50, p99 and max over
+the beats after the first simulated minute (the programs have arrived by then), the
 programs the policy held, and the arm's summary (the same seed gives the same decisions, so two
 versions of the policy can be compared on it).
 """
@@ -52,17 +53,17 @@ class TimedBeats:
     def __init__(self, beat: Callable[[Scheduler, float], None], profiler: cProfile.Profile | None) -> None:
         self.beat = beat
         self.profiler = profiler
-        self.beats: list[tuple[float, float, int]] = []  # (virtual time, seconds, programs)
+        self.beats: list[tuple[float, float, float, int]] = []  # (virtual time, wall s, CPU s, programs)
 
     def __call__(self, scheduler: Scheduler, utilization: float) -> None:
         if self.profiler is not None:
             self.profiler.enable()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         self.beat(scheduler, utilization)
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - start_cpu
         if self.profiler is not None:
             self.profiler.disable()
-        self.beats.append((scheduler.clock(), elapsed, len(scheduler.programs)))
+        self.beats.append((scheduler.clock(), elapsed, cpu, len(scheduler.programs)))
 
 
 def main() -> None:
@@ -77,14 +78,17 @@ def main() -> None:
     wall = time.perf_counter()
     result = run_arm(ArmName.THUNDERCTL, spec)
     wall = time.perf_counter() - wall
-    counted = [seconds for at, seconds, _ in timed.beats if at >= SETTLE_S]
-    held = [programs for at, _, programs in timed.beats if at >= SETTLE_S]
+    counted = [seconds for at, seconds, _, _ in timed.beats if at >= SETTLE_S]
+    cpu = [seconds for at, _, seconds, _ in timed.beats if at >= SETTLE_S]
+    held = [programs for at, _, _, programs in timed.beats if at >= SETTLE_S]
     figures: dict[str, Any] = {
         "beats": len(counted),
         "tick_p50_ms": round(1000 * (percentile(counted, 50) or 0), 2),
         "tick_p99_ms": round(1000 * (percentile(counted, 99) or 0), 2),
         "tick_max_ms": round(1000 * max(counted, default=0), 2),
         "ticks_s": round(sum(counted), 2),
+        "tick_cpu_p99_ms": round(1000 * (percentile(cpu, 99) or 0), 2),
+        "ticks_cpu_s": round(sum(cpu), 2),
         "run_wall_s": round(wall, 1),
         "programs_held": [min(held, default=0), max(held, default=0)],
         "summary": result.summary(0.0),
@@ -94,6 +98,7 @@ def main() -> None:
         f"{args.programs} programs on {args.workers} workers, {args.minutes:g} simulated minutes "
         f"(wall {wall:.0f} s): {figures['beats']} beats after the first minute, tick p50 {figures['tick_p50_ms']} ms, "
         f"p99 {figures['tick_p99_ms']} ms, max {figures['tick_max_ms']} ms ({figures['ticks_s']} s in ticks); "
+        f"CPU: p99 {figures['tick_cpu_p99_ms']} ms, {figures['ticks_cpu_s']} s in ticks; "
         f"programs held {figures['programs_held'][0]}-{figures['programs_held'][1]}"
     )
     print(f"scheduler counters: {result.scheduler_counters}")

@@ -53,6 +53,12 @@ class GapSamples:
         return len(self._recent)
 
 
+# Tool kinds whose tool times are kept. A bash agent's tool kind is its command's first word, a
+# script path of each task among them: a gateway up for weeks sees unboundedly many. Kinds called
+# again keep their place; a thousand is more than the tools of any agent's working set.
+MAX_TOOL_KINDS = 1024
+
+
 @dataclass
 class ToolTimes:
     """Tool times learnt online from observed gaps (response end → the program's next request).
@@ -84,9 +90,20 @@ class ToolTimes:
             self.cluster, self.tail, self.by_program.setdefault(program_id, GapSamples(self.window))
         ]  # fmt: skip
         if tool is not None:
-            keys.append(self.by_tool.setdefault(tool, GapSamples(self.window)))
+            keys.append(self._tool(tool))
         for samples in keys:
             samples.add(gap_s)
+
+    def _tool(self, tool: str) -> GapSamples:
+        """The tool kind's samples, now its most recently called; beyond MAX_TOOL_KINDS kinds the
+        least recently called is forgotten."""
+        samples = self.by_tool.pop(tool, None)
+        if samples is None:
+            samples = GapSamples(self.window)
+        self.by_tool[tool] = samples  # dicts keep insertion order: the first key is the least recent
+        if len(self.by_tool) > MAX_TOOL_KINDS:
+            del self.by_tool[next(iter(self.by_tool))]
+        return samples
 
     def forget(self, program_id: str) -> None:
         self.by_program.pop(program_id, None)
