@@ -1,6 +1,7 @@
 """Scale and soak: 2,048 closed-loop programs through the daemon onto 8 simulated workers, 10 minutes.
 
     python benchmarks/sim_soak.py                          # the full soak (~13 minutes with up and down)
+    python benchmarks/sim_soak.py --minutes 60 --series results/soak.jsonl --plot results/soak.png
     python benchmarks/sim_soak.py --programs 512 --duration 120 --workers 4
     python benchmarks/sim_soak.py --out results/soak.json
 
@@ -9,8 +10,11 @@ h100-tp4-32b, one node per worker), closed-loop agents (thunderctl/bench/closed_
 its gateway for --duration seconds, then `down`. Printed: failed requests, programs left in the
 gateway after every program was released, the daemon's RSS at the start, peak and end, the p99
 of the scheduler tick and of the admission wait (the gateway's own histograms), steps/min, hit
-rate, pauses and resumes. It exits 1 if a request failed, a program was left, or a process
-outlived `down`. --engine-time-scale slows the simulated engines (and with them the whole
+rate, pauses and resumes; the RSS every 10 minutes. Every 10 s the daemon's RSS and the p99 of
+its tick and of its event loop's lateness over those 10 s are sampled (--series: JSON lines as
+they come; --plot: a PNG of the three over time). It exits 1 if a request failed, a program was
+left, a process outlived `down`, or (in a run of 20 minutes or more) the RSS grew more than 10 %
+after the first 10 minutes. --engine-time-scale slows the simulated engines (and with them the whole
 closed loop) so that the machine's CPU, not the model, is the margin.
 """
 
@@ -24,6 +28,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from soak import SOAK_SHAPE, ErrorGroup, SoakResult, SoakSpec, run_soak
+from soak_series import plot, rss_checkpoints
 
 from thunderctl.bench.shapes import Uniform
 
@@ -33,7 +38,9 @@ def parse_args() -> argparse.Namespace:
     defaults = SoakSpec()
     parser.add_argument("--programs", type=int, default=defaults.programs, help="programs at once (closed loop)")
     parser.add_argument("--workers", type=int, default=defaults.workers)
-    parser.add_argument("--duration", type=float, default=defaults.duration_s, help="seconds of load")
+    length = parser.add_mutually_exclusive_group()
+    length.add_argument("--duration", type=float, default=defaults.duration_s, help="seconds of load")
+    length.add_argument("--minutes", type=float, help="minutes of load (instead of --duration)")
     parser.add_argument("--preset", default=defaults.preset)
     parser.add_argument("--kv-blocks", type=int, default=None, help="per worker (default: the preset's)")
     parser.add_argument("--engine-time-scale", type=float, default=defaults.engine_time_scale)
@@ -65,6 +72,10 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
     parser.add_argument(
+        "--series", type=Path, help="write the samples (RSS, tick p99, loop lag p99 every 10 s) here as JSON lines"
+    )
+    parser.add_argument("--plot", type=Path, help="draw RSS, tick p99 and loop lag p99 over time to this PNG")
+    parser.add_argument(
         "--keep", type=Path, help="keep the profile and the daemon's log (daemon.log) in this directory"
     )
     return parser.parse_args()
@@ -79,6 +90,7 @@ def summary(result: SoakResult) -> str:
             f"  {title}: {g.count} x {g.error} (from {g.first_s:.0f} s to {g.last_s:.0f} s into the run)" for g in found
         ]
 
+    drift = "run too short to tell" if result.rss_drift is None else f"{result.rss_drift:+.1%}"
     hit = "-" if result.hit_rate is None else f"{result.hit_rate:.2f}"
     overflows = "-" if result.listen_overflows is None else f"{result.listen_overflows:,}"
     return "\n".join(
@@ -102,6 +114,9 @@ def summary(result: SoakResult) -> str:
             f"max {seconds(result.load_loop_lag_max_s)}; listen-queue overflows on this host {overflows}",
             f"daemon RSS: {result.daemon_rss_start_mib:.0f} MiB at start, {result.daemon_rss_peak_mib:.0f} MiB peak, "
             f"{result.daemon_rss_end_mib:.0f} MiB at end; {result.daemon_cpu_s:.0f} CPU s",
+            "daemon RSS over time: "
+            + ", ".join(f"{rss:.0f} MiB at {minute:.0f} min" for minute, rss in rss_checkpoints(result.series, 600)),
+            f"daemon RSS after the first 10 minutes: {drift}",
         ]
     )
 
@@ -111,7 +126,7 @@ def main() -> int:
     spec = SoakSpec(
         programs=args.programs,
         workers=args.workers,
-        duration_s=args.duration,
+        duration_s=args.duration if args.minutes is None else args.minutes * 60,
         preset=args.preset,
         kv_blocks=args.kv_blocks,
         engine_time_scale=args.engine_time_scale,
@@ -125,11 +140,14 @@ def main() -> int:
     )
     if args.keep:
         args.keep.mkdir(parents=True, exist_ok=True)
-        result = run_soak(spec, args.keep)
+        result = run_soak(spec, args.keep, args.series)
     else:
         with tempfile.TemporaryDirectory(prefix="thunderctl-soak-") as workdir:
-            result = run_soak(spec, Path(workdir))
+            result = run_soak(spec, Path(workdir), args.series)
     print(summary(result))
+    if args.plot:
+        title = f"{spec.programs:,} programs on {spec.workers} simulated workers, {spec.duration_s / 60:g} minutes"
+        plot(result.series, args.plot, title)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(asdict(result), indent=2))

@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 import psutil
 import yaml
+from soak_series import RSS_DRIFT_ALLOWED, SeriesRecorder, SoakSample, rss_drift
 
 from thunderctl.bench.closed_loop import LoadSpec, Target, run_load
 from thunderctl.bench.results import LoadResult
@@ -49,7 +50,11 @@ MIB = 2**20
 MODEL = "sim"
 # How long the gateway may take to finish requests cut off at the deadline before its programs are counted.
 SETTLE_TIMEOUT_S = 120.0
-RSS_SAMPLE_S = 5.0
+# How long `up`, `status` or `down` may take: on this shared machine at a load average of 40, `up`
+# of eight workers and the daemon took over 300 s (Python's imports alone, at the lowest priority).
+CLI_TIMEOUT_S = 900.0
+# How often the daemon's RSS, tick and loop lag are sampled (soak_series.py).
+SAMPLE_S = 10.0
 # Programs per HTTP client of the load: httpcore's pool scans every connection it has for each
 # request, so one client of 2,048 connections spends the load generator's CPU on its own pool
 # (connects then time out, and the load, not the cluster, is what fails).
@@ -161,6 +166,8 @@ class SoakResult:
     load_loop_lag_max_s: float | None
     listen_overflows: int | None  # connections this host dropped from a full listen queue during the load
     left_running: list[int] = field(default_factory=list)  # pids started by `up` still alive (not zombies) after `down`
+    series: list[SoakSample] = field(default_factory=list)  # RSS, tick and loop lag every SAMPLE_S
+    rss_drift: float | None = None  # RSS growth after the warm-up (soak_series.rss_drift); None: run too short
 
     def problems(self) -> list[str]:
         """What went wrong, against the wants: no failed request, no program left, nothing left running."""
@@ -174,6 +181,8 @@ class SoakResult:
             found.append(f"{self.release_failures} releases failed")
         if self.left_running:
             found.append(f"processes left running after down: {self.left_running}")
+        if self.rss_drift is not None and self.rss_drift > RSS_DRIFT_ALLOWED:
+            found.append(f"daemon RSS grew {self.rss_drift:+.0%} after the warm-up (want ≤ {RSS_DRIFT_ALLOWED:+.0%})")
         return found
 
 
@@ -207,7 +216,7 @@ class Cluster:
         self.state_path = workdir / "state" / self.name / "state.json"
         self.gateway = f"http://127.0.0.1:{profile['gateway']['port']}"
 
-    def cli(self, *args: str, timeout: float = 300) -> str:
+    def cli(self, *args: str, timeout: float = CLI_TIMEOUT_S) -> str:
         done = subprocess.run(
             [sys.executable, "-m", "thunderctl", *args], env=self.env, capture_output=True, text=True, timeout=timeout
         )
@@ -237,11 +246,11 @@ def run_shards(gateway_url: str, loads: list[LoadSpec], workers: list[str]) -> t
     return asyncio.run(run_all()), lags
 
 
-def load_with_rss(
-    spec: SoakSpec, cluster: Cluster, workers: list[str], daemon: psutil.Process, peak: list[float]
+def load_sampled(
+    spec: SoakSpec, cluster: Cluster, workers: list[str], series: SeriesRecorder
 ) -> tuple[list[LoadResult], list[float]]:
     """The programs in shards of PROGRAMS_PER_CLIENT over processes of PROGRAMS_PER_PROCESS, all at once;
-    the daemon's RSS sampled meanwhile."""
+    the daemon sampled meanwhile."""
     sizes = [min(PROGRAMS_PER_CLIENT, spec.programs - start) for start in range(0, spec.programs, PROGRAMS_PER_CLIENT)]
     loads = [
         LoadSpec(
@@ -263,8 +272,8 @@ def load_with_rss(
     groups = [loads[i : i + per_process] for i in range(0, len(loads), per_process)]
     with ProcessPoolExecutor(len(groups), mp_context=get_context("spawn")) as pool:
         running = [pool.submit(run_shards, cluster.gateway, group, workers) for group in groups]
-        while wait(running, timeout=RSS_SAMPLE_S).not_done:
-            peak[0] = max(peak[0], daemon.memory_info().rss / MIB)
+        while wait(running, timeout=SAMPLE_S).not_done:
+            series.sample()
         outcomes = [future.result() for future in running]
     return [result for results, _ in outcomes for result in results], [lag for _, lags in outcomes for lag in lags]
 
@@ -311,19 +320,21 @@ def why_left(left: list[dict[str, Any]], results: list[LoadResult]) -> dict[str,
     )
 
 
-def run_soak(spec: SoakSpec, workdir: Path) -> SoakResult:
-    """Up, load, figures, down; the cluster is brought down whatever happens."""
+def run_soak(spec: SoakSpec, workdir: Path, series_path: Path | None = None) -> SoakResult:
+    """Up, load, figures, down; the cluster is brought down whatever happens. The samples over time
+    go to `series_path` (JSON lines) as they are taken."""
     cluster = Cluster(workdir, soak_profile(spec, f"soak-{secrets.token_hex(3)}"))
     cluster.cli("up", "-f", str(cluster.profile_path))
     started = cluster.state()
     pids = [started["daemon_pid"], *(w["pid"] for w in started["workers"])]
     try:
         daemon = psutil.Process(started["daemon_pid"])
-        rss_start = daemon.memory_info().rss / MIB
-        peak = [rss_start]
+        series = SeriesRecorder(cluster.gateway, daemon, series_path)
+        rss_start = series.sample().rss_mib
         workers = [w["url"] for w in started["workers"]]
         overflows_before = listen_overflows()
-        results, load_lags = load_with_rss(spec, cluster, workers, daemon, peak)
+        results, load_lags = load_sampled(spec, cluster, workers, series)
+        series.sample()
         overflows_after = listen_overflows()
         left = settled_programs(cluster)
         figures = gateway_figures(cluster)
@@ -362,7 +373,7 @@ def run_soak(spec: SoakSpec, workdir: Path) -> SoakResult:
         resumes=figures["resumes"] or 0,
         daemon_rss_start_mib=rss_start,
         daemon_rss_end_mib=rss_end,
-        daemon_rss_peak_mib=max(peak[0], rss_end),
+        daemon_rss_peak_mib=max(rss_end, *(s.rss_mib for s in series.samples)),
         daemon_cpu_s=cpu.user + cpu.system,
         tick_p99_s=figures["tick_p99_s"],
         ticks=int(figures["ticks"] or 0),
@@ -375,4 +386,6 @@ def run_soak(spec: SoakSpec, workdir: Path) -> SoakResult:
         load_loop_lag_max_s=max(load_lags, default=None),
         listen_overflows=None if None in (overflows_before, overflows_after) else overflows_after - overflows_before,
         left_running=[pid for pid in pids if pid_alive(pid)],
+        series=series.samples,
+        rss_drift=rss_drift(series.samples),
     )

@@ -187,3 +187,16 @@ def test_the_tail_of_a_log_is_its_last_lines_and_a_missing_log_says_so(tmp_path:
     log.write_text("".join(f"line {n}\n" for n in range(100)) + "Traceback: the error")
     assert tail_of_file(log, 2) == "line 99\nTraceback: the error"
     assert tail_of_file(tmp_path / "none.log", 5) == f"(no log at {tmp_path / 'none.log'})"
+
+
+def test_a_group_is_alive_while_its_leader_or_a_member_left_by_it_runs(spawn) -> None:
+    # The daemon's supervisor asks this of every worker every 2 s: a running leader answers at once,
+    # a leader that died leaves the question to its group's members (a vLLM engine core left behind).
+    groups = LocalProcessGroups()
+    process = spawn(GROUP)
+    assert groups.group_has_members(process.pid)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()  # reaped: no zombie, only the background `sleep` is left in the group
+    assert groups.group_has_members(process.pid)
+    signal_group_kill(process.pid)
+    wait_for(lambda: not groups.group_has_members(process.pid), 10, "the group to be empty")

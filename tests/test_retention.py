@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from thunderctl.scheduler import Scheduler, SchedulerConfig, Status
-from thunderctl.scheduler.retention import GapSamples, PrefillRate, ToolTimes
+from thunderctl.scheduler.retention import MAX_TOOL_KINDS, GapSamples, PrefillRate, ToolTimes
 from thunderctl.sim.clock import VirtualClock
 
 CAPACITY = 100_000
@@ -185,6 +185,27 @@ def test_gap_samples_forget_the_oldest_beyond_their_window() -> None:
     assert samples.remaining(0.0, min_samples=1) == pytest.approx(2.0)
     assert samples.remaining(2.5, min_samples=1) == pytest.approx(0.5)
     assert samples.remaining(3.0, min_samples=1) is None
+
+
+def test_a_gap_added_after_a_question_changes_the_next_answer() -> None:
+    samples = GapSamples(limit=8)
+    for gap in (1.0, 2.0, 3.0):
+        samples.add(gap)
+    assert samples.remaining(0.0, min_samples=1) == pytest.approx(2.0)
+    samples.add(10.0)  # the tail asked about just now is longer by it
+    assert samples.remaining(0.0, min_samples=1) == pytest.approx(4.0)
+
+
+def test_tool_kinds_are_bounded_the_least_recently_called_forgotten() -> None:
+    # Agents that run bash name their tool by the command's first word: a script path of each
+    # task is a tool kind of its own, and a gateway up for weeks sees unboundedly many.
+    times = ToolTimes(window=16, min_samples=2)
+    for i in range(3 * MAX_TOOL_KINDS):
+        times.observe("p", f"run_task_{i}.sh", 1.0)
+        times.observe("p", "pytest", 30.0)  # called all along: kept
+    assert len(times.by_tool) <= MAX_TOOL_KINDS
+    assert "pytest" in times.by_tool and f"run_task_{3 * MAX_TOOL_KINDS - 1}.sh" in times.by_tool
+    assert "run_task_0.sh" not in times.by_tool
 
 
 def test_tool_times_fall_back_from_tool_to_program_to_cluster_and_past_all_evidence_to_elapsed() -> None:

@@ -119,7 +119,11 @@ class Transport(ABC):
         """Whether any process of the leader's group still runs. Members left by a leader that
         died are its own (the kernel hands out no pid that still names a group); a group led by
         another process that got the pid is not."""
-        return not self.pid_reused(leader) and bool(self.group_members(leader.pid))
+        return not self.pid_reused(leader) and self.group_has_members(leader.pid)
+
+    def group_has_members(self, pgid: int) -> bool:
+        """Whether any live process (not a zombie) is in the group."""
+        return bool(self.group_members(pgid))
 
     def stop_group(self, leader: ProcessIdentity, timeout: float) -> bool:
         """GroupStop of the leader's group, `timeout` for SIGTERM; False, with nothing signalled,

@@ -7,6 +7,7 @@ written once (GroupStop); where it lives, this machine or a node over SSH, is a 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -90,6 +91,15 @@ class LocalProcessGroups:
         except ProcessLookupError:
             return False
         return True
+
+    def group_has_members(self, pgid: int) -> bool:
+        # Its leader running is the common answer, read from the leader's own /proc entry. A scan of
+        # every process on the machine, for each of 8 workers every 2 s (the daemon's supervisor),
+        # was 44 % of a loaded daemon's py-spy samples, its thread holding the GIL from the event loop.
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if psutil.Process(pgid).status() != psutil.STATUS_ZOMBIE and os.getpgid(pgid) == pgid:
+                return True
+        return bool(self.group_members(pgid))
 
     def group_members(self, pgid: int) -> list[int]:
         members = []

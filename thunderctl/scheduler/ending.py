@@ -36,7 +36,14 @@ class EndingLaw:
 
     def ended(self, programs: Iterable[Program], tool_times: ToolTimes, now: float) -> Iterator[Program]:
         """The programs not continued within the law: they end, as a release ends them."""
-        return (p for p in programs if silent(p) and now - p.last_activity > self.ends_after_s(p, tool_times))
+        # No program ends within the floor: most are that recent, and their law is not read.
+        return (
+            p
+            for p in programs
+            if now - p.last_activity > self.floor_s
+            and silent(p)
+            and now - p.last_activity > self.ends_after_s(p, tool_times)
+        )
 
     def ends_after_s(self, program: Program, tool_times: ToolTimes) -> float:
         """Silence after which the program ends."""

@@ -15,24 +15,35 @@ from thunderctl.scheduler.program import Program, Worker
 @dataclass
 class GapSamples:
     """The last `limit` tool times of one key (a program, a tool kind, the cluster), kept sorted
-    so that the remaining time given the time already spent is a tail mean."""
+    so that the remaining time given the time already spent is a tail mean.
+
+    A tick asks the cluster's samples about every program it holds (thousands), between two
+    samples added: each tail's sum is kept until the next `add`, so that a question costs a
+    bisection, not a sum over the window. The sum is the one `sum` gives over the same tail, so
+    the answers are the same to the last bit."""
 
     limit: int
     _recent: deque[float] = field(default_factory=deque)
     _sorted: list[float] = field(default_factory=list)
+    _tail_sums: dict[int, float] = field(default_factory=dict, repr=False, compare=False)
 
     def add(self, gap_s: float) -> None:
         self._recent.append(gap_s)
         bisect.insort(self._sorted, gap_s)
         if len(self._recent) > self.limit:
             del self._sorted[bisect.bisect_left(self._sorted, self._recent.popleft())]
+        self._tail_sums.clear()
 
     def remaining(self, elapsed_s: float, min_samples: int) -> float | None:
         """E[T − a | T > a] over the samples longer than a, or None if fewer than `min_samples` are."""
-        tail = self._sorted[bisect.bisect_right(self._sorted, elapsed_s) :]
-        if len(tail) < min_samples:
+        start = bisect.bisect_right(self._sorted, elapsed_s)
+        count = len(self._sorted) - start
+        if count < min_samples:
             return None
-        return sum(tail) / len(tail) - elapsed_s
+        total = self._tail_sums.get(start)
+        if total is None:
+            total = self._tail_sums[start] = sum(self._sorted[start:])
+        return total / count - elapsed_s
 
     def quantile(self, q: float) -> float:
         """The q-th quantile (0-1) of the samples, the nearest one at or above it (non-empty)."""
@@ -40,6 +51,12 @@ class GapSamples:
 
     def __len__(self) -> int:
         return len(self._recent)
+
+
+# Tool kinds whose tool times are kept. A bash agent's tool kind is its command's first word, a
+# script path of each task among them: a gateway up for weeks sees unboundedly many. Kinds called
+# again keep their place; a thousand is more than the tools of any agent's working set.
+MAX_TOOL_KINDS = 1024
 
 
 @dataclass
@@ -73,9 +90,20 @@ class ToolTimes:
             self.cluster, self.tail, self.by_program.setdefault(program_id, GapSamples(self.window))
         ]  # fmt: skip
         if tool is not None:
-            keys.append(self.by_tool.setdefault(tool, GapSamples(self.window)))
+            keys.append(self._tool(tool))
         for samples in keys:
             samples.add(gap_s)
+
+    def _tool(self, tool: str) -> GapSamples:
+        """The tool kind's samples, now its most recently called; beyond MAX_TOOL_KINDS kinds the
+        least recently called is forgotten."""
+        samples = self.by_tool.pop(tool, None)
+        if samples is None:
+            samples = GapSamples(self.window)
+        self.by_tool[tool] = samples  # dicts keep insertion order: the first key is the least recent
+        if len(self.by_tool) > MAX_TOOL_KINDS:
+            del self.by_tool[next(iter(self.by_tool))]
+        return samples
 
     def forget(self, program_id: str) -> None:
         self.by_program.pop(program_id, None)
