@@ -334,9 +334,6 @@ class Gateway:
 
         A request that fails before any byte reached the client (its worker died or stalled) is tried
         once more on another worker.
-
-        `body` is consumed: encoded once, then emptied, so that each of thousands of requests waiting
-        for their resume or their answer holds its prompt once (the encoded payload), not twice.
         """
         stream = bool(body.get("stream"))
         client_wants_usage = True
@@ -348,12 +345,11 @@ class Gateway:
             self.recorder.on_request(program_id)
         # ASCII escapes: a lone surrogate from the client's JSON stays representable.
         payload = json.dumps(body).encode()
-        body.clear()
         for attempt in (1, 2):
             link, waited = await self.admit(program_id, shape, group)
             if waited and self.resumed_priority is not None:
                 # Resumed programs first inside the engine, as Dynamo's resume boost does.
-                payload = json.dumps({**json.loads(payload), "priority": self.resumed_priority}).encode()
+                payload = json.dumps({**body, "priority": self.resumed_priority}).encode()
             link.add_in_flight(1, self._clock())
             answer = StreamedAnswer(sent_at=self._clock())
             response = None
