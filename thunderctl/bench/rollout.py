@@ -106,6 +106,7 @@ class BatchFigures:
     programs_per_min: float | None  # completed programs per minute of the batch's time
     hit_rate: float | None  # prefix-cache hits ÷ queries on the engines over the batch
     failed_requests: int
+    resent_requests: int  # sent again after no byte of an answer came (a refused or timed-out connection)
     preemptions: int
     steps: int  # requests answered
 
@@ -131,6 +132,7 @@ def batch_figures(arm: str, batch: int, result: LoadResult, programs: int, sampl
         programs_per_min=60.0 * result.programs_completed / last_answer if last_answer > 0 else None,
         hit_rate=result.engines.hit_rate,
         failed_requests=result.steps_failed,
+        resent_requests=result.unanswered_retries,
         preemptions=result.engines.preemptions,
         steps=result.steps_ok,
     )
@@ -158,6 +160,7 @@ def arm_figures(batches: Sequence[BatchFigures], outcome: ArmOutcome) -> dict[st
         "programs": sum(b.programs for b in batches),
         "programs_completed": sum(b.programs_completed for b in batches),
         "failed_requests": sum(b.failed_requests for b in batches),
+        "resent_requests": sum(b.resent_requests for b in batches),
         "preemptions": sum(b.preemptions for b in batches),
         "step_errors": combined.step_errors,
         "warnings": outcome.warnings,

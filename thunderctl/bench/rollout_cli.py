@@ -55,7 +55,7 @@ class BatchProgress(LiveProgress):
         self.bar.console.print(
             f"{time.strftime('%H:%M:%S')} {arm} batch {batch + 1} done: makespan {fmt(figures.makespan_s, ' s', 1)}, "
             f"median group {fmt(figures.median_group_s, ' s', 1)}, {figures.programs_completed}/{figures.programs} "
-            f"programs, hit rate {fmt(figures.hit_rate)}, {figures.failed_requests} failed"
+            f"programs, hit rate {fmt(figures.hit_rate)}, {figures.failed_requests} failed, {figures.resent_requests} resent"
             + (f" [yellow]{escape(warning)}[/]" if warning else "")
         )
 
@@ -66,7 +66,9 @@ def rollout_table(report: dict[str, Any]) -> Table:
         title=f"rollout: {parameters['tasks']} tasks × {parameters['samples']} samples, "
         f"{parameters['batches']} batch(es) per arm"
     )
-    columns = ("arm", "batch", "makespan", "median group", "last group", "progs/min", "hit rate", "done", "failed")
+    columns = (
+        "arm", "batch", "makespan", "median group", "last group", "progs/min", "hit rate", "done", "failed", "resent",
+    )  # fmt: skip
     table.add_column(columns[0], no_wrap=True)
     for column in columns[1:]:
         table.add_column(column, justify="right")
@@ -76,6 +78,7 @@ def rollout_table(report: dict[str, Any]) -> Table:
             fmt(batch["median_group_s"], " s", 1), fmt(batch["last_group_s"], " s", 1),
             fmt(batch["programs_per_min"], digits=1), fmt(batch["hit_rate"]),
             f"{batch['programs_completed']}/{batch['programs']}", str(batch["failed_requests"]),
+            str(batch["resent_requests"]),
         )  # fmt: skip
     table.add_section()
     for name, arm in report["arms"].items():
@@ -83,11 +86,12 @@ def rollout_table(report: dict[str, Any]) -> Table:
             name, "mean", fmt(arm["makespan_s"], " s", 1), fmt(arm["median_group_s"], " s", 1),
             fmt(arm["last_group_s"], " s", 1), fmt(arm["programs_per_min"], digits=1), fmt(arm["hit_rate"]),
             f"{arm['programs_completed']}/{arm['programs']}", str(arm["failed_requests"]),
+            str(arm["resent_requests"]),
         )  # fmt: skip
     if ratios := report["ratios"]:
         table.add_row(
             "cluster/direct", "", fmt(ratios["makespan_s"], "x"), fmt(ratios["median_group_s"], "x"),
-            fmt(ratios["last_group_s"], "x"), fmt(ratios["programs_per_min"], "x"), "", "", "",
+            fmt(ratios["last_group_s"], "x"), fmt(ratios["programs_per_min"], "x"), "", "", "", "",
         )  # fmt: skip
     return table
 
@@ -165,6 +169,14 @@ def rollout(
     seed: Annotated[
         int, typer.Option(help="Which tasks, and the samples' variations (the same seed, the same batch).")
     ] = 0,
+    retry_unanswered: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="Seconds a request that got no byte of its answer (refused, connection timed out) is sent again, "
+            "as agents' clients do (the OpenAI SDK retries these); counted as resent. 0: it fails at once.",
+        ),
+    ] = 30.0,
     json_output: Annotated[
         bool, typer.Option("--json", help="Print the report as JSON on stdout (the progress goes to stderr).")
     ] = False,
@@ -215,7 +227,7 @@ def rollout(
     programs = tasks * samples
     spec = LoadSpec(
         concurrency=programs, shape=workload, programs=programs * batches, seed=seed, model=info.model,
-        stream=stream, time_scale=time_scale, samples_per_task=samples,
+        stream=stream, time_scale=time_scale, samples_per_task=samples, retry_unanswered_s=retry_unanswered,
     )  # fmt: skip
     console.print(
         f"{' then '.join(arms)}: {batches} batch(es) of {tasks} tasks × {samples} samples; "
@@ -231,8 +243,8 @@ def rollout(
         )  # fmt: skip
     parameters = {
         "tasks": tasks, "samples": samples, "batches": batches, "max_steps": max_steps, "seed": seed,
-        "stream": stream, "time_scale": time_scale, "arms": arms, "routing": routing, "endpoint": endpoints.endpoint,
-        "engines": endpoints.engines, "model": info.model, "max_model_len": info.max_model_len,
+        "stream": stream, "time_scale": time_scale, "retry_unanswered_s": retry_unanswered, "arms": arms,
+        "routing": routing, "endpoint": endpoints.endpoint, "engines": endpoints.engines, "model": info.model, "max_model_len": info.max_model_len,
     }  # fmt: skip
     report = rollout_report(workload.describe(), parameters, outcomes, time.monotonic() - started)
     if json_output:
