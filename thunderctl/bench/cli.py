@@ -18,6 +18,11 @@ from rich.markup import escape
 from thunderctl.bench.closed_loop import LoadSpec, Routing
 from thunderctl.bench.endpoints import (
     CONTEXT_HEADROOM,
+    ApiKeyOption,
+    ClusterOption,
+    EngineApiKeyOption,
+    EngineOption,
+    RoutingOption,
     TargetArm,
     base_url,
     build_arms,
@@ -41,8 +46,6 @@ from thunderctl.bench.swe_lite import (
     TOOL_SECONDS,
 )
 from thunderctl.bench.workloads import WorkloadChoice
-from thunderctl.engines.vllm import API_KEY_ENV as ENGINE_KEY_ENV
-from thunderctl.gateway.auth import API_KEY_ENV
 from thunderctl.integrations.cluster import ClusterClient, Endpoints
 from thunderctl.sim.agents import Client
 from thunderctl.terminal import fail
@@ -57,13 +60,9 @@ bench_app = typer.Typer(
 
 @bench_app.command("swe-lite")
 def swe_lite(
-    cluster: Annotated[
-        str | None, typer.Option("--cluster", "-c", help="The running cluster (default: the only one).")
-    ] = None,
+    cluster: ClusterOption = None,
     endpoint: Annotated[str | None, typer.Option(help="Any OpenAI-compatible endpoint instead of a cluster.")] = None,
-    engine: Annotated[
-        list[str] | None, typer.Option(help="A vLLM server behind the endpoint (repeat): direct arm and /metrics.")
-    ] = None,
+    engine: EngineOption = None,
     target: Annotated[TargetArm, typer.Option(help="Where the load goes, unless --compare.")] = TargetArm.CLUSTER,
     compare: Annotated[bool, typer.Option(help="Run both arms, interleaved in slices, and print the ratios.")] = False,
     concurrency: Annotated[
@@ -129,31 +128,15 @@ def swe_lite(
             help="Replay this trace (JSONL, or .jsonl.gz; docs/trace-format.md) instead of the recorded runs."
         ),
     ] = None,
-    routing: Annotated[
-        Routing, typer.Option(help="How the direct arm spreads requests over the engines.")
-    ] = Routing.STICKY,
+    routing: RoutingOption = Routing.STICKY,
     stream: Annotated[bool, typer.Option(help="Stream responses (needed for time to first token).")] = True,
     seed: Annotated[
         int, typer.Option(help="The trace's order, or the programs drawn (the same seed replays the same ones).")
     ] = 0,
     out: Annotated[Path | None, typer.Option(help="Write the JSON report here (and the plot beside it).")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write the PNG plot here (default: --out with .png).")] = None,
-    api_key: Annotated[
-        str | None,
-        typer.Option(
-            envvar=API_KEY_ENV,
-            show_default=False,
-            help="The --endpoint's API key (a cluster's comes from its profile).",
-        ),
-    ] = None,
-    engine_api_key: Annotated[
-        str | None,
-        typer.Option(
-            envvar=ENGINE_KEY_ENV,
-            show_default=False,
-            help="The --engine servers' API key (a cluster's is its worker key).",
-        ),
-    ] = None,
+    api_key: ApiKeyOption = None,
+    engine_api_key: EngineApiKeyOption = None,
     sandboxes: Annotated[
         bool,
         typer.Option(

@@ -4,17 +4,41 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Annotated
 
 import httpx
+import typer
 
 from thunderctl.bench.closed_loop import Routing, Target
 from thunderctl.bench.replay import Arm, ArmOutcome
 from thunderctl.cluster.state import ClusterNotFound
+from thunderctl.engines.vllm import API_KEY_ENV as ENGINE_KEY_ENV
 from thunderctl.gateway.auth import API_KEY_ENV
 from thunderctl.integrations.cluster import Endpoints, cluster_endpoints
 from thunderctl.jsonapi import bearer_headers
 from thunderctl.profile import ProfileError
 from thunderctl.terminal import fail
+
+# The options every benchmark command finds its endpoint and engines with.
+ClusterOption = Annotated[
+    str | None, typer.Option("--cluster", "-c", help="The running cluster (default: the only one).")
+]
+EngineOption = Annotated[
+    list[str] | None, typer.Option(help="A vLLM server behind the endpoint (repeat): the direct arm and /metrics.")
+]
+RoutingOption = Annotated[Routing, typer.Option(help="How the direct arm spreads requests over the engines.")]
+ApiKeyOption = Annotated[
+    str | None,
+    typer.Option(
+        envvar=API_KEY_ENV, show_default=False, help="The --endpoint's API key (a cluster's comes from its profile)."
+    ),
+]
+EngineApiKeyOption = Annotated[
+    str | None,
+    typer.Option(
+        envvar=ENGINE_KEY_ENV, show_default=False, help="The --engine servers' API key (a cluster's is its worker key)."
+    ),
+]
 
 # The plan estimates the chat template's tokens; leave it room below max_model_len.
 CONTEXT_HEADROOM = 0.9

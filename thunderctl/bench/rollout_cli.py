@@ -20,6 +20,11 @@ from rich.table import Table
 from thunderctl.bench.closed_loop import LoadSpec, Routing
 from thunderctl.bench.endpoints import (
     CONTEXT_HEADROOM,
+    ApiKeyOption,
+    ClusterOption,
+    EngineApiKeyOption,
+    EngineOption,
+    RoutingOption,
     TargetArm,
     base_url,
     build_arms,
@@ -32,8 +37,6 @@ from thunderctl.bench.report import LiveProgress, fmt
 from thunderctl.bench.results import LoadResult
 from thunderctl.bench.rollout import RolloutBatch, batch_figures, rollout_report
 from thunderctl.bench.swe_lite import SHARED_PREFIX_TOKENS
-from thunderctl.engines.vllm import API_KEY_ENV as ENGINE_KEY_ENV
-from thunderctl.gateway.auth import API_KEY_ENV
 from thunderctl.integrations.cluster import Endpoints
 from thunderctl.terminal import fail
 from thunderctl.traceformat import TraceFormatError, read_trace
@@ -155,16 +158,10 @@ def rollout(
     only: Annotated[
         TargetArm | None, typer.Option(help="Run one arm only: cluster (through the gateway) or direct (vLLM alone).")
     ] = None,
-    cluster: Annotated[
-        str | None, typer.Option("--cluster", "-c", help="The running cluster (default: the only one).")
-    ] = None,
+    cluster: ClusterOption = None,
     endpoint: Annotated[str | None, typer.Option(help="A thunderctl gateway's URL instead of a cluster.")] = None,
-    engine: Annotated[
-        list[str] | None, typer.Option(help="A vLLM server behind the endpoint (repeat): the direct arm and /metrics.")
-    ] = None,
-    routing: Annotated[
-        Routing, typer.Option(help="How the direct arm spreads programs over the engines.")
-    ] = Routing.STICKY,
+    engine: EngineOption = None,
+    routing: RoutingOption = Routing.STICKY,
     stream: Annotated[bool, typer.Option(help="Stream responses.")] = True,
     seed: Annotated[
         int, typer.Option(help="Which tasks, and the samples' variations (the same seed, the same batch).")
@@ -180,22 +177,8 @@ def rollout(
     json_output: Annotated[
         bool, typer.Option("--json", help="Print the report as JSON on stdout (the progress goes to stderr).")
     ] = False,
-    api_key: Annotated[
-        str | None,
-        typer.Option(
-            envvar=API_KEY_ENV,
-            show_default=False,
-            help="The --endpoint's API key (a cluster's comes from its profile).",
-        ),
-    ] = None,
-    engine_api_key: Annotated[
-        str | None,
-        typer.Option(
-            envvar=ENGINE_KEY_ENV,
-            show_default=False,
-            help="The --engine servers' API key (a cluster's is its worker key).",
-        ),
-    ] = None,
+    api_key: ApiKeyOption = None,
+    engine_api_key: EngineApiKeyOption = None,
 ) -> None:
     """Run RL rollout batches (N tasks × G samples, all started at once) and report each batch's makespan.
 
