@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import statistics
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from itertools import pairwise
@@ -163,6 +164,7 @@ def arm_figures(batches: Sequence[BatchFigures], outcome: ArmOutcome) -> dict[st
         "resent_requests": sum(b.resent_requests for b in batches),
         "preemptions": sum(b.preemptions for b in batches),
         "step_errors": combined.step_errors,
+        "resend_errors": dict(Counter(resend.error[:160] for resend in combined.resends).most_common()),
         "warnings": outcome.warnings,
     }
 

@@ -237,6 +237,8 @@ def rollout(
         for name, arm in report["arms"].items():
             for error, count in arm["step_errors"].items():
                 console.print(f"[yellow]{name}: {count} request(s) failed:[/] {escape(error)}")
+            for error, count in arm["resend_errors"].items():
+                console.print(f"{name}: {count} request(s) sent again after: {escape(error)}")
         if line := rollout_verdict(report):
             console.print(line)
     check_served(outcomes)
