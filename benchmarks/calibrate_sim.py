@@ -40,8 +40,8 @@ from local_stack import ENGINE_START_TIMEOUT_S, EngineSettings, start_engine
 from rich.console import Console
 from rich.table import Table
 
-from thunderctl.bench.cli import CONTEXT_HEADROOM
 from thunderctl.bench.closed_loop import LoadSpec, Target
+from thunderctl.bench.endpoints import CONTEXT_HEADROOM
 from thunderctl.bench.replay import Arm, TraceWorkload, run_arms
 from thunderctl.bench.report import fmt
 from thunderctl.bench.swe_lite import SHARED_PREFIX_TOKENS

@@ -18,6 +18,8 @@ from thunderctl.processes import pick_free_port
 
 # Two cores shared with other jobs: start-up took 35-60 s idle, over 3 minutes under load.
 ENGINE_START_TIMEOUT_S = 600.0
+# The gateway alone took over a minute to answer at load average 35 (nice 19).
+GATEWAY_START_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,7 @@ def local_gateway(engine_url: str, gateway_args: list[str], log_dir: Path, conso
     log_dir.mkdir(parents=True, exist_ok=True)
     gateway = ServeProcess([engine_url], gateway_args, log_dir / "gateway.log")
     try:
-        gateway.wait_healthy()
+        gateway.wait_healthy(timeout=GATEWAY_START_TIMEOUT_S)
         console.print(f"engine {engine_url}, gateway {gateway.url} {' '.join(gateway_args)}")
         yield gateway.url
     finally:

@@ -8,19 +8,29 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
-import httpx
 import typer
 from rich.console import Console
 from rich.markup import escape
 
-from thunderctl.bench.closed_loop import LoadSpec, Routing, Target
+from thunderctl.bench.closed_loop import LoadSpec, Routing
+from thunderctl.bench.endpoints import (
+    CONTEXT_HEADROOM,
+    ApiKeyOption,
+    ClusterOption,
+    EngineApiKeyOption,
+    EngineOption,
+    RoutingOption,
+    TargetArm,
+    base_url,
+    build_arms,
+    check_served,
+    find_endpoints,
+)
 from thunderctl.bench.importers import import_runs
-from thunderctl.bench.replay import Arm, ArmOutcome, run_arms
+from thunderctl.bench.replay import run_arms
 from thunderctl.bench.report import (
     LiveProgress,
     build_report,
@@ -28,6 +38,7 @@ from thunderctl.bench.report import (
     verdict,
     write_outputs,
 )
+from thunderctl.bench.rollout_cli import rollout
 from thunderctl.bench.sandboxes import SandboxTools, sandbox_line
 from thunderctl.bench.simulate import simulate
 from thunderctl.bench.swe_lite import (
@@ -35,12 +46,7 @@ from thunderctl.bench.swe_lite import (
     TOOL_SECONDS,
 )
 from thunderctl.bench.workloads import WorkloadChoice
-from thunderctl.cluster.state import ClusterNotFound
-from thunderctl.engines.vllm import API_KEY_ENV as ENGINE_KEY_ENV
-from thunderctl.gateway.auth import API_KEY_ENV
-from thunderctl.integrations.cluster import ClusterClient, Endpoints, cluster_endpoints
-from thunderctl.jsonapi import bearer_headers
-from thunderctl.profile import ProfileError
+from thunderctl.integrations.cluster import ClusterClient, Endpoints
 from thunderctl.sim.agents import Client
 from thunderctl.terminal import fail
 from thunderctl.traceformat import TraceFormatError, write_trace
@@ -51,57 +57,12 @@ bench_app = typer.Typer(
     rich_markup_mode="rich",
 )
 
-# The plan estimates the chat template's tokens; leave it room below max_model_len.
-CONTEXT_HEADROOM = 0.9
-
-
-class TargetArm(StrEnum):
-    CLUSTER = "cluster"
-    DIRECT = "direct"
-
-
-@dataclass(frozen=True)
-class EndpointInfo:
-    model: str
-    max_model_len: int | None
-    thunderctl: bool  # answers GET /programs: program ids, releases and counters apply
-
-
-def base_url(url: str) -> str:
-    return url.rstrip("/").removesuffix("/v1")
-
-
-def probe(endpoint: str, api_key: str | None) -> EndpointInfo:
-    with httpx.Client(timeout=10.0, trust_env=False, headers=bearer_headers(api_key)) as client:
-        models = client.get(f"{endpoint}/v1/models")
-        models.raise_for_status()
-        first = models.json()["data"][0]
-        thunderctl = client.get(f"{endpoint}/programs").status_code == 200
-    return EndpointInfo(first["id"], first.get("max_model_len"), thunderctl)
-
-
-def build_arms(endpoints: Endpoints, info: EndpointInfo, arms: list[TargetArm], routing: Routing) -> list[Arm]:
-    built = []
-    for arm in arms:
-        if arm is TargetArm.DIRECT:
-            built.append(Arm("direct", Target.direct(endpoints.engines, routing, api_key=endpoints.engine_key)))
-        elif info.thunderctl:
-            target = Target.gateway(endpoints.endpoint, name="cluster", api_key=endpoints.api_key)
-            built.append(Arm("cluster", target, endpoints.endpoint))
-        else:  # any OpenAI-compatible endpoint: no program ids to send, nothing to release
-            built.append(Arm("cluster", Target.direct([endpoints.endpoint], name="cluster", api_key=endpoints.api_key)))
-    return built
-
 
 @bench_app.command("swe-lite")
 def swe_lite(
-    cluster: Annotated[
-        str | None, typer.Option("--cluster", "-c", help="The running cluster (default: the only one).")
-    ] = None,
+    cluster: ClusterOption = None,
     endpoint: Annotated[str | None, typer.Option(help="Any OpenAI-compatible endpoint instead of a cluster.")] = None,
-    engine: Annotated[
-        list[str] | None, typer.Option(help="A vLLM server behind the endpoint (repeat): direct arm and /metrics.")
-    ] = None,
+    engine: EngineOption = None,
     target: Annotated[TargetArm, typer.Option(help="Where the load goes, unless --compare.")] = TargetArm.CLUSTER,
     compare: Annotated[bool, typer.Option(help="Run both arms, interleaved in slices, and print the ratios.")] = False,
     concurrency: Annotated[
@@ -167,31 +128,15 @@ def swe_lite(
             help="Replay this trace (JSONL, or .jsonl.gz; docs/trace-format.md) instead of the recorded runs."
         ),
     ] = None,
-    routing: Annotated[
-        Routing, typer.Option(help="How the direct arm spreads requests over the engines.")
-    ] = Routing.STICKY,
+    routing: RoutingOption = Routing.STICKY,
     stream: Annotated[bool, typer.Option(help="Stream responses (needed for time to first token).")] = True,
     seed: Annotated[
         int, typer.Option(help="The trace's order, or the programs drawn (the same seed replays the same ones).")
     ] = 0,
     out: Annotated[Path | None, typer.Option(help="Write the JSON report here (and the plot beside it).")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write the PNG plot here (default: --out with .png).")] = None,
-    api_key: Annotated[
-        str | None,
-        typer.Option(
-            envvar=API_KEY_ENV,
-            show_default=False,
-            help="The --endpoint's API key (a cluster's comes from its profile).",
-        ),
-    ] = None,
-    engine_api_key: Annotated[
-        str | None,
-        typer.Option(
-            envvar=ENGINE_KEY_ENV,
-            show_default=False,
-            help="The --engine servers' API key (a cluster's is its worker key).",
-        ),
-    ] = None,
+    api_key: ApiKeyOption = None,
+    engine_api_key: EngineApiKeyOption = None,
     sandboxes: Annotated[
         bool,
         typer.Option(
@@ -297,32 +242,6 @@ def swe_lite(
     check_served(outcomes)
 
 
-def find_endpoints(cluster: str | None, given: Endpoints | None, need_engines: bool) -> tuple[Endpoints, EndpointInfo]:
-    """The endpoint and engines to use (the cluster's unless given) and what serves there."""
-    try:
-        endpoints = given or cluster_endpoints(cluster)
-    except (ClusterNotFound, ProfileError) as exc:
-        raise fail(str(exc)) from exc
-    if need_engines and not endpoints.engines:
-        raise fail("the direct arm needs the engines' URLs: give --engine URL (repeat) with --endpoint")
-    try:
-        return endpoints, probe(endpoints.endpoint, endpoints.api_key)
-    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
-        if isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code == 401:
-            what = "a wrong API key" if endpoints.api_key else f"no API key: give --api-key or set {API_KEY_ENV}"
-            raise fail(f"{endpoints.endpoint} answers 401 to {what}") from exc
-        raise fail(f"{endpoints.endpoint} does not answer GET /v1/models with a model: {exc}") from exc
-
-
-def check_served(outcomes: dict[str, ArmOutcome]) -> None:
-    """A run where an arm served nothing is a failure, whatever the table says."""
-    for name, outcome in outcomes.items():
-        combined = outcome.combined()
-        if combined.steps_ok == 0:
-            errors = {r.error for r in combined.records if r.error}
-            raise fail(f"the {name} arm served no step: {'; '.join(sorted(errors))[:500] or 'no program ran'}")
-
-
 @bench_app.command("import")
 def import_command(
     sources: Annotated[list[Path], typer.Argument(help="mini-swe-agent .traj.json files and/or step tables (JSONL).")],
@@ -348,3 +267,4 @@ def import_command(
 
 
 bench_app.command("simulate")(simulate)
+bench_app.command("rollout")(rollout)

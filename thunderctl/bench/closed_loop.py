@@ -49,6 +49,8 @@ from thunderctl.sim.agents import Client, aged_start_fraction
 # Used when the engine cannot tokenize for us; real tokenizers give ~1.0-1.3 on these words.
 DEFAULT_TOKENS_PER_WORD = 1.0
 CALIBRATION_WORDS = 400
+# Where a request names its GRPO group for the gateway (which also takes `group_id` in the body).
+GROUP_HEADER = "X-Group-Id"
 T = TypeVar("T")
 
 
@@ -88,6 +90,10 @@ class LoadSpec:
     keepalive_s: float = 5.0
     # Through the gateway: whether the agents name their programs and release them (Client).
     client: Client = Client.NAMED
+    # Programs k*G .. k*G+G-1 are the G samples of task k, a GRPO group (`bench rollout`): they
+    # share the task's text and, through the gateway, name their group in the GROUP_HEADER.
+    # 1: every program is a task of its own, and no group is named.
+    samples_per_task: int = 1
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -98,6 +104,8 @@ class LoadSpec:
             raise ValueError("time_scale must not be negative")
         if self.keepalive_s <= 0:
             raise ValueError("keepalive_s must be positive (seconds an idle connection is kept)")
+        if self.samples_per_task < 1:
+            raise ValueError("samples_per_task must be at least 1")
 
 
 class Routing(StrEnum):
@@ -250,6 +258,7 @@ class ClosedLoop:
             tokens_per_word=self.tokens_per_word,
             system_text=self.system_text,
             start_fraction=fraction,
+            task=index // self.spec.samples_per_task if self.spec.samples_per_task > 1 else None,
         )
 
     async def slot(self) -> None:
@@ -311,12 +320,15 @@ class ClosedLoop:
             "max_tokens": step.completion_tokens,
             "ignore_eos": True,
         }
+        headers = self.target.headers
         if self.names_programs:
             body["program_id"] = plan.program_id
+            if plan.group_id is not None:
+                headers[GROUP_HEADER] = plan.group_id
         start = self.now()
         try:
             reply = await self.retrying_unanswered(
-                lambda: (stream_chat if self.spec.stream else chat)(self.client, url, body, self.target.headers)
+                lambda: (stream_chat if self.spec.stream else chat)(self.client, url, body, headers)
             )
         except httpx.HTTPError as exc:
             reply = Reply(status=0, error=error_text(exc))

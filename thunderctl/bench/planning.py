@@ -65,6 +65,8 @@ class ProgramPlan:
     prepare_s: float = 0.0
     # Steps of the workload's program left out because the context would not fit.
     steps_cut: int = 0
+    # The GRPO group it is a sample of (`plan_program`'s task), None outside a rollout.
+    group_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -106,12 +108,15 @@ def plan_program(
     tokens_per_word: float,
     system_text: str,
     start_fraction: float = 0.0,
+    task: int | None = None,
 ) -> ProgramPlan:
     """Everything program `index` will send, as text of the workload's sizes.
 
     The workload's program depends only on (seed, index), so two runs with the same seed
     offer the same workload whatever the timing. `start_fraction` skips that share of the
-    steps, putting synthetic turns of the program's sizes in the history instead.
+    steps, putting synthetic turns of the program's sizes in the history instead. Programs
+    given the same `task` are samples of one task (a GRPO group): the same task text, so the
+    same first prompt when the workload gives them the same first size.
     """
     program = workload.program(seed, index)
     task_tokens, sized = step_sizes(program, workload.system_prompt_tokens)
@@ -120,14 +125,17 @@ def plan_program(
     first_step = first_step_at(start_fraction, n_steps)
 
     text_rng = random.Random(f"{seed}/text/{index}")
-    task = f"Task {index}: {word_text(text_rng, words_for_tokens(task_tokens, tokens_per_word))}"
+    task_rng = text_rng if task is None else random.Random(f"{seed}/task/{task}")
+    task_text = (
+        f"Task {index if task is None else task}: {word_text(task_rng, words_for_tokens(task_tokens, tokens_per_word))}"
+    )
     observations = [
         word_text(text_rng, words_for_tokens(step.observation_tokens, tokens_per_word)) if k < n_steps - 1 else ""
         for k, step in enumerate(sized)
     ]
     messages: list[dict[str, str]] = [
         {"role": "system", "content": system_text},
-        {"role": "user", "content": task},
+        {"role": "user", "content": task_text},
     ]
     for k in range(first_step):
         answer = word_text(text_rng, words_for_tokens(sized[k].completion_tokens, tokens_per_word))
@@ -144,8 +152,9 @@ def plan_program(
     )
     # A program that starts part-way has its environment already.
     prepare_s = (program.env_prep_s or 0.0) if first_step == 0 else 0.0
+    group_id = None if task is None else f"{salt}-t{task}"
     return ProgramPlan(
-        index, f"{salt}-p{index}", tuple(messages), first_step, steps, prepare_s, len(program.steps) - n_steps
+        index, f"{salt}-p{index}", tuple(messages), first_step, steps, prepare_s, len(program.steps) - n_steps, group_id
     )
 
 

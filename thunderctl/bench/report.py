@@ -253,9 +253,11 @@ def write_outputs(
 
 class LiveProgress:
     """A live rich display while slices run: the slice's time, steps, failures and hit rate
-    so far, and a line per finished slice. Use as a context manager around the run."""
+    so far, and a line per finished slice. Use as a context manager around the run. `unit`
+    names a slice on screen (`bench rollout` runs batches)."""
 
-    def __init__(self, total_slices: int, console: Console) -> None:
+    def __init__(self, total_slices: int, console: Console, unit: str = "slice", units: str = "slices") -> None:
+        self.unit = unit
         self.bar = Progress(
             TextColumn("{task.description}"),
             BarColumn(),
@@ -263,7 +265,7 @@ class LiveProgress:
             TextColumn("{task.fields[stats]}"),
             console=console,
         )
-        self.overall = self.bar.add_task("all slices", total=total_slices, stats="")
+        self.overall = self.bar.add_task(f"all {units}", total=total_slices, stats="")
         self.current = self.bar.add_task("starting", total=None, stats="")
         self.timed = False
         self.steps_ok = self.steps_failed = 0
@@ -280,7 +282,9 @@ class LiveProgress:
         self.timed = spec.duration_s is not None
         self.steps_ok = self.steps_failed = 0
         self.cache = CacheDelta()
-        self.bar.reset(self.current, total=spec.duration_s, description=f"{arm} slice {round_index + 1}", stats="")
+        self.bar.reset(
+            self.current, total=spec.duration_s, description=f"{arm} {self.unit} {round_index + 1}", stats=""
+        )
 
     def step(self, record: StepRecord) -> None:
         if record.ok:
