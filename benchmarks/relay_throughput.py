@@ -6,6 +6,7 @@
     python benchmarks/relay_throughput.py --streams 64 --turns 8 --observation-words 400 --answer-tokens 16
                                                                    # conversations: the per-request cost
     python benchmarks/relay_throughput.py --baseline-tree /tmp/main # a second gateway arm, another tree's code
+    python benchmarks/relay_throughput.py --baseline-tree . --baseline-arg=--stream-interval-ms=0  # one setting's effect
 
 A simulated engine (`thunderctl engine sim --time-scale 0`: every step as fast as Python can
 take it, so its answer is paced by the machine, not by a model) and a gateway in front of it,
@@ -51,6 +52,7 @@ from pathlib import Path
 
 import aiohttp
 import psutil
+from local_stack import cpu_seconds
 from rich.console import Console
 from rich.table import Table
 
@@ -190,11 +192,6 @@ class SliceResult:
     cpu_s: dict[str, float]  # engine, gateway, clients
     load_average: tuple[float, float]  # 1-minute, at the start and at the end
     errors: list[str]
-
-
-def cpu_seconds(process: psutil.Process) -> float:
-    times = process.cpu_times()
-    return times.user + times.system
 
 
 def run_slice(
@@ -350,6 +347,8 @@ def parse_args() -> argparse.Namespace:
                         help="with --turns: words of the observation after each answer")  # fmt: skip
     parser.add_argument("--baseline-tree", type=Path,
                         help="a checkout of thunderctl whose gateway runs as a third arm, `baseline` (the code before a change)")  # fmt: skip
+    parser.add_argument("--baseline-arg", action="append", default=[],
+                        help="one more `thunderctl serve` option for the baseline only (with --baseline-tree)")  # fmt: skip
     parser.add_argument("--profile", type=Path,
                         help="record the gateway with py-spy: a flame graph (.svg) or collapsed stacks (other names)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("results/relay_throughput.json"))
@@ -375,9 +374,8 @@ def main() -> None:
         try:
             engine.wait_healthy(timeout=300)
             for arm, tree in trees.items():
-                gateways[arm] = ServeProcess(
-                    [engine.url], args.gateway_arg, Path(workdir) / f"{arm}.log", pythonpath=tree
-                )
+                options = [*args.gateway_arg, *(args.baseline_arg if arm == "baseline" else [])]
+                gateways[arm] = ServeProcess([engine.url], options, Path(workdir) / f"{arm}.log", pythonpath=tree)
                 gateways[arm].wait_healthy(timeout=300)  # a loaded machine starts Python slowly
             if args.profile:
                 profiler = subprocess.Popen(

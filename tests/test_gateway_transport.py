@@ -182,10 +182,11 @@ async def fast_event_stream(anyio_backend: str) -> AsyncIterator[str]:
 
 
 async def test_a_fast_event_stream_arrives_whole_in_a_few_reads(fast_event_stream: str) -> None:
-    transport = AiohttpTransport(keepalive_s=4.0, stream_interval_s=0.1)
+    transport = AiohttpTransport(keepalive_s=4.0, stream_interval_s=1.0)
     async with httpx.AsyncClient(transport=transport) as client:
         async with client.stream("POST", f"{fast_event_stream}/v1/chat/completions", content=b"{}") as response:
             reads = [data async for data in response.aiter_raw()]
     assert b"".join(reads) == b"".join(b'data: {"n": %d}\n\n' % i for i in range(40)) + b"data: [DONE]\n\n"
-    # 40 events over about 200 ms, read at most every 100 ms once they came fast: a handful of reads.
-    assert len(reads) <= 8
+    # 40 events over about 200 ms (however a busy machine stretches that), read at most once a
+    # second once they came fast: a few reads, where each event was one.
+    assert len(reads) <= 6
