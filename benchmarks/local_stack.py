@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 from rich.console import Console
 
 from thunderctl.engines.local import EngineHome, LocalEngine, LocalEngineConfig
@@ -60,15 +61,21 @@ def engine_for(settings: EngineSettings, engine_url: str | None, log_dir: Path, 
             engine.stop()
 
 
+def cpu_seconds(process: psutil.Process) -> float:
+    """The CPU time (user + system) a process has spent: its cost, whatever else shares the machine."""
+    times = process.cpu_times()
+    return times.user + times.system
+
+
 @contextlib.contextmanager
-def local_gateway(engine_url: str, gateway_args: list[str], log_dir: Path, console: Console) -> Iterator[str]:
-    """A fresh `thunderctl serve` in front of the engine; its URL."""
+def local_gateway(engine_url: str, gateway_args: list[str], log_dir: Path, console: Console) -> Iterator[ServeProcess]:
+    """A fresh `thunderctl serve` in front of the engine."""
     log_dir.mkdir(parents=True, exist_ok=True)
     gateway = ServeProcess([engine_url], gateway_args, log_dir / "gateway.log")
     try:
         gateway.wait_healthy(timeout=GATEWAY_START_TIMEOUT_S)
         console.print(f"engine {engine_url}, gateway {gateway.url} {' '.join(gateway_args)}")
-        yield gateway.url
+        yield gateway
     finally:
         gateway.stop()
 
@@ -80,6 +87,6 @@ def local_stack(
     """(engine URL, gateway URL): a new engine unless `engine_url` names a running one."""
     with (
         engine_for(settings, engine_url, log_dir, console) as url,
-        local_gateway(url, gateway_args, log_dir, console) as gateway_url,
+        local_gateway(url, gateway_args, log_dir, console) as gateway,
     ):
-        yield url, gateway_url
+        yield url, gateway.url

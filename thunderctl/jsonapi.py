@@ -87,16 +87,19 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
 
 
 def nesting_depth(value: Any) -> int:
-    """How deep arrays and objects nest (a scalar is 0); iterative, so any input is safe."""
-    deepest, pending = 0, [(value, 1)]
-    while pending:
-        item, depth = pending.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
-        if children is None:
-            continue
-        deepest = max(deepest, depth)
-        pending.extend((child, depth + 1) for child in children)
-    return deepest
+    """How deep arrays and objects nest (a scalar is 0); iterative, so any input is safe. Level by
+    level, containers only: every request's body goes through it, and most of a chat's values
+    are strings."""
+    depth, level = 0, [value] if isinstance(value, dict | list) else []
+    while level:
+        depth += 1
+        level = [
+            child
+            for item in level
+            for child in (item.values() if isinstance(item, dict) else item)
+            if isinstance(child, dict | list)
+        ]
+    return depth
 
 
 async def read_json_object(request: Request, limits: BodyLimits = BodyLimits()) -> dict:

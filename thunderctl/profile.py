@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from thunderctl.gateway.auth import API_KEY_ENV, GatewayAuth, exposure_problem
 from thunderctl.gateway.identity import IdentityConfig
 from thunderctl.gateway.server import AGENT_BACKLOG
+from thunderctl.gateway.transport import RelayConfig
 from thunderctl.jsonapi import DEFAULT_MAX_BODY_BYTES
 from thunderctl.sandbox.config import SandboxConfig
 from thunderctl.scheduler import SchedulerConfig
@@ -137,9 +138,9 @@ class NodeSpec(Strict):
         return self
 
 
-class GatewaySpec(IdentityConfig, Strict):
+class GatewaySpec(IdentityConfig, RelayConfig, Strict):
     """The gateway's address and bounds; derive_programs and remembered_conversations are
-    IdentityConfig's."""
+    IdentityConfig's, stream_interval_ms RelayConfig's."""
 
     host: str = "127.0.0.1"
     port: int = Field(8300, ge=1, le=65535)
@@ -158,6 +159,9 @@ class GatewaySpec(IdentityConfig, Strict):
 
     def identity(self) -> IdentityConfig:
         return IdentityConfig.model_validate(self.model_dump(include=set(IdentityConfig.model_fields)))
+
+    def relay(self) -> RelayConfig:
+        return RelayConfig.model_validate(self.model_dump(include=set(RelayConfig.model_fields)))
 
     def auth(self, environ: Mapping[str, str] = os.environ) -> GatewayAuth:
         """The key clients must send: the profile's, else the environment's."""

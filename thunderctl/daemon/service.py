@@ -69,7 +69,7 @@ class Daemon:
         self.gateway = Gateway(
             links, self.profile.scheduler, worker_key=self.worker_key,
             resumed_priority=resume_priority(self.profile.engine.args),
-            identity=self.profile.gateway.identity(),
+            identity=self.profile.gateway.identity(), relay=self.profile.gateway.relay(),
         )  # fmt: skip
         self.auth = self.profile.gateway.auth()
         self.weights = WeightSync(self.gateway, self.profile.admin)

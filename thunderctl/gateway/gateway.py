@@ -31,7 +31,7 @@ from thunderctl.gateway.requests import PromptShape, TokenEstimator
 from thunderctl.gateway.sse import StreamRelay
 from thunderctl.gateway.stalls import StallWatch, UnansweredRequests, WorkerStalled
 from thunderctl.gateway.timings import GatewayTimings, watch_loop_lag
-from thunderctl.gateway.transport import AiohttpTransport
+from thunderctl.gateway.transport import AiohttpTransport, RelayConfig
 from thunderctl.jsonapi import bearer_headers
 from thunderctl.scheduler import EventKind, ProgramEvent, Scheduler, SchedulerConfig
 from thunderctl.scheduler.front import (
@@ -97,6 +97,7 @@ class Gateway:
         transport: httpx.AsyncBaseTransport | None = None,  # the workers' HTTP; tests pass a fake
         connect_timeout_s: float = WORKER_CONNECT_TIMEOUT_S,
         identity: IdentityConfig | None = None,
+        relay: RelayConfig | None = None,
     ) -> None:
         if not links:
             raise ValueError("the gateway needs at least one backend")
@@ -120,11 +121,14 @@ class Gateway:
         self.admitting.set()
         self._tasks: list[asyncio.Task[None]] = []
         self.client_disconnects = 0  # clients gone before their request's body had arrived
+        # Each worker's endpoints parsed once: httpx parses a URL given as text on every request.
+        self._endpoints: dict[tuple[str, str], httpx.URL] = {}
         # Every call to a worker (relay, health, metrics) carries the cluster's worker key.
+        stream_interval_s = (relay or RelayConfig()).stream_interval_ms / 1000
         self._client = httpx.AsyncClient(
             headers=bearer_headers(worker_key),
             timeout=httpx.Timeout(None, connect=connect_timeout_s),
-            transport=transport or AiohttpTransport(keepalive_s=WORKER_KEEPALIVE_S),
+            transport=transport or AiohttpTransport(WORKER_KEEPALIVE_S, stream_interval_s),
         )
 
     # ---- life -----------------------------------------------------------------------------
@@ -358,7 +362,7 @@ class Gateway:
                     response = await self._client.send(
                         self._client.build_request(
                             "POST",
-                            f"{link.url}{path}",
+                            self._endpoint(link, path),
                             content=payload,
                             headers={"content-type": "application/json"},
                         ),
@@ -416,6 +420,12 @@ class Gateway:
             await response.aclose()
             relay.settle()
             self._finish(link, program_id, shape, relay.usage, answer.tool, answer.ttft_s)
+
+    def _endpoint(self, link: WorkerLink, path: str) -> httpx.URL:
+        url = self._endpoints.get((link.url, path))
+        if url is None:
+            url = self._endpoints[link.url, path] = httpx.URL(f"{link.url}{path}")
+        return url
 
     def _fail_over(self, link: WorkerLink, program_id: str | None, exc: Exception) -> bool:
         """Take a worker that refused a connection out of scheduling (a stalled one is out already);

@@ -18,9 +18,15 @@ class ServeProcess(ChildServer):
     what = "gateway"
 
     def __init__(
-        self, workers: Sequence[str], options: Sequence[str], log_path: Path, api_key: str | None = None
+        self,
+        workers: Sequence[str],
+        options: Sequence[str],
+        log_path: Path,
+        api_key: str | None = None,
+        pythonpath: Path | None = None,
     ) -> None:
-        """`api_key` defaults to $THUNDERCTL_API_KEY, which the gateway would read anyway."""
+        """`api_key` defaults to $THUNDERCTL_API_KEY, which the gateway would read anyway; `pythonpath`:
+        the checkout whose thunderctl runs (default: the caller's)."""
         self.api_key = api_key or env_api_key()
 
         def command(port: int) -> list[str]:
@@ -31,6 +37,8 @@ class ServeProcess(ChildServer):
 
         # The key goes in the environment, out of the command line that `ps` shows.
         env = {**os.environ, API_KEY_ENV: self.api_key} if self.api_key else dict(os.environ)
+        if pythonpath is not None:
+            env["PYTHONPATH"] = str(pythonpath)
         super().__init__(command, log_path, env)
 
     @property
