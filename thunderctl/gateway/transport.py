@@ -35,11 +35,11 @@ class RelayConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     stream_interval_ms: float = Field(
-        50.0,
+        0.0,
         ge=0,
         description="a streamed answer whose events come faster than this is read from the worker, and "
         "written to the client, at most once per this many ms, all its events since at once (0: every "
-        "event as it comes); an answer's end reaches the client up to this much later",
+        "event as it comes, the default: no gain measured yet); an answer's end reaches the client up to this much later",
     )
 
 
