@@ -190,9 +190,9 @@ class Engine:
         """When the API server, given `request` at `now`, hands it to the engine."""
         return self._frontend_work(now, self.frontend.before_engine_s(request.prompt_tokens))
 
-    def frontend_out_s(self, request: Request, now: float) -> float:
-        """When the client has the whole answer of `request`, which the engine finished at `now`:
-        once the API server has framed every token emitted so far, its last one included."""
+    def frontend_out_s(self, now: float) -> float:
+        """When the client has the whole answer of a request the engine finished at `now`: once
+        the API server has framed every token emitted so far, its last one included."""
         return max(now, self._frontend_free_s)
 
     def _frontend_work(self, now: float, seconds: float) -> float:

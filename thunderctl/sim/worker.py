@@ -36,7 +36,7 @@ class SimWorker:
             self._begin()
 
     def _answer(self, request: Request, answered: Callable[[Request], None]) -> None:
-        request.finished_s = self.engine.frontend_out_s(request, self.clock.now)
+        request.finished_s = self.engine.frontend_out_s(self.clock.now)
         self.clock.at(request.finished_s, lambda: answered(request))
 
     def _begin(self) -> None:

@@ -140,7 +140,7 @@ class RealTimeEngine:
         self._streaming.discard(generation)
         loop = asyncio.get_running_loop()
         now = loop.time()
-        delay = self.engine.frontend_out_s(generation.request, now) - now
+        delay = self.engine.frontend_out_s(now) - now
         if delay > 0:
             loop.call_later(delay, generation.finish)
         else:
