@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import math
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from thunderctl.scheduler.config import SchedulerConfig
@@ -50,17 +51,29 @@ class EndingLaw:
         gaps = [samples.quantile(self.quantile) for samples in self._evidence(program, tool_times, tool_times.tail)]
         return max(self.floor_s, self.margin * max(gaps) if gaps else self.unlearnt_s)
 
-    def likely_ended(self, program: Program, tool_times: ToolTimes, return_chance: float, now: float) -> bool:
-        """Silent so long that it has more likely ended than not (False before any evidence)."""
-        if not silent(program):
-            return False
-        evidence = list(self._evidence(program, tool_times, tool_times.cluster))
-        if not evidence:
-            return False
+    def likely_ended(self, tool_times: ToolTimes, return_chance: float, now: float) -> Callable[[Program], bool]:
+        """A test of whether a program is silent so long that it has more likely ended than not
+        (False before any evidence), made once per pass over the programs.
+
+        Every gap lands in the cluster's samples, so the cluster's threshold bounds every
+        program's from below and no key has evidence before the cluster has: it is read once,
+        and the many programs heard from more recently are passed over at the cost of a subtraction.
+        """
+        cluster = tool_times.cluster
+        if len(cluster) < self.min_samples:
+            return lambda program: False
         share = 1.0 - (1.0 - return_chance) / return_chance
-        if share <= 0:
-            return True  # answers are more often the last than continued
-        return now - program.last_activity > max(samples.quantile(share) for samples in evidence)
+        # share <= 0: answers are more often the last than continued, so silence alone decides.
+        floor = cluster.quantile(share) if share > 0 else -math.inf
+
+        def test(program: Program) -> bool:
+            silence = now - program.last_activity
+            if silence <= floor or not silent(program):
+                return False
+            evidence = self._evidence(program, tool_times, cluster)
+            return share <= 0 or silence > max(samples.quantile(share) for samples in evidence)
+
+        return test
 
     def _evidence(self, program: Program, tool_times: ToolTimes, cluster: GapSamples) -> Iterator[GapSamples]:
         keys = [cluster, tool_times.by_program.get(program.id)]

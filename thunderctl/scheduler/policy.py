@@ -277,18 +277,19 @@ class Scheduler:
             self._terminate(program, EventKind.EXPIRED)
             self.counters.expired += 1
 
-    def _likely_ended(self, program: Program) -> bool:
+    def _likely_ended(self) -> Callable[[Program], bool]:
         law = self.retention
-        return self.ending.likely_ended(program, law.tool_times, law.returns.chance, self.clock())
+        return self.ending.likely_ended(law.tool_times, law.returns.chance, self.clock())
 
     def _pause_likely_ended(self) -> None:
         """While requests wait, an ACTING program that has likely ended gives up its room (its KV
         stays in the engine's cache until evicted, should it return)."""
         if not self._waiting:
             return
+        likely_ended = self._likely_ended()
         for worker in self.workers.values():
             for program in [self.programs[i] for i in worker.programs]:
-                if program.phase is Phase.ACTING and self._likely_ended(program):
+                if program.phase is Phase.ACTING and likely_ended(program):
                     self._pause(program)
                     self.counters.ended_pauses += 1
 
@@ -311,7 +312,8 @@ class Scheduler:
         if not any(not b.programs or self._headroom(b, physical[b.id]) > buffer for b in targets):
             return  # a full cluster: no need to sort thousands of paused programs
         # One that has likely ended is not coming back: no room is reserved for it.
-        idle = [p for p in self.resume_queue() if p.waiting_since is None and not self._likely_ended(p)]
+        likely_ended = self._likely_ended()
+        idle = [p for p in self.resume_queue() if p.waiting_since is None and not likely_ended(p)]
         self._place_all(admit_in_order(idle, targets, physical, self.config), targets, physical)
 
     def _resume_waiting_programs(self, targets: list[Worker], force_overdue: bool) -> None:

@@ -109,18 +109,13 @@ class ToolTimes:
         self.by_program.pop(program_id, None)
 
     def remaining(self, program_id: str, tool: str | None, elapsed_s: float) -> float:
-        for samples in self._evidence(program_id, tool):
-            estimate = samples.remaining(elapsed_s, self.min_samples)
+        # Asked of every held program in a tick that prices retention: a tuple, not a generator.
+        by_tool = self.by_tool.get(tool) if tool is not None else None
+        for samples in (by_tool, self.by_program.get(program_id), self.cluster):
+            estimate = samples.remaining(elapsed_s, self.min_samples) if samples is not None else None
             if estimate is not None:
                 return estimate
         return elapsed_s
-
-    def _evidence(self, program_id: str, tool: str | None) -> Iterable[GapSamples]:
-        if tool is not None and tool in self.by_tool:
-            yield self.by_tool[tool]
-        if program_id in self.by_program:
-            yield self.by_program[program_id]
-        yield self.cluster
 
 
 @dataclass
@@ -240,12 +235,24 @@ class RetentionLaw:
         return self.transfer_tokens_per_s if worker.host_capacity else self.prefill.tokens_per_s
 
     def drops(self, held: Iterable[tuple[Program, Worker]], demand_tokens: float, now: float) -> list[str]:
-        """Of the ACTING programs held (each with its worker, which has a capacity), those to pause."""
-        holdings = [
-            Holding(p.id, p.private_tokens, self.expected_tool_s(p, now), b.kv_capacity, self.return_tokens_per_s(b))
-            for p, b in held
-        ]
-        return priced_drops(holdings, demand_tokens, self.returns.chance, self.price_scale)
+        """Of the ACTING programs held (each with its worker, which has a capacity), those to pause.
+
+        A tick asks this of thousands of programs of which few, often none, cost more to keep:
+        the keep price is at most `price_scale · remaining_s / capacity` a token, and the drop
+        price `chance / rate` a token, so a program whose expected tool time is under their
+        break-even is kept at any demand and is not priced (nor sorted) at all.
+        """
+        chance = self.returns.chance
+        holdings = []
+        for program, worker in held:
+            remaining_s, capacity, rate = (
+                self.expected_tool_s(program, now),
+                worker.kv_capacity,
+                self.return_tokens_per_s(worker),
+            )
+            if self.price_scale * remaining_s * rate > chance * capacity:
+                holdings.append(Holding(program.id, program.private_tokens, remaining_s, capacity, rate))
+        return priced_drops(holdings, demand_tokens, chance, self.price_scale)
 
     def pays(self, workers: Iterable[Worker]) -> bool:
         """Whether a typical tool call, at the full price of KV, costs less held than dropped on
