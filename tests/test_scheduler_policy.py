@@ -335,6 +335,22 @@ def test_a_paused_program_silent_past_its_gap_is_not_resumed_into_room_others_ne
     assert sched.on_request("live", 500) == "a"
 
 
+def test_a_slow_tool_keeps_its_room_past_the_clusters_gaps_until_its_own_while_others_wait() -> None:
+    sched, clock, _ = make(retention=False, tool_time_window=64, end_gap_window=64)
+    teach_gaps(sched, clock, [60.0] * 8, "pytest")
+    teach_gaps(sched, clock, [2.0] * 64, "ls")  # the cluster's window has forgotten pytest's gaps
+    sched.on_request("slow", 300)
+    sched.on_response("slow", 300, 0, "pytest")
+    clock.now += 20  # silent ten times the cluster's gaps, a third of its own tool's
+    assert sched.on_request("hog", 800) is None
+    sched.tick()
+    assert sched.programs["slow"].status is Status.ACTIVE
+    clock.now += 41  # past every gap its tool was seen to take: more likely ended than not
+    sched.tick()
+    assert sched.programs["slow"].status is Status.PAUSED
+    assert sched.programs["hog"].status is Status.ACTIVE
+
+
 def test_release_is_idempotent_and_frees_the_reservation() -> None:
     sched, _, events = make()
     run_step(sched, "p", 400)
