@@ -11,9 +11,10 @@ import pytest
 from typer.testing import CliRunner
 
 from thunderctl.bench.cli import bench_app
-from thunderctl.bench.closed_loop import GROUP_HEADER, ClosedLoop, LoadSpec, Target
+from thunderctl.bench.closed_loop import ClosedLoop, LoadSpec, Target
 from thunderctl.bench.recorded import recorded_swe_lite
 from thunderctl.bench.rollout import RolloutBatch
+from thunderctl.gateway.requests import GROUP_HEADER
 
 TASKS, SAMPLES = 3, 4
 
