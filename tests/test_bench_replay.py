@@ -83,6 +83,12 @@ def test_the_direct_arm_needs_the_engines(free_port: int) -> None:
     assert run.exit_code == 1 and "--engine" in run.output
 
 
+def test_an_endpoint_without_its_scheme_is_refused_saying_how_to_give_it() -> None:
+    run = CliRunner().invoke(bench_app, ["swe-lite", "--endpoint", "gpu-gw:8300/v1"])
+    assert run.exit_code == 1
+    assert "--endpoint" in run.output and "not an http(s) URL" in run.output
+
+
 def test_a_warmup_longer_than_a_slice_is_refused() -> None:
     run = CliRunner().invoke(bench_app, ["swe-lite", "--duration", "20", "--compare", "--warmup", "15"])
     assert run.exit_code == 1 and "--warmup" in run.output

@@ -11,9 +11,12 @@ import pytest
 from typer.testing import CliRunner
 
 from thunderctl.bench.cli import bench_app
-from thunderctl.bench.closed_loop import GROUP_HEADER, ClosedLoop, LoadSpec, Target
+from thunderctl.bench.closed_loop import ClosedLoop, LoadSpec, Target
 from thunderctl.bench.recorded import recorded_swe_lite
+from thunderctl.bench.replay import TraceWorkload
 from thunderctl.bench.rollout import RolloutBatch
+from thunderctl.gateway.requests import GROUP_HEADER
+from thunderctl.sim.rollout import SampledWorkload
 
 TASKS, SAMPLES = 3, 4
 
@@ -37,6 +40,14 @@ def test_a_batch_is_the_same_for_the_same_seed_and_another_for_another() -> None
     workload = batch()
     assert workload.program(seed=3, index=5) == workload.program(seed=3, index=5)
     assert workload.program(seed=3, index=5) != workload.program(seed=4, index=5)
+
+
+def test_the_simulator_draws_the_same_batch_for_the_same_seed() -> None:
+    workload = batch()
+    simulated = SampledWorkload(TraceWorkload(0.25, programs=tuple(recorded_swe_lite())), SAMPLES)
+    for index in range(TASKS * SAMPLES):
+        measured = [(s.prompt_tokens, s.completion_tokens, s.tool_s) for s in workload.program(2, index).steps]
+        assert measured == [(s.prompt_tokens, s.completion_tokens, s.tool_s) for s in simulated.program(2, index).steps]
 
 
 def test_max_steps_cuts_the_tasks_and_the_samples_vary_around_the_cut() -> None:

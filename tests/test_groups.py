@@ -21,7 +21,7 @@ from thunderctl.gateway.identity import ConversationIndex
 from thunderctl.gateway.requests import BadRequest, pop_group_id
 from thunderctl.scheduler import Scheduler, SchedulerConfig, Status
 from thunderctl.sim.clock import VirtualClock
-from thunderctl.sim.rollout import Rollout, sample_of
+from thunderctl.sim.rollout import GroupFigures, Rollout, sample_of
 from thunderctl.status_screen import status_renderable
 
 HEAD_START_S = 300.0
@@ -207,6 +207,15 @@ def test_a_rollout_is_tasks_x_samples_and_says_how_to_write_it() -> None:
     assert Rollout.parse("32x8").programs == 256
     with pytest.raises(ValueError, match="TASKSxSAMPLES, e.g. 32x8"):
         Rollout.parse("32 by 8")
+
+
+def test_the_median_group_counts_the_groups_that_never_ended_as_last() -> None:
+    # 4 groups of 2: groups 0 and 1 ended at 10 s and 20 s, group 2 has a sample left, no sample of group 3 ended.
+    ended = [(0, 5.0), (1, 10.0), (2, 20.0), (3, 15.0), (4, 30.0)]
+    figures = GroupFigures.of(ended, Rollout(4, 2))
+    assert (figures.done, figures.median_s, figures.last_s) == (2, None, None)
+    figures = GroupFigures.of([*ended, (5, 40.0)], Rollout(4, 2))
+    assert (figures.done, figures.median_s, figures.last_s) == (3, 30.0, None)  # between the 2nd and the 3rd to end
 
 
 def test_bench_simulate_rollout_ends_the_batch_in_every_arm(tmp_path: Path) -> None:

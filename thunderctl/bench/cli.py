@@ -24,10 +24,10 @@ from thunderctl.bench.endpoints import (
     EngineOption,
     RoutingOption,
     TargetArm,
-    base_url,
     build_arms,
     check_served,
     find_endpoints,
+    given_endpoints,
 )
 from thunderctl.bench.importers import import_runs
 from thunderctl.bench.replay import run_arms
@@ -46,7 +46,7 @@ from thunderctl.bench.swe_lite import (
     TOOL_SECONDS,
 )
 from thunderctl.bench.workloads import WorkloadChoice
-from thunderctl.integrations.cluster import ClusterClient, Endpoints
+from thunderctl.integrations.cluster import ClusterClient
 from thunderctl.sim.agents import Client
 from thunderctl.terminal import fail
 from thunderctl.traceformat import TraceFormatError, write_trace
@@ -174,7 +174,7 @@ def swe_lite(
         duration = 120.0
     if duration is not None and warmup >= duration / rounds:
         raise fail(f"--warmup {warmup:g} s leaves nothing of a {duration / rounds:g} s slice")
-    given = Endpoints(base_url(endpoint), engine or [], api_key, engine_api_key) if endpoint else None
+    given = given_endpoints(endpoint, engine, api_key, engine_api_key)
     endpoints, info = find_endpoints(cluster, given, TargetArm.DIRECT in arms)
     max_context = int(info.max_model_len * CONTEXT_HEADROOM) if info.max_model_len else None
     try:

@@ -43,14 +43,13 @@ from thunderctl.bench.results import (
 from thunderctl.bench.sandboxes import SandboxTools
 from thunderctl.bench.shapes import AgentShape, Workload
 from thunderctl.engines.vllm import EngineMetrics, fetch_metrics
+from thunderctl.gateway.requests import GROUP_HEADER
 from thunderctl.jsonapi import bearer_headers
 from thunderctl.sim.agents import Client, aged_start_fraction
 
 # Used when the engine cannot tokenize for us; real tokenizers give ~1.0-1.3 on these words.
 DEFAULT_TOKENS_PER_WORD = 1.0
 CALIBRATION_WORDS = 400
-# Where a request names its GRPO group for the gateway (which also takes `group_id` in the body).
-GROUP_HEADER = "X-Group-Id"
 T = TypeVar("T")
 
 

@@ -14,7 +14,7 @@ from thunderctl.bench.replay import Arm, ArmOutcome
 from thunderctl.cluster.state import ClusterNotFound
 from thunderctl.engines.vllm import API_KEY_ENV as ENGINE_KEY_ENV
 from thunderctl.gateway.auth import API_KEY_ENV
-from thunderctl.integrations.cluster import Endpoints, cluster_endpoints
+from thunderctl.integrations.cluster import Endpoints, cluster_endpoints, gateway_url
 from thunderctl.jsonapi import bearer_headers
 from thunderctl.profile import ProfileError
 from thunderctl.terminal import fail
@@ -56,8 +56,16 @@ class EndpointInfo:
     thunderctl: bool  # answers GET /programs: program ids, releases and counters apply
 
 
-def base_url(url: str) -> str:
-    return url.rstrip("/").removesuffix("/v1")
+def given_endpoints(
+    endpoint: str | None, engines: list[str] | None, api_key: str | None, engine_key: str | None
+) -> Endpoints | None:
+    """The --endpoint (and its --engine servers) the user gave, or None: the running cluster's."""
+    if endpoint is None:
+        return None
+    try:
+        return Endpoints(gateway_url(endpoint), engines or [], api_key, engine_key)
+    except ValueError as exc:
+        raise fail(f"--endpoint: {exc}") from exc
 
 
 def probe(endpoint: str, api_key: str | None) -> EndpointInfo:

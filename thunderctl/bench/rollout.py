@@ -3,31 +3,24 @@
 In RL a training step waits for its batch's last program, so what counts is when the batch ends,
 not steps per minute. A batch's programs are the samples of its tasks: the samples of one task
 share its first prompt, then each goes its own way (its own answers, tool times and step count,
-drawn from a seed around the task's recorded run). `bench rollout` runs batches through the
-cluster and straight to the engines with the closed-loop driver (closed_loop.py), every program
-of a batch in a slot of its own; this module is the batch (a workload) and its figures.
+drawn from a seed around the task's recorded run by sim/rollout.py, as the simulator's batch is).
+`bench rollout` runs batches through the cluster and straight to the engines with the
+closed-loop driver (closed_loop.py), every program of a batch in a slot of its own; this module
+is the batch (a workload) and its figures.
 """
 
 from __future__ import annotations
 
-import random
 import statistics
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from itertools import pairwise
 from typing import Any
 
 from thunderctl.bench.replay import ArmOutcome, TraceWorkload
 from thunderctl.bench.results import LoadResult
+from thunderctl.sim.rollout import GroupFigures, Rollout, sample_in_batch
 from thunderctl.traceformat import TraceProgram, TraceStep
-
-# How far a sample strays from its task's recorded run: each quantity is multiplied by a lognormal
-# factor of median 1 and this log-space sigma. Samples of one task at a temperature answer at
-# lengths that differ by about half, and end after a number of steps that differs by a third.
-STEPS_SIGMA = 0.3
-ANSWER_SIGMA = 0.5
-TOOL_SIGMA = 0.5
 
 
 def cut(program: TraceProgram, max_steps: int | None) -> TraceProgram:
@@ -37,27 +30,6 @@ def cut(program: TraceProgram, max_steps: int | None) -> TraceProgram:
     kept = list(program.steps[:max_steps])
     kept[-1] = kept[-1].model_copy(update={"tool_s": 0.0})
     return program.model_copy(update={"steps": tuple(kept)})
-
-
-def sample_of(task: TraceProgram, rng: random.Random, sample_id: str) -> TraceProgram:
-    """One sample of `task`: the same first prompt, then answers, tool times and a step count of
-    its own. Step k follows the recorded step at the same share of the run, so a sample that runs
-    longer stretches the task's run and one that ends sooner skips through it; what each step adds
-    besides its answer (the observation) is the recorded step's."""
-    base = task.steps
-    n_steps = max(1, round(len(base) * rng.lognormvariate(0.0, STEPS_SIGMA)))
-    observations = [max(1, b.prompt_tokens - a.prompt_tokens - a.completion_tokens) for a, b in pairwise(base)] or [1]
-    tools = [step.tool_s for step in base[:-1]] or [0.0]
-    prompt = base[0].prompt_tokens
-    steps = []
-    for k in range(n_steps):
-        at = k * len(base) // n_steps
-        completion = max(1, round(base[at].completion_tokens * rng.lognormvariate(0.0, ANSWER_SIGMA)))
-        last = k == n_steps - 1
-        tool_s = 0.0 if last else tools[min(at, len(tools) - 1)] * rng.lognormvariate(0.0, TOOL_SIGMA)
-        steps.append(TraceStep(prompt_tokens=prompt, completion_tokens=completion, tool_s=tool_s))
-        prompt += completion + observations[min(at, len(observations) - 1)]
-    return task.model_copy(update={"id": sample_id, "steps": tuple(steps)})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,10 +50,10 @@ class RolloutBatch(TraceWorkload):
             raise ValueError(f"max_steps must be at least 1, got {self.max_steps}")
 
     def program(self, seed: int, index: int) -> TraceProgram:
-        task, sample = divmod(index, self.samples)
-        recorded = cut(super().program(seed, task), self.max_steps)
-        rng = random.Random(f"rollout/{seed}/{task}/{sample}")
-        return sample_of(recorded, rng, f"{recorded.id}-s{sample}")
+        recorded = cut(super().program(seed, index // self.samples), self.max_steps)
+        drawn = sample_in_batch(recorded, seed, index, self.samples)
+        steps = tuple(TraceStep(**asdict(step)) for step in drawn.steps)
+        return recorded.model_copy(update={"id": f"{recorded.id}-s{index % self.samples}", "steps": steps})
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "samples": self.samples, "max_steps": self.max_steps}
@@ -102,7 +74,8 @@ class BatchFigures:
     # The last program's last answer: what the training step waits for. None when a program of
     # the batch did not complete (a request failed), as the simulator reports it.
     makespan_s: float | None
-    median_group_s: float | None  # when the median group's last sample answered (completed groups only)
+    # When the median group's last sample answered, over all the batch's groups (GroupFigures).
+    median_group_s: float | None
     last_group_s: float | None  # the last group's; None unless every group completed
     programs_per_min: float | None  # completed programs per minute of the batch's time
     hit_rate: float | None  # prefix-cache hits ÷ queries on the engines over the batch
@@ -115,10 +88,8 @@ class BatchFigures:
 def batch_figures(arm: str, batch: int, result: LoadResult, programs: int, samples: int) -> BatchFigures:
     """The batch's figures from one closed-loop run of its `programs` (tasks × `samples`)."""
     index_of = {record.program_id: record.program_index for record in result.records}
-    ends: dict[int, list[float]] = {}
-    for run in result.program_runs:
-        ends.setdefault(index_of[run.program_id] // samples, []).append(run.end_s)
-    groups = [max(finished) for finished in ends.values() if len(finished) == samples]
+    finished = ((index_of[run.program_id], run.end_s) for run in result.program_runs)
+    groups = GroupFigures.of(finished, Rollout(programs // samples, samples))
     complete = result.programs_completed == programs
     last_answer = max((record.end_s for record in result.records), default=0.0)
     return BatchFigures(
@@ -128,8 +99,8 @@ def batch_figures(arm: str, batch: int, result: LoadResult, programs: int, sampl
         programs_completed=result.programs_completed,
         last_answer_s=last_answer,
         makespan_s=last_answer if complete else None,
-        median_group_s=statistics.median(groups) if groups else None,
-        last_group_s=max(groups) if complete and groups else None,
+        median_group_s=groups.median_s,
+        last_group_s=groups.last_s,
         programs_per_min=60.0 * result.programs_completed / last_answer if last_answer > 0 else None,
         hit_rate=result.engines.hit_rate,
         failed_requests=result.steps_failed,

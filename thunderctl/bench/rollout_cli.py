@@ -26,10 +26,10 @@ from thunderctl.bench.endpoints import (
     EngineOption,
     RoutingOption,
     TargetArm,
-    base_url,
     build_arms,
     check_served,
     find_endpoints,
+    given_endpoints,
 )
 from thunderctl.bench.recorded import RECORDED_SWE_LITE_SOURCE, recorded_swe_lite
 from thunderctl.bench.replay import run_arms
@@ -37,7 +37,6 @@ from thunderctl.bench.report import LiveProgress, fmt
 from thunderctl.bench.results import LoadResult
 from thunderctl.bench.rollout import RolloutBatch, batch_figures, rollout_report
 from thunderctl.bench.swe_lite import SHARED_PREFIX_TOKENS
-from thunderctl.integrations.cluster import Endpoints
 from thunderctl.terminal import fail
 from thunderctl.traceformat import TraceFormatError, read_trace
 
@@ -192,7 +191,7 @@ def rollout(
     # With --json, stdout holds the report alone.
     console = Console(stderr=json_output, width=None if sys.stdout.isatty() else 140)
     arms = [only] if only else [TargetArm.CLUSTER, TargetArm.DIRECT]
-    given = Endpoints(base_url(endpoint), engine or [], api_key, engine_api_key) if endpoint else None
+    given = given_endpoints(endpoint, engine, api_key, engine_api_key)
     try:
         tasks_source = (read_trace(trace), str(trace)) if trace else (recorded_swe_lite(), RECORDED_SWE_LITE_SOURCE)
     except (OSError, TraceFormatError) as exc:

@@ -1,10 +1,13 @@
-"""An RL rollout batch in virtual time: N tasks × G samples (a GRPO group per task), all started at 0.
+"""An RL rollout batch: N tasks × G samples (a GRPO group per task), all started at 0, and its figures.
 
-The samples of one task are the task's program with their own answers: the same first prompt
-(the task), then per sample, drawn from a generator seeded by (seed, program index), a step count,
-answer lengths, new input per step and tool times around the task's own. A training step waits for
-the batch's last program, so the figures are the batch's: its makespan, and when the median group
-and the last group finished (a group finishes with its last sample).
+The one definition of a batch's samples and of its group figures: the simulator's batch
+(`bench simulate --rollout`, in virtual time) and `bench rollout`'s (on real engines) both draw
+their samples and count their groups here, so that the same seed gives the same batch in both and
+their figures mean the same. The samples of one task share its first prompt (the task), then
+each, drawn from a generator seeded by (seed, task, sample), has its own step count, answer
+lengths and tool times around the task's. A training step waits for the batch's last program, so
+the figures are the batch's: its makespan, and when the median group and the last group finished
+(a group finishes with its last sample).
 """
 
 from __future__ import annotations
@@ -13,17 +16,18 @@ import math
 import random
 import re
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 from thunderctl.sim.agents import AgentProgram, ProgramRun, Workload
 
-# Log-space sigmas of a sample's variation around its task: a sample's step count, each answer's
-# length, each step's new input and each tool time is the task's times e^N(0, sigma).
+# How far a sample strays from its task's run: each quantity is multiplied by a lognormal factor
+# of median 1 and this log-space sigma. Samples of one task at a temperature answer at lengths
+# that differ by about half, and end after a number of steps that differs by a third.
 STEPS_SIGMA = 0.3
-ANSWER_SIGMA = 0.3
-INPUT_SIGMA = 0.3
+ANSWER_SIGMA = 0.5
 TOOL_SIGMA = 0.5
 
 
@@ -66,27 +70,31 @@ class SampleProgram:
     env_prep_s: float | None = None
 
 
-def _factor(rng: random.Random, sigma: float) -> float:
-    return math.exp(rng.gauss(0.0, sigma))
-
-
 def sample_of(task: AgentProgram, rng: random.Random) -> SampleProgram:
-    """One sample of a task: its first prompt, then steps shaped like the task's, drawn from `rng`.
-    Past the task's own step count a step is shaped like a random one of the task's."""
-    steps = list(task.steps)
-    count = max(1, round(len(steps) * _factor(rng, STEPS_SIGMA)))
-    # What each of the task's steps adds to the next prompt besides its answer (an observation).
-    inputs = [max(1, b.prompt_tokens - a.prompt_tokens - a.completion_tokens) for a, b in zip(steps, steps[1:])]
-    prompt, drawn = steps[0].prompt_tokens, []
-    for k in range(count):
-        shape = steps[k] if k < len(steps) else rng.choice(steps)
-        answer = max(1, round(shape.completion_tokens * _factor(rng, ANSWER_SIGMA)))
-        last = k == count - 1
-        tool_s = 0.0 if last else max(shape.tool_s, 0.01) * _factor(rng, TOOL_SIGMA)
-        drawn.append(SampleStep(prompt, answer, tool_s))
-        grown = inputs[k] if k < len(inputs) else rng.choice(inputs or [1])
-        prompt += answer + max(1, round(grown * _factor(rng, INPUT_SIGMA)))
-    return SampleProgram(tuple(drawn), task.env_prep_s)
+    """One sample of `task`: the same first prompt, then answers, tool times and a step count of
+    its own. Step k follows the task's step at the same share of the run, so a sample that runs
+    longer stretches the task's run and one that ends sooner skips through it, each ending as the
+    task ends; what each step adds besides its answer (the observation) is the task's step's."""
+    base = list(task.steps)
+    n_steps = max(1, round(len(base) * rng.lognormvariate(0.0, STEPS_SIGMA)))
+    observations = [max(1, b.prompt_tokens - a.prompt_tokens - a.completion_tokens) for a, b in pairwise(base)] or [1]
+    tools = [step.tool_s for step in base[:-1]] or [0.0]
+    prompt, steps = base[0].prompt_tokens, []
+    for k in range(n_steps):
+        at = k * len(base) // n_steps
+        completion = max(1, round(base[at].completion_tokens * rng.lognormvariate(0.0, ANSWER_SIGMA)))
+        last = k == n_steps - 1
+        tool_s = 0.0 if last else tools[min(at, len(tools) - 1)] * rng.lognormvariate(0.0, TOOL_SIGMA)
+        steps.append(SampleStep(prompt, completion, tool_s))
+        prompt += completion + observations[min(at, len(observations) - 1)]
+    return SampleProgram(tuple(steps), task.env_prep_s)
+
+
+def sample_in_batch(task: AgentProgram, seed: int, index: int, samples: int) -> SampleProgram:
+    """Program `index` of a batch of `samples` samples per task: sample `index % samples` of its
+    task, drawn from a generator of its own, so that every run of the batch draws the same."""
+    group, sample = divmod(index, samples)
+    return sample_of(task, random.Random(f"rollout/{seed}/{group}/{sample}"))
 
 
 @dataclass(frozen=True)
@@ -106,29 +114,46 @@ class SampledWorkload:
         return self.tasks.max_context_tokens
 
     def program(self, seed: int, index: int) -> SampleProgram:
-        task = self.tasks.program(seed, index // self.samples)
-        return sample_of(task, random.Random(f"rollout/{seed}/{index}"))
+        return sample_in_batch(self.tasks.program(seed, index // self.samples), seed, index, self.samples)
 
 
-def group_finishes(completed: Sequence[ProgramRun], samples: int) -> list[float]:
-    """When each group whose samples all ended finished (its last sample's answer), earliest first."""
-    ends: dict[int, list[float]] = {}
-    for run in completed:
-        ends.setdefault(run.program_index // samples, []).append(run.done_s)
-    return sorted(max(done) for done in ends.values() if len(done) == samples)
+@dataclass(frozen=True)
+class GroupFigures:
+    """When a batch's groups finished, from its start; a group finishes with its last sample's last answer."""
+
+    median_s: float | None  # the median group's finish; None while it is unknown (half the groups or more unfinished)
+    last_s: float | None  # the last group's; None unless every group finished
+    done: int  # groups whose every sample finished
+    groups: int
+
+    @classmethod
+    def of(cls, finished: Iterable[tuple[int, float]], rollout: Rollout) -> GroupFigures:
+        """From (program index, its last answer) of each program that finished. The median is over
+        all the batch's groups, an unfinished one counted as finishing last: the median of the
+        finished ones alone would flatter a batch whose slow groups never ended."""
+        ends: dict[int, list[float]] = {}
+        for index, end_s in finished:
+            ends.setdefault(index // rollout.samples, []).append(end_s)
+        finishes = sorted(max(done) for done in ends.values() if len(done) == rollout.samples)
+        median = statistics.median([*finishes, *[math.inf] * (rollout.tasks - len(finishes))])
+        whole = len(finishes) == rollout.tasks
+        return cls(
+            median_s=None if math.isinf(median) else median,
+            last_s=finishes[-1] if whole and finishes else None,
+            done=len(finishes),
+            groups=rollout.tasks,
+        )
 
 
 def batch_figures(completed: Sequence[ProgramRun], rollout: Rollout) -> dict[str, Any]:
     """The batch's makespan (None unless every program ended), and the median and last group's finish."""
-    finishes = group_finishes(completed, rollout.samples)
-    whole = len(finishes) == rollout.tasks
-    median = statistics.median_low(finishes) if whole else None
-    last = finishes[-1] if whole else None
+    groups = GroupFigures.of(((run.program_index, run.done_s) for run in completed), rollout)
+    median, last = groups.median_s, groups.last_s
     return {
-        "makespan_s": max(run.done_s for run in completed) if whole else None,
+        "makespan_s": max(run.done_s for run in completed) if last is not None else None,
         "group_median_s": median,
         "group_last_s": last,
         "group_last_to_median": last / median if last is not None and median else None,
-        "groups_done": len(finishes),
-        "groups": rollout.tasks,
+        "groups_done": groups.done,
+        "groups": groups.groups,
     }

@@ -17,7 +17,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import uvicorn
@@ -41,7 +41,7 @@ from thunderctl.engines.simulated.runner import Generation, RealTimeEngine
 from thunderctl.engines.simulated.tokens import render_chat, token_ids
 from thunderctl.sim.cost import EngineShape, Preset
 from thunderctl.sim.engine import Engine
-from thunderctl.sim.presets import UnknownPreset, get_preset
+from thunderctl.sim.presets import UnknownPreset, get_preset, preset_names
 
 log = logging.getLogger(__name__)
 
@@ -62,16 +62,24 @@ class SimConfigError(ValueError):
     """Options the simulated engine cannot start with; the message names the option and the fix."""
 
 
+def setting(default: Any, help: str, **bounds: float) -> Any:
+    """A setting's default, its help (`engine sim`'s --help) and its bounds (`min`, checked by the command line)."""
+    return field(default=default, metadata={"help": help, "bounds": bounds})
+
+
 @dataclass(frozen=True)
 class SimEngineConfig:
-    port: int
-    host: str = "127.0.0.1"
-    preset: str = DEFAULT_PRESET
-    kv_blocks: int | None = None  # default: the preset's KV tokens in blocks of block_size
-    block_size: int | None = None
-    max_model_len: int | None = None
-    served_model_name: str = "tiny"
-    time_scale: float = 1.0
+    """Every setting of a simulated worker, declared once: `engine sim`'s options are made from these fields."""
+
+    port: int = setting(8000, "Port to listen on.")
+    host: str = setting("127.0.0.1", "Address to listen on (loopback by default).")
+    preset: str = setting(DEFAULT_PRESET, f"The worker simulated: {', '.join(preset_names())}.")
+    # None: the preset's KV tokens in blocks of block_size.
+    kv_blocks: int | None = setting(None, "KV cache blocks (default: the preset's).", min=1)
+    block_size: int | None = setting(None, "Tokens per KV block (default: the preset's).", min=1)
+    max_model_len: int | None = setting(None, "Longest prompt + answer (default: the preset's).", min=2)
+    served_model_name: str = setting("tiny", "The model name clients send.")
+    time_scale: float = setting(1.0, "Wall seconds per simulated second of engine time (0: as fast as it can).", min=0)
 
     def preset_and_shape(self) -> tuple[Preset, EngineShape]:
         try:
