@@ -147,20 +147,6 @@ def test_a_new_program_whose_prefix_worker_carries_more_than_its_share_goes_to_i
     assert sched.on_request(pid, 150, prefix_key="system", prefix_tokens=100) == other
 
 
-def test_while_nobody_waits_a_new_program_goes_to_the_worker_with_fewer_programs_not_fewer_tokens() -> None:
-    # Both workers hold the prefix and have room: a carries one program of 600 tokens, b three of
-    # 100 (fewer tokens, more requests to step). Balancing tokens sent the new one to b; the
-    # engines' work is their programs' steps, so it goes to a, although b is its hash home.
-    sched = make()
-    prefixed(sched, "a", 600)
-    sched.workers["a"].schedulable = False
-    for index in range(3):
-        assert sched.on_request(f"small{index}", 100, prefix_key="system", prefix_tokens=100) == "b"
-    sched.workers["a"].schedulable = True
-    (pid,) = homed_on("b")
-    assert sched.on_request(pid, 150, prefix_key="system", prefix_tokens=100) == "a"
-
-
 def test_a_new_program_of_another_prefix_goes_to_its_hash_home() -> None:
     sched = make()
     prefixed(sched, "a", 300)

@@ -40,8 +40,6 @@ def choose(
     conversation) has no KV anywhere but its shared prefix: it goes among its `prefix_home`s
     (workers that hold the prefix and are not overloaded: they carry no more than the workers'
     mean load), when one of them fits it, rather than to its hash home or the roomiest worker.
-    The load is the programs a worker carries while nobody else waits, its charged tokens while
-    others do (`fit`).
     """
     if rule is PlacementRule.AFFINITY and program.worker is None:
         fitting = [worker for worker in fitting if prefix_home(worker)] or fitting
@@ -91,18 +89,9 @@ def fit(
     fitting = [b for b in targets if fits(program, b, loads[b.id], config)]
     if not fitting:
         return None
-    # While nobody else waits the cache binds no one and the engines' work is their requests: a
-    # program steps at its tools' pace wherever it runs, so balance the programs (balancing tokens
-    # piles small new programs beside few large old ones: more requests per step there, and slower
-    # steps). While others wait, room is what binds: balance the charged tokens.
-    share = _programs if not contended else lambda b: loads[b.id].tokens
-    mean_share = sum(share(b) for b in targets) / len(targets)
+    mean_load = sum(loads[b.id].tokens for b in targets) / len(targets)
     return choose(
         config.placement, program, fitting, list(workers),
         headroom=lambda b: headroom(b, loads[b.id], config.resume_threshold), contended=contended,
-        prefix_home=lambda b: loads[b.id].holds(program.prefix_key) and share(b) <= mean_share,
+        prefix_home=lambda b: loads[b.id].holds(program.prefix_key) and loads[b.id].tokens <= mean_load,
     )  # fmt: skip
-
-
-def _programs(worker: Worker) -> float:
-    return len(worker.programs)
