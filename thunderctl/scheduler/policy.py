@@ -230,7 +230,8 @@ class Scheduler:
         """
         try:
             self._expire_idle()
-            self.lengths.survey(p.steps for p in self.programs.values())
+            if self.config.nearest_end_s is not None:  # else nobody asks: no sort of thousands a tick
+                self.lengths.survey(p.steps for p in self.programs.values())
             self._pause_likely_ended()
             self._resume()
             self._make_room_for_overdue()

@@ -36,8 +36,6 @@ class ProgramLengths:
 
     def survey(self, running_steps: Iterable[int]) -> None:
         """The steps of every program still running (the policy's tick); those of none yet are no evidence."""
-        if self.config.nearest_end_s is None:
-            return  # nobody asks: the sort of thousands of programs a tick is saved
         self._running = sorted(s for s in running_steps if s > 0)
         self._left = None
 
