@@ -15,29 +15,46 @@ what finding an unnamed request's program from its conversation costs.
    remembered; (b) end to end, unnamed chat requests carrying 64k-token histories sent one by one,
    interleaved, straight to the worker, through a gateway with derivation off (the baseline: served
    unscheduled) and through one with it on (each request continues its conversation's program).
+4. The gateway's CPU per streamed step (`--stream-steps N`, or `--only stream-cpu`): agents'
+   conversations at 8k- and 32k-token histories, each step a streamed chat request carrying the
+   history and the answer read before it, answered by a worker that writes one SSE chunk per
+   token a few ms apart (each its own read, as a real engine's tokens are); the gateway
+   process's CPU time (utime + stime, less its idle rate over the step's wall time) per step, for
+   named clients (a program id, released at the conversation's end) and unchanged ones (no id:
+   derived identity). One request at a time, arms interleaved step by step, so that neither the
+   machine's load nor batched reads change what a step costs; `--baseline-tree DIR` adds the
+   gateway of another checkout (the code before a change) as a second arm.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
 import os
 import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import httpx
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse
+from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
 from thunderctl.gateway.auth import env_api_key
 from thunderctl.gateway.identity import ConversationIndex
+from thunderctl.gateway.process import ServeProcess
 from thunderctl.jsonapi import bearer_headers
 from thunderctl.percentiles import percentile
 from thunderctl.processes import pick_free_port
@@ -271,18 +288,174 @@ def derivation_latency(requests: int, conversations: int = 8) -> dict[str, float
     }
 
 
+ANSWER = ["THOUGHT:", *[f" word{i}" for i in range(200)], "\n```bash\n", "ls", " -la", "\n```"]
+
+
+def streaming_backend(interval_s: float) -> Starlette:
+    """A worker that streams each answer as vLLM does, one chunk per token `interval_s` apart, so
+    that each reaches the gateway in a read of its own; the answer has `max_tokens` tokens."""
+
+    def chunk(choices: list[dict], **extra: object) -> bytes:
+        body = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                "choices": choices, **extra}  # fmt: skip
+        return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+    async def events(tokens: list[str], usage: bool) -> AsyncIterator[bytes]:
+        yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+        for i, token in enumerate(tokens):
+            await asyncio.sleep(interval_s)
+            finish = "stop" if i == len(tokens) - 1 else None
+            yield chunk([{"index": 0, "delta": {"content": token}, "logprobs": None, "finish_reason": finish}])
+        if usage:
+            yield chunk([], usage={"prompt_tokens": 1000, "completion_tokens": len(tokens), "total_tokens": 1000})
+        yield b"data: [DONE]\n\n"
+
+    async def chat(request: Request) -> StreamingResponse:
+        body = await request.json()
+        count = body.get("max_tokens") or 16
+        tokens = [*ANSWER[: count - 4], *ANSWER[-4:]]  # the bash block last: the answer names its tool
+        usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return StreamingResponse(events(tokens, usage), media_type="text/event-stream")
+
+    backend = fast_backend()
+    backend.router.routes[0] = Route("/v1/chat/completions", chat, methods=["POST"])
+    return backend
+
+
+def cpu_ns(pid: int) -> int:
+    """CPU time a process's threads have run, in ns (the scheduler's own count, not /proc/stat's
+    10 ms ticks): one step's cost is a few ms."""
+    total = 0
+    for stat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        with contextlib.suppress(OSError):  # a thread that just ended
+            total += int(stat.read_text().split()[0])
+    return total
+
+
+@dataclass
+class StepArm:
+    """One gateway and one kind of client: its conversations and the CPU of its steps."""
+
+    name: str
+    url: str
+    headers: dict[str, str]
+    pid: int
+    named: bool
+    conversation: list[dict[str, Any]] = field(default_factory=list)
+    turn: int = 0
+    started: int = 0
+    cpu_ms: list[float] = field(default_factory=list)
+
+
+def stream_step(client: httpx.Client, arm: StepArm, args: argparse.Namespace, tokens: int, idle_ms_per_s: float) -> None:
+    """One step of the arm's current conversation: the request, its stream read to the end, the
+    answer and an observation kept for the next; a new conversation every `--stream-turns` steps."""
+    rng = random.Random(arm.started)
+    if arm.turn == 0:
+        arm.conversation = history(rng, tokens=tokens, turns=16)
+        arm.started += 1
+    body: dict[str, Any] = {"model": "m", "messages": arm.conversation, "stream": True, "max_tokens": args.stream_tokens}
+    program_id = f"{arm.name}-{arm.started}"
+    if arm.named:
+        body["program_id"] = program_id
+    payload = json.dumps(body)
+    answer = []
+    before, started = cpu_ns(arm.pid), time.perf_counter()
+    with client.stream("POST", f"{arm.url}/v1/chat/completions", content=payload, headers=arm.headers) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                choices = json.loads(line[len("data: ") :])["choices"]
+                answer.append(choices[0]["delta"].get("content") or "" if choices else "")
+    time.sleep(0.01)  # the gateway's accounting after the last byte
+    wall = time.perf_counter() - started
+    arm.cpu_ms.append((cpu_ns(arm.pid) - before) / 1e6 - idle_ms_per_s * wall)
+    observation = " ".join(f"line{i % 97}" for i in range(args.observation_words))
+    arm.conversation = [*arm.conversation, {"role": "assistant", "content": "".join(answer)},
+                        {"role": "user", "content": observation}]  # fmt: skip
+    arm.turn = (arm.turn + 1) % args.stream_turns
+    if arm.turn == 0 and arm.named:
+        client.post(f"{arm.url}/programs/release", json={"program_id": program_id}, headers=arm.headers)
+
+
+def idle_rate(pid: int, seconds: float = 4.0) -> float:
+    """A gateway's CPU with nothing to serve (its polls, tick and probes), in ms per second."""
+    before = cpu_ns(pid)
+    time.sleep(seconds)
+    return (cpu_ns(pid) - before) / 1e6 / seconds
+
+
+def stream_cpu(args: argparse.Namespace) -> dict[str, Any]:
+    """The gateway's CPU per streamed step, by history size, client kind and gateway (this tree,
+    and the baseline tree's): steps sent one at a time, arms interleaved."""
+    backend_port = pick_free_port()
+    worker = serve_in_thread(streaming_backend(args.stream_interval_ms / 1000), backend_port)
+    backend_url = f"http://127.0.0.1:{backend_port}"
+    trees = {"this": None, **({"baseline": args.baseline_tree.resolve()} if args.baseline_tree else {})}
+    report: dict[str, Any] = {"steps_per_arm": args.stream_steps, "answer_tokens": args.stream_tokens,
+                              "chunk_interval_ms": args.stream_interval_ms, "load_average": [os.getloadavg()[0]]}  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="thunderctl-overhead-") as workdir:
+        gateways = {
+            tree: ServeProcess([backend_url], [], Path(workdir) / f"{tree}.log", pythonpath=path)
+            for tree, path in trees.items()
+        }
+        try:
+            for gateway in gateways.values():
+                gateway.wait_healthy(timeout=300)
+            idle = {tree: idle_rate(g.process.pid) for tree, g in gateways.items()}
+            report["idle_ms_per_s"] = idle
+            with httpx.Client(timeout=120) as client:
+                for tokens in args.stream_histories:
+                    arms = [
+                        StepArm(f"{tree}-{kind}-{tokens}", g.url, g.headers, g.process.pid, kind == "named")
+                        for kind in ("named", "unchanged")
+                        for tree, g in gateways.items()
+                    ]
+                    for step in range(args.stream_steps + 2):  # the first two warm each arm up
+                        for arm in arms if step % 2 == 0 else reversed(arms):
+                            stream_step(client, arm, args, tokens, idle[arm.name.split("-")[0]])
+                            if step < 2:
+                                arm.cpu_ms.clear()
+                    for arm in arms:
+                        report[arm.name] = {
+                            "cpu_ms_per_step_mean": statistics.fmean(arm.cpu_ms),
+                            "cpu_ms_per_step_p50": statistics.median(arm.cpu_ms),
+                            "body_kb_last": len(json.dumps(arm.conversation)) / 1024,
+                        }
+        finally:
+            for gateway in gateways.values():
+                gateway.stop()
+            worker.should_exit = True
+    report["load_average"].append(os.getloadavg()[0])
+    return report
+
+
+PARTS = ("gateway", "tick", "derivation-index", "derivation-gateway", "stream-cpu")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--history-requests", type=int, default=200, help="64k-token requests per arm")
+    parser.add_argument("--only", choices=PARTS, help="run one part")
+    parser.add_argument("--stream-steps", type=int, default=60, help="streamed steps per arm (part 4)")
+    parser.add_argument("--stream-histories", type=lambda s: [int(t) for t in s.split(",")], default=[8192, 32768],
+                        help="history sizes in tokens, comma-separated (part 4)")  # fmt: skip
+    parser.add_argument("--stream-tokens", type=int, default=96, help="answer tokens, one chunk each (part 4)")
+    parser.add_argument("--stream-interval-ms", type=float, default=3.0, help="between two chunks (part 4)")
+    parser.add_argument("--stream-turns", type=int, default=8, help="steps per conversation (part 4)")
+    parser.add_argument("--observation-words", type=int, default=300, help="a tool's output after each answer")
+    parser.add_argument("--baseline-tree", type=Path, help="a second gateway arm: this checkout's code (part 4)")
     args = parser.parse_args()
-    report = {
-        "gateway": gateway_latency(args.requests),
-        "tick": tick_cost(),
-        "derivation_index": index_cost(),
-        "derivation_gateway": derivation_latency(args.history_requests),
-        "load_average": os.getloadavg(),
+    parts = {
+        "gateway": lambda: gateway_latency(args.requests),
+        "tick": tick_cost,
+        "derivation-index": index_cost,
+        "derivation-gateway": lambda: derivation_latency(args.history_requests),
+        "stream-cpu": lambda: stream_cpu(args),
     }
+    report: dict[str, Any] = {name: run() for name, run in parts.items() if args.only in (None, name)}
+    report["load_average"] = os.getloadavg()
     print(json.dumps(report, indent=2))
 
 

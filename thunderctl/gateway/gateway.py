@@ -125,11 +125,18 @@ class Gateway:
         self._endpoints: dict[tuple[str, str], httpx.URL] = {}
         # Every call to a worker (relay, health, metrics) carries the cluster's worker key.
         stream_interval_s = (relay or RelayConfig()).stream_interval_ms / 1000
+        self._transport = transport or AiohttpTransport(WORKER_KEEPALIVE_S, stream_interval_s)
         self._client = httpx.AsyncClient(
             headers=bearer_headers(worker_key),
             timeout=httpx.Timeout(None, connect=connect_timeout_s),
-            transport=transport or AiohttpTransport(WORKER_KEEPALIVE_S, stream_interval_s),
+            transport=self._transport,
         )
+        # A relayed request goes straight to the transport with the client's headers and timeouts:
+        # the client's per-request work (URL and cookie merging, its cookie jar read and written,
+        # auth and redirect handling, a wrapper around every read of the answer) is none a relay needs.
+        self._relay_headers = httpx.Headers(self._client.headers)
+        self._relay_headers["content-type"] = "application/json"
+        self._relay_extensions = {"timeout": self._client.timeout.as_dict()}
 
     # ---- life -----------------------------------------------------------------------------
 
@@ -359,15 +366,14 @@ class Gateway:
             response = None
             try:
                 async with self.unanswered.waiting_on(link.id):  # given up if the worker stalls
-                    response = await self._client.send(
-                        self._client.build_request(
-                            "POST",
-                            self._endpoint(link, path),
-                            content=payload,
-                            headers={"content-type": "application/json"},
-                        ),
-                        stream=True,
+                    request = httpx.Request(
+                        "POST",
+                        self._endpoint(link, path),
+                        headers=self._relay_headers,
+                        content=payload,
+                        extensions=self._relay_extensions,
                     )
+                    response = await self._transport.handle_async_request(request)
                     if response.status_code == 200 and stream:
                         lines = self._relay_stream(
                             response, link, program_id, shape, client_wants_usage, answer, claim, path
