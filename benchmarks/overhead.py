@@ -15,15 +15,17 @@ what finding an unnamed request's program from its conversation costs.
    remembered; (b) end to end, unnamed chat requests carrying 64k-token histories sent one by one,
    interleaved, straight to the worker, through a gateway with derivation off (the baseline: served
    unscheduled) and through one with it on (each request continues its conversation's program).
-4. The gateway's CPU per streamed step (`--stream-steps N`, or `--only stream-cpu`): agents'
-   conversations at 8k- and 32k-token histories, each step a streamed chat request carrying the
-   history and the answer read before it, answered by a worker that writes one SSE chunk per
-   token a few ms apart (each its own read, as a real engine's tokens are); the gateway
-   process's CPU time (utime + stime, less its idle rate over the step's wall time) per step, for
+4. The gateway's CPU per streamed step (`--only stream-cpu`): agents' conversations at 8k- and
+   32k-token histories, each step a streamed chat request carrying the history and the answer
+   read before it, answered by a worker that writes one SSE chunk per token, each once the client
+   has read the one before (so each reaches the gateway in a read of its own, as a real engine's
+   tokens a step apart do, whatever the machine's load); the gateway process's CPU time (its
+   threads' run time from /proc, less its idle rate over the step's wall time) per step, for
    named clients (a program id, released at the conversation's end) and unchanged ones (no id:
-   derived identity). One request at a time, arms interleaved step by step, so that neither the
-   machine's load nor batched reads change what a step costs; `--baseline-tree DIR` adds the
-   gateway of another checkout (the code before a change) as a second arm.
+   derived identity). One request at a time, arms interleaved step by step. `--baseline-tree DIR`
+   adds the gateway of another checkout (the code before a change) as a second arm.
+   `--callgrind` counts the gateway's instructions per step under valgrind instead: a figure the
+   load of a shared machine does not move (its CPU time moves by 10 % or more with it).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -291,9 +293,22 @@ def derivation_latency(requests: int, conversations: int = 8) -> dict[str, float
 ANSWER = ["THOUGHT:", *[f" word{i}" for i in range(200)], "\n```bash\n", "ls", " -la", "\n```"]
 
 
-def streaming_backend(interval_s: float) -> Starlette:
-    """A worker that streams each answer as vLLM does, one chunk per token `interval_s` apart, so
-    that each reaches the gateway in a read of its own; the answer has `max_tokens` tokens."""
+@dataclass
+class Lockstep:
+    """The chunks the client has read of the answer under way. The worker sends each chunk only once
+    the client has read the one before, so that every chunk reaches the gateway in a read of its
+    own (as a real engine's tokens do, a step apart), however slowly the gateway runs."""
+
+    read: int = 0
+
+    async def wait_for(self, count: int) -> None:
+        while self.read < count:
+            await asyncio.sleep(0.0005)
+
+
+def streaming_backend(lockstep: Lockstep) -> Starlette:
+    """A worker that streams each answer as vLLM does, one chunk per token, in lockstep with the
+    client; the answer has `max_tokens` tokens."""
 
     def chunk(choices: list[dict], **extra: object) -> bytes:
         body = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
@@ -303,7 +318,7 @@ def streaming_backend(interval_s: float) -> Starlette:
     async def events(tokens: list[str], usage: bool) -> AsyncIterator[bytes]:
         yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
         for i, token in enumerate(tokens):
-            await asyncio.sleep(interval_s)
+            await lockstep.wait_for(i + 1)
             finish = "stop" if i == len(tokens) - 1 else None
             yield chunk([{"index": 0, "delta": {"content": token}, "logprobs": None, "finish_reason": finish}])
         if usage:
@@ -347,7 +362,9 @@ class StepArm:
     cpu_ms: list[float] = field(default_factory=list)
 
 
-def stream_step(client: httpx.Client, arm: StepArm, args: argparse.Namespace, tokens: int, idle_ms_per_s: float) -> None:
+def stream_step(
+    client: httpx.Client, arm: StepArm, args: argparse.Namespace, tokens: int, idle_ms_per_s: float, lockstep: Lockstep
+) -> None:
     """One step of the arm's current conversation: the request, its stream read to the end, the
     answer and an observation kept for the next; a new conversation every `--stream-turns` steps."""
     rng = random.Random(arm.started)
@@ -360,11 +377,13 @@ def stream_step(client: httpx.Client, arm: StepArm, args: argparse.Namespace, to
         body["program_id"] = program_id
     payload = json.dumps(body)
     answer = []
+    lockstep.read = 0
     before, started = cpu_ns(arm.pid), time.perf_counter()
     with client.stream("POST", f"{arm.url}/v1/chat/completions", content=payload, headers=arm.headers) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if line.startswith("data: {"):
+                lockstep.read += 1
                 choices = json.loads(line[len("data: ") :])["choices"]
                 answer.append(choices[0]["delta"].get("content") or "" if choices else "")
     time.sleep(0.01)  # the gateway's accounting after the last byte
@@ -389,11 +408,12 @@ def stream_cpu(args: argparse.Namespace) -> dict[str, Any]:
     """The gateway's CPU per streamed step, by history size, client kind and gateway (this tree,
     and the baseline tree's): steps sent one at a time, arms interleaved."""
     backend_port = pick_free_port()
-    worker = serve_in_thread(streaming_backend(args.stream_interval_ms / 1000), backend_port)
+    lockstep = Lockstep()
+    worker = serve_in_thread(streaming_backend(lockstep), backend_port)
     backend_url = f"http://127.0.0.1:{backend_port}"
     trees = {"this": None, **({"baseline": args.baseline_tree.resolve()} if args.baseline_tree else {})}
     report: dict[str, Any] = {"steps_per_arm": args.stream_steps, "answer_tokens": args.stream_tokens,
-                              "chunk_interval_ms": args.stream_interval_ms, "load_average": [os.getloadavg()[0]]}  # fmt: skip
+                              "load_average": [os.getloadavg()[0]]}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="thunderctl-overhead-") as workdir:
         gateways = {
             tree: ServeProcess([backend_url], [], Path(workdir) / f"{tree}.log", pythonpath=path)
@@ -413,7 +433,7 @@ def stream_cpu(args: argparse.Namespace) -> dict[str, Any]:
                     ]
                     for step in range(args.stream_steps + 2):  # the first two warm each arm up
                         for arm in arms if step % 2 == 0 else reversed(arms):
-                            stream_step(client, arm, args, tokens, idle[arm.name.split("-")[0]])
+                            stream_step(client, arm, args, tokens, idle[arm.name.split("-")[0]], lockstep)
                             if step < 2:
                                 arm.cpu_ms.clear()
                     for arm in arms:
@@ -430,6 +450,67 @@ def stream_cpu(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+
+CALLGRIND = ["valgrind", "--tool=callgrind", "--instr-atstart=no"]
+
+
+def callgrind_count(pid: int, out: Path, action: Callable[[], None]) -> int:
+    """Instructions a gateway under callgrind ran during `action` (counters zeroed, then dumped)."""
+    subprocess.run(["callgrind_control", "--zero", str(pid)], check=True, capture_output=True)
+    action()
+    before = set(out.parent.glob(f"{out.name}*"))
+    subprocess.run(["callgrind_control", "--dump", str(pid)], check=True, capture_output=True)
+    (dump,) = set(out.parent.glob(f"{out.name}*")) - before
+    totals = [line for line in dump.read_text().splitlines() if line.startswith(("totals:", "summary:"))]
+    return int(totals[0].split()[1])
+
+
+def stream_instructions(args: argparse.Namespace) -> dict[str, Any]:
+    """Part 4 under callgrind (`--callgrind`): the instructions each gateway runs per streamed step,
+    which no other load on the machine changes (its CPU time does, through caches and wake-ups).
+    Arms run one after the other; what the gateway runs idle over as long a wait after each is taken off."""
+    backend_port = pick_free_port()
+    lockstep = Lockstep()
+    worker = serve_in_thread(streaming_backend(lockstep), backend_port)
+    backend_url = f"http://127.0.0.1:{backend_port}"
+    trees = {"this": None, **({"baseline": args.baseline_tree.resolve()} if args.baseline_tree else {})}
+    report: dict[str, Any] = {"steps_per_arm": args.stream_steps, "answer_tokens": args.stream_tokens,
+                              "load_average": [os.getloadavg()[0]]}  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="thunderctl-overhead-") as workdir:
+        outs = {tree: Path(workdir) / f"{tree}.callgrind" for tree in trees}
+        gateways = {
+            tree: ServeProcess([backend_url], [], Path(workdir) / f"{tree}.log", pythonpath=path,
+                               prefix=[*CALLGRIND, f"--callgrind-out-file={outs[tree]}"])
+            for tree, path in trees.items()
+        }  # fmt: skip
+        try:
+            for gateway in gateways.values():
+                gateway.wait_healthy(timeout=900)
+            for gateway in gateways.values():
+                subprocess.run(["callgrind_control", "--instr=on", str(gateway.process.pid)], check=True, capture_output=True)
+            with httpx.Client(timeout=600) as client:
+                for tokens in args.stream_histories:
+                    for kind in ("named", "unchanged"):
+                        for tree, g in gateways.items():
+                            arm = StepArm(f"{tree}-{kind}-{tokens}", g.url, g.headers, g.process.pid, kind == "named")
+                            for _ in range(2):  # warm-up
+                                stream_step(client, arm, args, tokens, 0.0, lockstep)
+                            started = time.perf_counter()
+                            count = callgrind_count(g.process.pid, outs[tree], lambda: [
+                                stream_step(client, arm, args, tokens, 0.0, lockstep) for _ in range(args.stream_steps)])  # fmt: skip
+                            # Its polls and probes meanwhile: as many in as long a wait right after.
+                            wall = time.perf_counter() - started
+                            net = count - callgrind_count(g.process.pid, outs[tree], lambda: time.sleep(wall))
+                            report[arm.name] = {"instructions_per_step_M": net / args.stream_steps / 1e6,
+                                                "body_kb_last": len(json.dumps(arm.conversation)) / 1024}  # fmt: skip
+                            print(arm.name, report[arm.name], file=sys.stderr)
+        finally:
+            for gateway in gateways.values():
+                gateway.stop()
+            worker.should_exit = True
+    report["load_average"].append(os.getloadavg()[0])
+    return report
+
 PARTS = ("gateway", "tick", "derivation-index", "derivation-gateway", "stream-cpu")
 
 
@@ -442,17 +523,18 @@ def main() -> None:
     parser.add_argument("--stream-histories", type=lambda s: [int(t) for t in s.split(",")], default=[8192, 32768],
                         help="history sizes in tokens, comma-separated (part 4)")  # fmt: skip
     parser.add_argument("--stream-tokens", type=int, default=96, help="answer tokens, one chunk each (part 4)")
-    parser.add_argument("--stream-interval-ms", type=float, default=3.0, help="between two chunks (part 4)")
     parser.add_argument("--stream-turns", type=int, default=8, help="steps per conversation (part 4)")
     parser.add_argument("--observation-words", type=int, default=300, help="a tool's output after each answer")
     parser.add_argument("--baseline-tree", type=Path, help="a second gateway arm: this checkout's code (part 4)")
+    parser.add_argument("--callgrind", action="store_true",
+                        help="part 4 counts instructions under valgrind's callgrind")
     args = parser.parse_args()
     parts = {
         "gateway": lambda: gateway_latency(args.requests),
         "tick": tick_cost,
         "derivation-index": index_cost,
         "derivation-gateway": lambda: derivation_latency(args.history_requests),
-        "stream-cpu": lambda: stream_cpu(args),
+        "stream-cpu": lambda: stream_instructions(args) if args.callgrind else stream_cpu(args),
     }
     report: dict[str, Any] = {name: run() for name, run in parts.items() if args.only in (None, name)}
     report["load_average"] = os.getloadavg()

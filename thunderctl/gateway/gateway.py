@@ -27,7 +27,7 @@ from thunderctl.gateway.derived import DerivedPrograms
 from thunderctl.gateway.identity import Claim, IdentityConfig
 from thunderctl.gateway.links import WorkerLink, WorkerState
 from thunderctl.gateway.recorder import TraceRecorder
-from thunderctl.gateway.requests import PromptShape, TokenEstimator
+from thunderctl.gateway.requests import PromptShape, TokenEstimator, relayed_payload
 from thunderctl.gateway.sse import StreamRelay
 from thunderctl.gateway.stalls import StallWatch, UnansweredRequests, WorkerStalled
 from thunderctl.gateway.timings import GatewayTimings, watch_loop_lag
@@ -338,10 +338,12 @@ class Gateway:
         shape: PromptShape,
         claim: Claim | None = None,
         group: str | None = None,
+        sent: bytes | None = None,
     ) -> Relayed:
         """Send the request to its worker; account the engine's usage when it ends. `claim`: the
         request's derived program, whose conversation its answer extends; `group`: the program's
-        group (groups.py), named or derived.
+        group (groups.py), named or derived; `sent`: the body's bytes as the client sent them, when
+        the worker can have them so (requests.as_sent).
 
         A request that fails before any byte reached the client (its worker died or stalled) is tried
         once more on another worker.
@@ -354,8 +356,7 @@ class Gateway:
             body["stream_options"] = {**options, "include_usage": True}
         if self.recorder is not None and program_id is not None:
             self.recorder.on_request(program_id)
-        # ASCII escapes: a lone surrogate from the client's JSON stays representable.
-        payload = json.dumps(body).encode()
+        payload = relayed_payload(body, sent, stream)
         for attempt in (1, 2):
             link, waited = await self.admit(program_id, shape, group)
             if waited and self.resumed_priority is not None:
