@@ -316,7 +316,9 @@ def streaming_backend(lockstep: Lockstep) -> Starlette:
         return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
     async def events(tokens: list[str], usage: bool) -> AsyncIterator[bytes]:
-        yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+        yield chunk(
+            [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+        )
         for i, token in enumerate(tokens):
             await lockstep.wait_for(i + 1)
             finish = "stop" if i == len(tokens) - 1 else None
@@ -371,7 +373,12 @@ def stream_step(
     if arm.turn == 0:
         arm.conversation = history(rng, tokens=tokens, turns=16)
         arm.started += 1
-    body: dict[str, Any] = {"model": "m", "messages": arm.conversation, "stream": True, "max_tokens": args.stream_tokens}
+    body: dict[str, Any] = {
+        "model": "m",
+        "messages": arm.conversation,
+        "stream": True,
+        "max_tokens": args.stream_tokens,
+    }
     program_id = f"{arm.name}-{arm.started}"
     if arm.named:
         body["program_id"] = program_id
@@ -450,7 +457,6 @@ def stream_cpu(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-
 CALLGRIND = ["valgrind", "--tool=callgrind", "--instr-atstart=no"]
 
 
@@ -463,6 +469,24 @@ def callgrind_count(pid: int, out: Path, action: Callable[[], None]) -> int:
     (dump,) = set(out.parent.glob(f"{out.name}*")) - before
     totals = [line for line in dump.read_text().splitlines() if line.startswith(("totals:", "summary:"))]
     return int(totals[0].split()[1])
+
+
+def counted_steps(
+    client: httpx.Client, arm: StepArm, args: argparse.Namespace, tokens: int, lockstep: Lockstep, out: Path
+) -> float:
+    """Instructions per step over `--stream-steps` steps of one arm (after two to warm up), less
+    what the gateway runs idle (its polls and probes) over as long a wait right after."""
+
+    def steps() -> None:
+        for _ in range(args.stream_steps):
+            stream_step(client, arm, args, tokens, 0.0, lockstep)
+
+    for _ in range(2):
+        stream_step(client, arm, args, tokens, 0.0, lockstep)
+    started = time.perf_counter()
+    count = callgrind_count(arm.pid, out, steps)
+    wall = time.perf_counter() - started
+    return (count - callgrind_count(arm.pid, out, lambda: time.sleep(wall))) / args.stream_steps
 
 
 def stream_instructions(args: argparse.Namespace) -> dict[str, Any]:
@@ -487,21 +511,16 @@ def stream_instructions(args: argparse.Namespace) -> dict[str, Any]:
             for gateway in gateways.values():
                 gateway.wait_healthy(timeout=900)
             for gateway in gateways.values():
-                subprocess.run(["callgrind_control", "--instr=on", str(gateway.process.pid)], check=True, capture_output=True)
+                subprocess.run(
+                    ["callgrind_control", "--instr=on", str(gateway.process.pid)], check=True, capture_output=True
+                )
             with httpx.Client(timeout=600) as client:
                 for tokens in args.stream_histories:
                     for kind in ("named", "unchanged"):
                         for tree, g in gateways.items():
                             arm = StepArm(f"{tree}-{kind}-{tokens}", g.url, g.headers, g.process.pid, kind == "named")
-                            for _ in range(2):  # warm-up
-                                stream_step(client, arm, args, tokens, 0.0, lockstep)
-                            started = time.perf_counter()
-                            count = callgrind_count(g.process.pid, outs[tree], lambda: [
-                                stream_step(client, arm, args, tokens, 0.0, lockstep) for _ in range(args.stream_steps)])  # fmt: skip
-                            # Its polls and probes meanwhile: as many in as long a wait right after.
-                            wall = time.perf_counter() - started
-                            net = count - callgrind_count(g.process.pid, outs[tree], lambda: time.sleep(wall))
-                            report[arm.name] = {"instructions_per_step_M": net / args.stream_steps / 1e6,
+                            instructions = counted_steps(client, arm, args, tokens, lockstep, outs[tree])
+                            report[arm.name] = {"instructions_per_step_M": instructions / 1e6,
                                                 "body_kb_last": len(json.dumps(arm.conversation)) / 1024}  # fmt: skip
                             print(arm.name, report[arm.name], file=sys.stderr)
         finally:
@@ -510,6 +529,7 @@ def stream_instructions(args: argparse.Namespace) -> dict[str, Any]:
             worker.should_exit = True
     report["load_average"].append(os.getloadavg()[0])
     return report
+
 
 PARTS = ("gateway", "tick", "derivation-index", "derivation-gateway", "stream-cpu")
 
@@ -526,8 +546,9 @@ def main() -> None:
     parser.add_argument("--stream-turns", type=int, default=8, help="steps per conversation (part 4)")
     parser.add_argument("--observation-words", type=int, default=300, help="a tool's output after each answer")
     parser.add_argument("--baseline-tree", type=Path, help="a second gateway arm: this checkout's code (part 4)")
-    parser.add_argument("--callgrind", action="store_true",
-                        help="part 4 counts instructions under valgrind's callgrind")
+    parser.add_argument(
+        "--callgrind", action="store_true", help="part 4 counts instructions under valgrind's callgrind"
+    )
     args = parser.parse_args()
     parts = {
         "gateway": lambda: gateway_latency(args.requests),
