@@ -411,52 +411,6 @@ def idle_rate(pid: int, seconds: float = 4.0) -> float:
     return (cpu_ns(pid) - before) / 1e6 / seconds
 
 
-def stream_cpu(args: argparse.Namespace) -> dict[str, Any]:
-    """The gateway's CPU per streamed step, by history size, client kind and gateway (this tree,
-    and the baseline tree's): steps sent one at a time, arms interleaved."""
-    backend_port = pick_free_port()
-    lockstep = Lockstep()
-    worker = serve_in_thread(streaming_backend(lockstep), backend_port)
-    backend_url = f"http://127.0.0.1:{backend_port}"
-    trees = {"this": None, **({"baseline": args.baseline_tree.resolve()} if args.baseline_tree else {})}
-    report: dict[str, Any] = {"steps_per_arm": args.stream_steps, "answer_tokens": args.stream_tokens,
-                              "load_average": [os.getloadavg()[0]]}  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="thunderctl-overhead-") as workdir:
-        gateways = {
-            tree: ServeProcess([backend_url], [], Path(workdir) / f"{tree}.log", pythonpath=path)
-            for tree, path in trees.items()
-        }
-        try:
-            for gateway in gateways.values():
-                gateway.wait_healthy(timeout=300)
-            idle = {tree: idle_rate(g.process.pid) for tree, g in gateways.items()}
-            report["idle_ms_per_s"] = idle
-            with httpx.Client(timeout=120) as client:
-                for tokens in args.stream_histories:
-                    arms = [
-                        StepArm(f"{tree}-{kind}-{tokens}", g.url, g.headers, g.process.pid, kind == "named")
-                        for kind in ("named", "unchanged")
-                        for tree, g in gateways.items()
-                    ]
-                    for step in range(args.stream_steps + 2):  # the first two warm each arm up
-                        for arm in arms if step % 2 == 0 else reversed(arms):
-                            stream_step(client, arm, args, tokens, idle[arm.name.split("-")[0]], lockstep)
-                            if step < 2:
-                                arm.cpu_ms.clear()
-                    for arm in arms:
-                        report[arm.name] = {
-                            "cpu_ms_per_step_mean": statistics.fmean(arm.cpu_ms),
-                            "cpu_ms_per_step_p50": statistics.median(arm.cpu_ms),
-                            "body_kb_last": len(json.dumps(arm.conversation)) / 1024,
-                        }
-        finally:
-            for gateway in gateways.values():
-                gateway.stop()
-            worker.should_exit = True
-    report["load_average"].append(os.getloadavg()[0])
-    return report
-
-
 CALLGRIND = ["valgrind", "--tool=callgrind", "--instr-atstart=no"]
 
 
@@ -489,40 +443,75 @@ def counted_steps(
     return (count - callgrind_count(arm.pid, out, lambda: time.sleep(wall))) / args.stream_steps
 
 
-def stream_instructions(args: argparse.Namespace) -> dict[str, Any]:
-    """Part 4 under callgrind (`--callgrind`): the instructions each gateway runs per streamed step,
-    which no other load on the machine changes (its CPU time does, through caches and wake-ups).
-    Arms run one after the other; what the gateway runs idle over as long a wait after each is taken off."""
-    backend_port = pick_free_port()
+def timed_arms(
+    client: httpx.Client, gateways: dict[str, ServeProcess], args: argparse.Namespace, lockstep: Lockstep
+) -> dict[str, Any]:
+    """CPU time per step of each gateway and kind of client, arms interleaved step by step."""
+    idle = {tree: idle_rate(g.process.pid) for tree, g in gateways.items()}
+    report: dict[str, Any] = {"idle_ms_per_s": idle}
+    for tokens in args.stream_histories:
+        arms = [
+            StepArm(f"{tree}-{kind}-{tokens}", g.url, g.headers, g.process.pid, kind == "named")
+            for kind in ("named", "unchanged")
+            for tree, g in gateways.items()
+        ]
+        for step in range(args.stream_steps + 2):  # the first two warm each arm up
+            for arm in arms if step % 2 == 0 else reversed(arms):
+                stream_step(client, arm, args, tokens, idle[arm.name.split("-")[0]], lockstep)
+                if step < 2:
+                    arm.cpu_ms.clear()
+        for arm in arms:
+            report[arm.name] = {
+                "cpu_ms_per_step_mean": statistics.fmean(arm.cpu_ms),
+                "cpu_ms_per_step_p50": statistics.median(arm.cpu_ms),
+                "body_kb_last": len(json.dumps(arm.conversation)) / 1024,
+            }
+    return report
+
+
+def counted_arms(
+    client: httpx.Client, gateways: dict[str, ServeProcess], args: argparse.Namespace, lockstep: Lockstep, out: Path
+) -> dict[str, Any]:
+    """Instructions per step of each gateway (under callgrind) and kind of client, arm after arm."""
+    report: dict[str, Any] = {}
+    for gateway in gateways.values():
+        subprocess.run(["callgrind_control", "--instr=on", str(gateway.process.pid)], check=True, capture_output=True)
+    for tokens in args.stream_histories:
+        for kind in ("named", "unchanged"):
+            for tree, g in gateways.items():
+                arm = StepArm(f"{tree}-{kind}-{tokens}", g.url, g.headers, g.process.pid, kind == "named")
+                instructions = counted_steps(client, arm, args, tokens, lockstep, out / f"{tree}.callgrind")
+                report[arm.name] = {"instructions_per_step_M": instructions / 1e6,
+                                    "body_kb_last": len(json.dumps(arm.conversation)) / 1024}  # fmt: skip
+                print(arm.name, report[arm.name], file=sys.stderr)
+    return report
+
+
+def stream_cpu(args: argparse.Namespace) -> dict[str, Any]:
+    """The gateway's CPU per streamed step (part 4), by history size, client kind and gateway (this
+    tree, and the baseline tree's): its CPU time, or with `--callgrind` its instructions, which no
+    other load on the machine changes (its CPU time moves with it, through caches and wake-ups)."""
     lockstep = Lockstep()
+    backend_port = pick_free_port()
     worker = serve_in_thread(streaming_backend(lockstep), backend_port)
-    backend_url = f"http://127.0.0.1:{backend_port}"
     trees = {"this": None, **({"baseline": args.baseline_tree.resolve()} if args.baseline_tree else {})}
     report: dict[str, Any] = {"steps_per_arm": args.stream_steps, "answer_tokens": args.stream_tokens,
                               "load_average": [os.getloadavg()[0]]}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="thunderctl-overhead-") as workdir:
-        outs = {tree: Path(workdir) / f"{tree}.callgrind" for tree in trees}
+        out = Path(workdir)
         gateways = {
-            tree: ServeProcess([backend_url], [], Path(workdir) / f"{tree}.log", pythonpath=path,
-                               prefix=[*CALLGRIND, f"--callgrind-out-file={outs[tree]}"])
+            tree: ServeProcess([f"http://127.0.0.1:{backend_port}"], [], out / f"{tree}.log", pythonpath=path,
+                               prefix=[*CALLGRIND, f"--callgrind-out-file={out / tree}.callgrind"] if args.callgrind else [])
             for tree, path in trees.items()
         }  # fmt: skip
         try:
             for gateway in gateways.values():
-                gateway.wait_healthy(timeout=900)
-            for gateway in gateways.values():
-                subprocess.run(
-                    ["callgrind_control", "--instr=on", str(gateway.process.pid)], check=True, capture_output=True
-                )
+                gateway.wait_healthy(timeout=900 if args.callgrind else 300)  # valgrind starts Python slowly
             with httpx.Client(timeout=600) as client:
-                for tokens in args.stream_histories:
-                    for kind in ("named", "unchanged"):
-                        for tree, g in gateways.items():
-                            arm = StepArm(f"{tree}-{kind}-{tokens}", g.url, g.headers, g.process.pid, kind == "named")
-                            instructions = counted_steps(client, arm, args, tokens, lockstep, outs[tree])
-                            report[arm.name] = {"instructions_per_step_M": instructions / 1e6,
-                                                "body_kb_last": len(json.dumps(arm.conversation)) / 1024}  # fmt: skip
-                            print(arm.name, report[arm.name], file=sys.stderr)
+                if args.callgrind:
+                    report |= counted_arms(client, gateways, args, lockstep, out)
+                else:
+                    report |= timed_arms(client, gateways, args, lockstep)
         finally:
             for gateway in gateways.values():
                 gateway.stop()
@@ -555,7 +544,7 @@ def main() -> None:
         "tick": tick_cost,
         "derivation-index": index_cost,
         "derivation-gateway": lambda: derivation_latency(args.history_requests),
-        "stream-cpu": lambda: stream_instructions(args) if args.callgrind else stream_cpu(args),
+        "stream-cpu": lambda: stream_cpu(args),
     }
     report: dict[str, Any] = {name: run() for name, run in parts.items() if args.only in (None, name)}
     report["load_average"] = os.getloadavg()
