@@ -20,7 +20,7 @@ what finding an unnamed request's program from its conversation costs.
    read before it, answered by a worker that writes one SSE chunk per token, each once the client
    has read the one before (so each reaches the gateway in a read of its own, as a real engine's
    tokens a step apart do, whatever the machine's load); the gateway process's CPU time (its
-   threads' run time from /proc, less its idle rate over the step's wall time) per step, for
+   threads' run time from /proc, its idle polls and probes meanwhile included) per step, for
    named clients (a program id, released at the conversation's end) and unchanged ones (no id:
    derived identity). One request at a time, arms interleaved step by step. `--baseline-tree DIR`
    adds the gateway of another checkout (the code before a change) as a second arm.
@@ -364,9 +364,7 @@ class StepArm:
     cpu_ms: list[float] = field(default_factory=list)
 
 
-def stream_step(
-    client: httpx.Client, arm: StepArm, args: argparse.Namespace, tokens: int, idle_ms_per_s: float, lockstep: Lockstep
-) -> None:
+def stream_step(client: httpx.Client, arm: StepArm, args: argparse.Namespace, tokens: int, lockstep: Lockstep) -> None:
     """One step of the arm's current conversation: the request, its stream read to the end, the
     answer and an observation kept for the next; a new conversation every `--stream-turns` steps."""
     rng = random.Random(arm.started)
@@ -385,7 +383,7 @@ def stream_step(
     payload = json.dumps(body)
     answer = []
     lockstep.read = 0
-    before, started = cpu_ns(arm.pid), time.perf_counter()
+    before = cpu_ns(arm.pid)
     with client.stream("POST", f"{arm.url}/v1/chat/completions", content=payload, headers=arm.headers) as response:
         response.raise_for_status()
         for line in response.iter_lines():
@@ -394,8 +392,7 @@ def stream_step(
                 choices = json.loads(line[len("data: ") :])["choices"]
                 answer.append(choices[0]["delta"].get("content") or "" if choices else "")
     time.sleep(0.01)  # the gateway's accounting after the last byte
-    wall = time.perf_counter() - started
-    arm.cpu_ms.append((cpu_ns(arm.pid) - before) / 1e6 - idle_ms_per_s * wall)
+    arm.cpu_ms.append((cpu_ns(arm.pid) - before) / 1e6)
     observation = " ".join(f"line{i % 97}" for i in range(args.observation_words))
     arm.conversation = [*arm.conversation, {"role": "assistant", "content": "".join(answer)},
                         {"role": "user", "content": observation}]  # fmt: skip
@@ -433,10 +430,10 @@ def counted_steps(
 
     def steps() -> None:
         for _ in range(args.stream_steps):
-            stream_step(client, arm, args, tokens, 0.0, lockstep)
+            stream_step(client, arm, args, tokens, lockstep)
 
     for _ in range(2):
-        stream_step(client, arm, args, tokens, 0.0, lockstep)
+        stream_step(client, arm, args, tokens, lockstep)
     started = time.perf_counter()
     count = callgrind_count(arm.pid, out, steps)
     wall = time.perf_counter() - started
@@ -446,9 +443,9 @@ def counted_steps(
 def timed_arms(
     client: httpx.Client, gateways: dict[str, ServeProcess], args: argparse.Namespace, lockstep: Lockstep
 ) -> dict[str, Any]:
-    """CPU time per step of each gateway and kind of client, arms interleaved step by step."""
-    idle = {tree: idle_rate(g.process.pid) for tree, g in gateways.items()}
-    report: dict[str, Any] = {"idle_ms_per_s": idle}
+    """CPU time per step of each gateway and kind of client, arms interleaved step by step; its idle
+    polls and probes included, which interleaved arms share alike (the idle rate is reported apart)."""
+    report: dict[str, Any] = {"idle_ms_per_s": {tree: idle_rate(g.process.pid) for tree, g in gateways.items()}}
     for tokens in args.stream_histories:
         arms = [
             StepArm(f"{tree}-{kind}-{tokens}", g.url, g.headers, g.process.pid, kind == "named")
@@ -457,7 +454,7 @@ def timed_arms(
         ]
         for step in range(args.stream_steps + 2):  # the first two warm each arm up
             for arm in arms if step % 2 == 0 else reversed(arms):
-                stream_step(client, arm, args, tokens, idle[arm.name.split("-")[0]], lockstep)
+                stream_step(client, arm, args, tokens, lockstep)
                 if step < 2:
                     arm.cpu_ms.clear()
         for arm in arms:
