@@ -38,7 +38,7 @@ from thunderctl.sandbox import SandboxConfig, SandboxPool
 @dataclass
 class FakeBackend:
     """A simulated vLLM worker that records the Authorization header of every /v1 request
-    (`authorizations`) and the body of every completion request (`bodies`); with `key`, its /v1
+    (`authorizations`) and the body of every completion request (`bodies`, and as bytes in `raw_bodies`); with `key`, its /v1
     routes ask for it as vLLM's `--api-key` does. Its engine: model "fake", 4,096 KV blocks of 16
     tokens, max_model_len 4,096."""
 
@@ -46,6 +46,7 @@ class FakeBackend:
     key: str | None = None
     authorizations: list[str | None] = field(default_factory=list)
     bodies: list[dict] = field(default_factory=list)
+    raw_bodies: list[bytes] = field(default_factory=list)
 
     def recording(self, engine: ASGIApp) -> ASGIApp:
         async def app(scope: Scope, receive: Receive, send: Send) -> None:
@@ -58,6 +59,7 @@ class FakeBackend:
                 if scope["method"] == "POST":
                     body = await Request(scope, receive).body()
                     self.bodies.append(json.loads(body))
+                    self.raw_bodies.append(body)
                     receive = replaying(body, receive)
             await engine(scope, receive, send)
 
@@ -93,6 +95,7 @@ class FakeBackends:
             worker.key = key
             worker.authorizations.clear()
             worker.bodies.clear()
+            worker.raw_bodies.clear()
             return worker
         port = pick_free_port()
         worker = FakeBackend(f"http://127.0.0.1:{port}", key)

@@ -51,6 +51,7 @@ class Workers:
     status: int = 200
     attempts: list[str] = field(default_factory=list)  # worker of every completion request
     bodies: list[dict] = field(default_factory=list)  # what the ones answered were sent
+    sent: list[bytes] = field(default_factory=list)  # the same, as bytes
 
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
@@ -70,6 +71,7 @@ class Workers:
             raise httpx.ConnectTimeout("connect timed out", request=request)
         body = json.loads(request.content)
         self.bodies.append(body)
+        self.sent.append(request.content)
         if self.status != 200:
             return httpx.Response(self.status, json={"error": {"message": "max_tokens is too large"}})
         if body.get("stream"):
@@ -149,6 +151,31 @@ async def test_a_reply_is_relayed_as_is_and_its_usage_accounted(gateway_over, en
     seen = program(gateway, "p1")
     assert (seen["tokens"], seen["steps"], seen["phase"]) == (response.json()["usage"]["total_tokens"], 1, "acting")
     assert all(u.in_flight == 0 for u in gateway.links.values())
+
+
+async def test_a_body_the_gateway_does_not_edit_reaches_the_worker_as_the_client_sent_it(gateway_over) -> None:
+    workers = Workers()
+    client, _ = await gateway_over(workers)
+    body = '{"model": "tiny",  "messages": [{"role": "user", "content": "répertoire \\u00e9"}], "max_tokens": 8}'
+    assert (await client.post("/v1/chat/completions", content=body.encode())).status_code == 200
+    assert workers.sent == [body.encode()]
+
+
+async def test_a_streamed_body_reaches_the_worker_as_sent_with_the_usage_request_added(gateway_over) -> None:
+    workers = Workers()
+    client, _ = await gateway_over(workers)
+    body = b'{"model":"tiny","messages":[{"role":"user","content":"ls"}],"stream":true}\n'
+    assert (await client.post("/v1/chat/completions", content=body)).status_code == 200
+    assert workers.sent == [b'{"model":"tiny","messages":[{"role":"user","content":"ls"}],"stream":true,'
+                            b'"stream_options":{"include_usage":true}}']  # fmt: skip
+
+
+async def test_a_utf16_body_reaches_the_worker_encoded_again(gateway_over) -> None:
+    workers = Workers()
+    client, _ = await gateway_over(workers)
+    body = chat(None, stream=True)
+    assert (await client.post("/v1/chat/completions", content=json.dumps(body).encode("utf-16"))).status_code == 200
+    assert json.loads(workers.sent[0].decode("utf-8")) == body | {"stream_options": {"include_usage": True}}
 
 
 async def test_an_engine_error_is_relayed_with_its_status_and_not_retried(gateway_over) -> None:

@@ -103,6 +103,11 @@ def nesting_depth(value: Any) -> int:
 
 
 async def read_json_object(request: Request, limits: BodyLimits = BodyLimits()) -> dict:
+    return (await read_json_body(request, limits))[1]
+
+
+async def read_json_body(request: Request, limits: BodyLimits = BodyLimits()) -> tuple[bytes, dict]:
+    """The body as sent, and parsed (a JSON object within `limits`, else a BadRequest)."""
     too_deep = f"request body nests arrays/objects deeper than {limits.max_depth} levels"
     raw = await read_body(request, limits.max_bytes)
     try:
@@ -115,7 +120,7 @@ async def read_json_object(request: Request, limits: BodyLimits = BodyLimits()) 
         raise BadRequest(f"request body must be a JSON object, not {json_type(body)}")
     if nesting_depth(body) > limits.max_depth:
         raise BadRequest(too_deep)
-    return body
+    return raw, body
 
 
 def valid_program_id(value: Any, where: str = "program_id") -> str:

@@ -20,6 +20,7 @@ from thunderctl.gateway.gateway import Gateway, WorkerError
 from thunderctl.gateway.metrics import render_metrics
 from thunderctl.gateway.requests import (
     PROGRAM_HEADER,
+    as_sent,
     check_generation_fields,
     ends_session,
     pop_docker_ids,
@@ -34,6 +35,7 @@ from thunderctl.jsonapi import (
     BodyLimits,
     bad_request,
     error,
+    read_json_body,
     read_json_object,
     valid_program_id,
 )
@@ -62,21 +64,24 @@ def build_app(
 
     async def completions(request: Request) -> Response:
         try:
-            body = await read_json_object(request, limits)
+            raw, body = await read_json_body(request, limits)
+            sent = as_sent(raw, body)
             headers = dict(request.headers)
             program_id = pop_program_id(body, headers)
             group = pop_group_id(body, headers)
             final = ends_session(headers, program_id)
         except BadRequest as exc:
             return bad_request(exc)
-        response = await answer(request.url.path, body, program_id, group)
+        response = await answer(request.url.path, body, program_id, group, sent)
         if final:
             # The session's last request, whatever its answer: released once the response has
             # gone out (a stream, after its last byte), as POST /programs/release would.
             response.background = BackgroundTask(release_program, program_id)
         return response
 
-    async def answer(path: str, body: dict[str, Any], program_id: str | None, group: str | None) -> Response:
+    async def answer(
+        path: str, body: dict[str, Any], program_id: str | None, group: str | None, sent: bytes | None
+    ) -> Response:
         try:
             docker_ids = pop_docker_ids(body)
             check_generation_fields(body)
@@ -89,7 +94,7 @@ def build_app(
         if docker_ids and program_id is not None and on_docker_ids is not None:
             on_docker_ids(program_id, docker_ids)
         try:
-            relayed = await gateway.relay(path, body, program_id, shape, claim, group)
+            relayed = await gateway.relay(path, body, program_id, shape, claim, group, sent)
         except (WorkerError, httpx.HTTPError) as exc:
             return error(502, str(exc), "backend_error")
         # The client learns the program it was given, to release it or to name it from now on.

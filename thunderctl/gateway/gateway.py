@@ -27,7 +27,7 @@ from thunderctl.gateway.derived import DerivedPrograms
 from thunderctl.gateway.identity import Claim, IdentityConfig
 from thunderctl.gateway.links import WorkerLink, WorkerState
 from thunderctl.gateway.recorder import TraceRecorder
-from thunderctl.gateway.requests import PromptShape, TokenEstimator
+from thunderctl.gateway.requests import PromptShape, TokenEstimator, relayed_payload
 from thunderctl.gateway.sse import StreamRelay
 from thunderctl.gateway.stalls import StallWatch, UnansweredRequests, WorkerStalled
 from thunderctl.gateway.timings import GatewayTimings, watch_loop_lag
@@ -125,11 +125,18 @@ class Gateway:
         self._endpoints: dict[tuple[str, str], httpx.URL] = {}
         # Every call to a worker (relay, health, metrics) carries the cluster's worker key.
         stream_interval_s = (relay or RelayConfig()).stream_interval_ms / 1000
+        self._transport = transport or AiohttpTransport(WORKER_KEEPALIVE_S, stream_interval_s)
         self._client = httpx.AsyncClient(
             headers=bearer_headers(worker_key),
             timeout=httpx.Timeout(None, connect=connect_timeout_s),
-            transport=transport or AiohttpTransport(WORKER_KEEPALIVE_S, stream_interval_s),
+            transport=self._transport,
         )
+        # A relayed request goes straight to the transport with the client's headers and timeouts:
+        # the client's per-request work (URL and cookie merging, its cookie jar read and written,
+        # auth and redirect handling, a wrapper around every read of the answer) is none a relay needs.
+        self._relay_headers = httpx.Headers(self._client.headers)
+        self._relay_headers["content-type"] = "application/json"
+        self._relay_extensions = {"timeout": self._client.timeout.as_dict()}
 
     # ---- life -----------------------------------------------------------------------------
 
@@ -331,10 +338,12 @@ class Gateway:
         shape: PromptShape,
         claim: Claim | None = None,
         group: str | None = None,
+        sent: bytes | None = None,
     ) -> Relayed:
         """Send the request to its worker; account the engine's usage when it ends. `claim`: the
         request's derived program, whose conversation its answer extends; `group`: the program's
-        group (groups.py), named or derived.
+        group (groups.py), named or derived; `sent`: the body's bytes as the client sent them, when
+        the worker can have them so (requests.as_sent).
 
         A request that fails before any byte reached the client (its worker died or stalled) is tried
         once more on another worker.
@@ -347,8 +356,7 @@ class Gateway:
             body["stream_options"] = {**options, "include_usage": True}
         if self.recorder is not None and program_id is not None:
             self.recorder.on_request(program_id)
-        # ASCII escapes: a lone surrogate from the client's JSON stays representable.
-        payload = json.dumps(body).encode()
+        payload = relayed_payload(body, sent, stream)
         for attempt in (1, 2):
             link, waited = await self.admit(program_id, shape, group)
             if waited and self.resumed_priority is not None:
@@ -359,15 +367,14 @@ class Gateway:
             response = None
             try:
                 async with self.unanswered.waiting_on(link.id):  # given up if the worker stalls
-                    response = await self._client.send(
-                        self._client.build_request(
-                            "POST",
-                            self._endpoint(link, path),
-                            content=payload,
-                            headers={"content-type": "application/json"},
-                        ),
-                        stream=True,
+                    request = httpx.Request(
+                        "POST",
+                        self._endpoint(link, path),
+                        headers=self._relay_headers,
+                        content=payload,
+                        extensions=self._relay_extensions,
                     )
+                    response = await self._transport.handle_async_request(request)
                     if response.status_code == 200 and stream:
                         lines = self._relay_stream(
                             response, link, program_id, shape, client_wants_usage, answer, claim, path

@@ -24,13 +24,15 @@ class ServeProcess(ChildServer):
         log_path: Path,
         api_key: str | None = None,
         pythonpath: Path | None = None,
+        prefix: Sequence[str] = (),
     ) -> None:
         """`api_key` defaults to $THUNDERCTL_API_KEY, which the gateway would read anyway; `pythonpath`:
-        the checkout whose thunderctl runs (default: the caller's)."""
+        the checkout whose thunderctl runs (default: the caller's); `prefix`: a command that runs
+        the gateway's (a profiler's, as `valgrind --tool=callgrind`)."""
         self.api_key = api_key or env_api_key()
 
         def command(port: int) -> list[str]:
-            command = [sys.executable, "-m", "thunderctl", "serve", "--port", str(port)]
+            command = [*prefix, sys.executable, "-m", "thunderctl", "serve", "--port", str(port)]
             for worker in workers:
                 command += ["--worker", worker]
             return [*command, *options]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from typing import Annotated, Any, get_args
 
@@ -20,6 +21,31 @@ GROUP_HEADER = "x-group-id"
 # Dynamo's clients name an agent's session, and mark its last request, with these.
 SESSION_HEADER = "x-dynamo-session-id"
 SESSION_FINAL_HEADER = "x-dynamo-session-final"
+
+
+# What the gateway takes out of a body, or merges its own into: a body with none of these fields goes
+# on to the worker as the client's own bytes (but for the usage the gateway asks a stream for).
+EDITED_FIELDS = frozenset({"program_id", "group_id", "docker_ids", "extra_body", "stream_options"})
+ASK_USAGE = b',"stream_options":{"include_usage":true}}'
+
+
+def as_sent(raw: bytes, body: dict[str, Any]) -> bytes | None:
+    """The body's bytes, when the worker can have them as the client sent them (None: the gateway
+    edits the body, which is then encoded again). A 130 KB chat costs 0.3 ms to encode, per request."""
+    sent = raw.strip(b" \t\r\n")
+    # A UTF-16 or UTF-32 body (which JSON allows) does not start and end with these bytes.
+    if body and EDITED_FIELDS.isdisjoint(body) and sent.startswith(b"{") and sent.endswith(b"}"):
+        return sent
+    return None
+
+
+def relayed_payload(body: dict[str, Any], sent: bytes | None, stream: bool) -> bytes:
+    """What goes to the worker: the client's bytes (`as_sent`) with the gateway's request for a
+    stream's usage added as the object's last member, or else the body encoded again."""
+    if sent is None:
+        # ASCII escapes: a lone surrogate from the client's JSON stays representable.
+        return json.dumps(body).encode()
+    return sent[:-1] + ASK_USAGE if stream else sent
 
 
 def pop_program_id(body: dict[str, Any], headers: dict[str, str]) -> str | None:

@@ -76,12 +76,16 @@ class AiohttpStream(httpx.AsyncByteStream):
         self._interval_s = interval_s
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        previous = None
+        # readany() itself rather than iter_any(), its iterator: one layer less to pass per read.
+        content, previous = self._response.content, None
         try:
-            async for data in self._response.content.iter_any():
+            while data := await content.readany():
+                if not self._interval_s:
+                    yield data
+                    continue
                 now = time.monotonic()
                 yield data
-                if self._interval_s and previous is not None and now - previous < self._interval_s:
+                if previous is not None and now - previous < self._interval_s:
                     await self._rest()
                 previous = now
         except (TimeoutError, aiohttp.ClientError) as exc:
