@@ -173,7 +173,6 @@ class VirtualAgents:
     # A rollout batch (sim/rollout.py): programs in groups of `samples` (index // samples), which
     # share their first prompt; and no program starts after the first `concurrency`.
     samples: int = 0
-    refill: bool = True
     records: list[SimStep] = field(default_factory=list)
     completed: list[ProgramRun] = field(default_factory=list)  # programs that started at step 0, in end order
     sent: dict[int, float] = field(default_factory=dict)  # every such program's first request, ended or not
@@ -246,5 +245,5 @@ class VirtualAgents:
             self.completed.append(ProgramRun(run.index, run.sent_s, self.clock.now, len(run.steps)))
         if self.client.releases:
             self.router.release(run.program_id)
-        if self.refill:
+        if not self.samples:  # a closed loop: its slot starts the next program
             self._start_program()
