@@ -31,6 +31,7 @@ from thunderctl.daemon.supervisor import RestartPlanner
 from thunderctl.gateway import Gateway
 from thunderctl.gateway.admin import NotNow, WeightSync
 from thunderctl.gateway.auth import GatewayAuth
+from thunderctl.gateway.views import groups_view
 from thunderctl.jsonapi import BadRequest, bad_request, error, read_json_object, shown
 from thunderctl.scheduler import Phase, Status
 
@@ -135,7 +136,7 @@ def status_view(daemon: Daemon) -> ClusterStatus:
             acting_weight=round(scheduler.acting_weight, 3),
             admission_gate_open=scheduler.tuner.gate_open,
             utilization=round(gateway.last_utilization, 3),
-            groups=[GroupCounts(group_id=g, done=done, total=total) for g, done, total in scheduler.groups.counts()],
+            groups=[GroupCounts.model_validate(group) for group in groups_view(gateway)],
         ),
         sandboxes=SandboxStatus.model_validate(daemon.sandbox_stats()),
         pause=PauseStatus.model_validate(daemon.weights.view()),

@@ -10,7 +10,7 @@ if TYPE_CHECKING:
 
 def groups_view(gateway: Gateway) -> list[dict[str, Any]]:
     """Each group the scheduler keeps: its programs that ended and all it has seen, the nearest
-    done first (the groups whose programs all ended last)."""
+    done first (the groups whose programs all ended last). The daemon's `/status` shows the same rows."""
     return [{"group_id": g, "done": done, "total": total} for g, done, total in gateway.scheduler.groups.counts()]
 
 
