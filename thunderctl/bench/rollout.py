@@ -75,8 +75,8 @@ class BatchFigures:
     # the batch did not complete (a request failed), as the simulator reports it.
     makespan_s: float | None
     # When the median group's last sample answered, over all the batch's groups (GroupFigures).
-    median_group_s: float | None
-    last_group_s: float | None  # the last group's; None unless every group completed
+    group_median_s: float | None
+    group_last_s: float | None  # the last group's; None unless every group completed
     programs_per_min: float | None  # completed programs per minute of the batch's time
     hit_rate: float | None  # prefix-cache hits ÷ queries on the engines over the batch
     failed_requests: int
@@ -99,8 +99,8 @@ def batch_figures(arm: str, batch: int, result: LoadResult, programs: int, sampl
         programs_completed=result.programs_completed,
         last_answer_s=last_answer,
         makespan_s=last_answer if complete else None,
-        median_group_s=groups.median_s,
-        last_group_s=groups.last_s,
+        group_median_s=groups.median_s,
+        group_last_s=groups.last_s,
         programs_per_min=60.0 * result.programs_completed / last_answer if last_answer > 0 else None,
         hit_rate=result.engines.hit_rate,
         failed_requests=result.steps_failed,
@@ -125,8 +125,8 @@ def arm_figures(batches: Sequence[BatchFigures], outcome: ArmOutcome) -> dict[st
     return {
         "batches": len(batches),
         "makespan_s": mean_of([b.makespan_s for b in batches]),
-        "median_group_s": mean_of([b.median_group_s for b in batches]),
-        "last_group_s": mean_of([b.last_group_s for b in batches]),
+        "group_median_s": mean_of([b.group_median_s for b in batches]),
+        "group_last_s": mean_of([b.group_last_s for b in batches]),
         "programs_per_min": 60.0 * sum(b.programs_completed for b in batches) / busy_s if busy_s > 0 else None,
         "hit_rate": combined.engines.hit_rate,
         "programs": sum(b.programs for b in batches),
@@ -168,7 +168,7 @@ def rollout_ratios(arms: dict[str, dict[str, Any]]) -> dict[str, float | None]:
     if "cluster" not in arms or "direct" not in arms:
         return {}
     cluster, direct = arms["cluster"], arms["direct"]
-    figures = ("makespan_s", "median_group_s", "last_group_s", "programs_per_min")
+    figures = ("makespan_s", "group_median_s", "group_last_s", "programs_per_min")
     return {
         figure: cluster[figure] / direct[figure] if cluster[figure] is not None and direct[figure] else None
         for figure in figures

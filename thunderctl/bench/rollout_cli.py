@@ -56,7 +56,7 @@ class BatchProgress(LiveProgress):
         self.bar.advance(self.overall)
         self.bar.console.print(
             f"{time.strftime('%H:%M:%S')} {arm} batch {batch + 1} done: makespan {fmt(figures.makespan_s, ' s', 1)}, "
-            f"median group {fmt(figures.median_group_s, ' s', 1)}, {figures.programs_completed}/{figures.programs} "
+            f"median group {fmt(figures.group_median_s, ' s', 1)}, {figures.programs_completed}/{figures.programs} "
             f"programs, hit rate {fmt(figures.hit_rate)}, {figures.failed_requests} failed, {figures.resent_requests} resent"
             + (f" [yellow]{escape(warning)}[/]" if warning else "")
         )
@@ -77,7 +77,7 @@ def rollout_table(report: dict[str, Any]) -> Table:
     for batch in report["batches"]:
         table.add_row(
             batch["arm"], str(batch["batch"] + 1), fmt(batch["makespan_s"], " s", 1),
-            fmt(batch["median_group_s"], " s", 1), fmt(batch["last_group_s"], " s", 1),
+            fmt(batch["group_median_s"], " s", 1), fmt(batch["group_last_s"], " s", 1),
             fmt(batch["programs_per_min"], digits=1), fmt(batch["hit_rate"]),
             f"{batch['programs_completed']}/{batch['programs']}", str(batch["failed_requests"]),
             str(batch["resent_requests"]),
@@ -85,15 +85,15 @@ def rollout_table(report: dict[str, Any]) -> Table:
     table.add_section()
     for name, arm in report["arms"].items():
         table.add_row(
-            name, "mean", fmt(arm["makespan_s"], " s", 1), fmt(arm["median_group_s"], " s", 1),
-            fmt(arm["last_group_s"], " s", 1), fmt(arm["programs_per_min"], digits=1), fmt(arm["hit_rate"]),
+            name, "mean", fmt(arm["makespan_s"], " s", 1), fmt(arm["group_median_s"], " s", 1),
+            fmt(arm["group_last_s"], " s", 1), fmt(arm["programs_per_min"], digits=1), fmt(arm["hit_rate"]),
             f"{arm['programs_completed']}/{arm['programs']}", str(arm["failed_requests"]),
             str(arm["resent_requests"]),
         )  # fmt: skip
     if ratios := report["ratios"]:
         table.add_row(
-            "cluster/direct", "", fmt(ratios["makespan_s"], "x"), fmt(ratios["median_group_s"], "x"),
-            fmt(ratios["last_group_s"], "x"), fmt(ratios["programs_per_min"], "x"), "", "", "", "",
+            "cluster/direct", "", fmt(ratios["makespan_s"], "x"), fmt(ratios["group_median_s"], "x"),
+            fmt(ratios["group_last_s"], "x"), fmt(ratios["programs_per_min"], "x"), "", "", "", "",
         )  # fmt: skip
     return table
 
