@@ -77,6 +77,12 @@ class SchedulerConfig(BaseModel):
     end_gap_window: int = Field(
         4096, ge=1, description="recent continuation gaps of the cluster kept for the longest, which ending waits for"
     )
+    end_likely_odds: float = Field(
+        2.0, gt=0, description="a silent program gives up its room once this many times likelier ended than continued"
+    )
+    end_chance_window: int = Field(
+        1024, ge=1, description="recent answers of unreleased programs the chance of their continuation is read from"
+    )
     end_unlearnt_s: float = Field(
         900.0, gt=0, description="silence after which a program ends while too few continuation gaps are known"
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -20,9 +21,12 @@ class EndingLaw:
     after its last answer. Before any key has enough gaps, it ends after `unlearnt_s`.
 
     Long before that it is *likely ended*: once its silence is longer than all but a share
-    (1 − r) / r of the gaps, where r is the chance that an answer is continued at all, a program
-    that ended is more likely than one still in its tool (r·S(t) < 1 − r, S the gaps' survival).
-    Then its room is not held for it while others wait, nor reserved ahead of it.
+    (1 − r) / (odds · r) of the gaps, where r is the chance that an answer is continued at all
+    (Continuations), a program that ended is `odds` times likelier than one still in its tool
+    (odds · r·S(t) < 1 − r, S the gaps' survival). Then its room is not held for it while others
+    wait, nor reserved ahead of it. The odds are above even because the two mistakes do not cost
+    the same: a live program paused waits in the queue and is re-prefilled, an ended one held
+    costs its room only until the next pass.
     """
 
     floor_s: float
@@ -30,10 +34,14 @@ class EndingLaw:
     margin: float
     unlearnt_s: float
     min_samples: int
+    odds: float
 
     @classmethod
     def from_config(cls, cfg: SchedulerConfig) -> EndingLaw:
-        return cls(cfg.end_floor_s, cfg.end_quantile, cfg.end_margin, cfg.end_unlearnt_s, cfg.tool_time_min_samples)
+        return cls(
+            cfg.end_floor_s, cfg.end_quantile, cfg.end_margin, cfg.end_unlearnt_s, cfg.tool_time_min_samples,
+            cfg.end_likely_odds,
+        )  # fmt: skip
 
     def ended(self, programs: Iterable[Program], tool_times: ToolTimes, now: float) -> Iterator[Program]:
         """The programs not continued within the law: they end, as a release ends them."""
@@ -52,8 +60,8 @@ class EndingLaw:
         return max(self.floor_s, self.margin * max(gaps) if gaps else self.unlearnt_s)
 
     def likely_ended(self, tool_times: ToolTimes, return_chance: float, now: float) -> Callable[[Program], bool]:
-        """A test of whether a program is silent so long that it has more likely ended than not
-        (False before any evidence), made once per pass over the programs.
+        """A test of whether a program is silent so long that it has likely ended (`odds` times
+        likelier than not; False before any evidence), made once per pass over the programs.
 
         Every gap lands in the cluster's samples, so the cluster's threshold bounds every
         program's from below and no key has evidence before the cluster has: it is read once,
@@ -62,8 +70,8 @@ class EndingLaw:
         cluster = tool_times.cluster
         if len(cluster) < self.min_samples:
             return lambda program: False
-        share = 1.0 - (1.0 - return_chance) / return_chance
-        # share <= 0: answers are more often the last than continued, so silence alone decides.
+        share = 1.0 - (1.0 - return_chance) / (self.odds * return_chance)
+        # share <= 0: answers are so often the last that silence alone decides.
         floor = cluster.quantile(share) if share > 0 else -math.inf
 
         def test(program: Program) -> bool:
@@ -80,6 +88,50 @@ class EndingLaw:
         if program.tool is not None:
             keys.append(tool_times.by_tool.get(program.tool))
         return (samples for samples in keys if samples is not None and len(samples) >= self.min_samples)
+
+
+@dataclass
+class Continuations:
+    """The chance r that an answer is continued, read from the last `window` answers of programs
+    nobody released.
+
+    A release says when a program ended, so released ends are not evidence about the silent
+    programs: for a client that releases, r stays near 1 and the likely-ended test waits for the
+    longest gaps. A continuation is known within its gap, an end only at expiry (margin × the
+    longest gap later): counted so, r would read high through every short run and for minutes
+    after a load of short programs starts. So each answer still open also counts, as continued
+    with its posterior chance given its silence, and r is the fixed point of that estimate (the
+    EM of a cure-rate model): an answer silent past every gap counts as an end at once.
+    """
+
+    window: int
+    continued: float = 0.0
+    ended: float = 0.0
+
+    def observe(self, continued: bool) -> None:
+        keep = 1.0 - 1.0 / self.window
+        self.continued, self.ended = self.continued * keep, self.ended * keep
+        if continued:
+            self.continued += 1.0
+        else:
+            self.ended += 1.0
+
+    def chance(self, survivals: Iterable[float]) -> float:
+        """r, given each open answer's survival: the share of the gaps longer than its silence so far."""
+        # The survivals are shares of one window of samples: a few hundred values at most.
+        counts = Counter(survivals)
+        known = self.continued + self.ended + sum(counts.values()) + 2.0  # Laplace's rule: +1 each way
+        chance = (self.continued + 1.0) / (self.continued + self.ended + 2.0)
+        for _ in range(EM_ITERATIONS):
+            expected = sum(n * chance * s / (chance * s + 1.0 - chance) for s, n in counts.items())
+            chance, before = (self.continued + expected + 1.0) / known, chance
+            if abs(chance - before) < EM_TOLERANCE:
+                break
+        return chance
+
+
+EM_ITERATIONS = 100
+EM_TOLERANCE = 1e-5
 
 
 def silent(program: Program) -> bool:

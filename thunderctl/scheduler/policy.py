@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 from thunderctl.scheduler.admission import AdmissionTuner
 from thunderctl.scheduler.capacity import decode_fits, gpu_binds, gpu_room, headroom
 from thunderctl.scheduler.config import Decay, SchedulerConfig
-from thunderctl.scheduler.ending import EndingLaw
+from thunderctl.scheduler.ending import Continuations, EndingLaw, silent
 from thunderctl.scheduler.events import Counters, EventKind, Listener, ProgramEvent, notify
 from thunderctl.scheduler.groups import GroupBook
 from thunderctl.scheduler.ledger import Ledger, Load, recharged
@@ -44,6 +44,8 @@ class Scheduler:
         self._waiting = WaitingQueue(self.config, self._queue_delay_s)
         self.retention = RetentionLaw.from_config(self.config)
         self.ending = EndingLaw.from_config(self.config)
+        self.continuations = Continuations(self.config.end_chance_window)
+        self._continue_chance = self.continuations.chance(())  # read again each tick
         self.counters = Counters()
         self.tuner = AdmissionTuner(self.config)
         self.wait_bound = WaitBound(self.config)
@@ -130,6 +132,8 @@ class Scheduler:
             self.programs[program_id] = program
             self._emit(EventKind.CREATED, program)
         self.groups.join(program, group)
+        if program.responded_at is not None:
+            self.continuations.observe(continued=True)
         self.retention.on_request(program, now)
         waiting_since = program.waiting_since or now
         with recharged(program, self._ledgers, self._waiting, self.config.buffer_tokens):
@@ -230,6 +234,7 @@ class Scheduler:
         """
         try:
             self._expire_idle()
+            self._continue_chance = self._read_continue_chance()
             if self.config.nearest_end_s is not None:  # else nobody asks: no sort of thousands a tick
                 self.lengths.survey(p.steps for p in self.programs.values())
             self._pause_likely_ended()
@@ -275,12 +280,24 @@ class Scheduler:
     def _expire_idle(self) -> None:
         """End the programs not continued within the learnt law (ending.py), as a release does."""
         for program in self.ending.ended(list(self.programs.values()), self.retention.tool_times, self.clock()):
+            if program.responded_at is not None:
+                self.continuations.observe(continued=False)
             self._terminate(program, EventKind.EXPIRED)
             self.counters.expired += 1
 
+    def _read_continue_chance(self) -> float:
+        """The continuation chance given every open answer's silence (ending.Continuations)."""
+        gaps, now = self.retention.tool_times.cluster, self.clock()
+        if not len(gaps):
+            return self.continuations.chance(())
+        return self.continuations.chance(
+            gaps.survival(now - p.responded_at)
+            for p in self.programs.values()
+            if p.responded_at is not None and silent(p)
+        )
+
     def _likely_ended(self) -> Callable[[Program], bool]:
-        law = self.retention
-        return self.ending.likely_ended(law.tool_times, law.returns.chance, self.clock())
+        return self.ending.likely_ended(self.retention.tool_times, self._continue_chance, self.clock())
 
     def _pause_likely_ended(self) -> None:
         """While requests wait, an ACTING program that has likely ended gives up its room (its KV

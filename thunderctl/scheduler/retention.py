@@ -45,6 +45,10 @@ class GapSamples:
             total = self._tail_sums[start] = sum(self._sorted[start:])
         return total / count - elapsed_s
 
+    def survival(self, elapsed_s: float) -> float:
+        """The share of the samples longer than `elapsed_s` (non-empty)."""
+        return 1.0 - bisect.bisect_right(self._sorted, elapsed_s) / len(self._sorted)
+
     def quantile(self, q: float) -> float:
         """The q-th quantile (0-1) of the samples, the nearest one at or above it (non-empty)."""
         return self._sorted[min(len(self._sorted) - 1, max(0, math.ceil(q * len(self._sorted)) - 1))]
