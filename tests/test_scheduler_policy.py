@@ -15,6 +15,7 @@ from thunderctl.scheduler import (
     SchedulerConfig,
     Status,
 )
+from thunderctl.scheduler.ending import Continuations
 from thunderctl.sim.clock import VirtualClock
 
 # Round numbers: capacity 1000, no per-program buffer unless a test asks for one.
@@ -349,6 +350,40 @@ def test_a_slow_tool_keeps_its_room_past_the_clusters_gaps_until_its_own_while_o
     sched.tick()
     assert sched.programs["slow"].status is Status.PAUSED
     assert sched.programs["hog"].status is Status.ACTIVE
+
+
+def test_programs_released_at_their_end_do_not_make_a_live_programs_silence_look_like_an_end() -> None:
+    sched, clock, _ = make(retention=False, tool_time_window=100, end_gap_window=100)
+    teach_gaps(sched, clock, [2.0] * 90 + [10.0] * 10)
+    for i in range(50):  # a client that releases: every end is said, none is silent
+        run_step(sched, f"done{i}", 1)
+        sched.release(f"done{i}")
+    run_step(sched, "slow", 300)
+    clock.now += 5  # longer than nine gaps in ten, shorter than the rest
+    assert sched.on_request("hog", 800) is None
+    sched.tick()
+    assert sched.programs["slow"].status is Status.ACTIVE
+
+
+def test_answers_silent_past_every_gap_count_as_ends_before_any_expires() -> None:
+    continuations = Continuations(window=1024)
+    for _ in range(90):
+        continuations.observe(continued=True)
+    assert continuations.chance([]) > 0.98
+    # Ten programs silent past every gap seen, none expired yet: one answer in ten was the last.
+    continued = continuations.continued  # 90 answers, the older ones a little forgotten
+    assert continuations.chance([0.0] * 10) == pytest.approx((continued + 1) / (continued + 10 + 2))
+    # Silent within the gaps, they are as likely continued as any answer: no evidence of an end.
+    assert continuations.chance([1.0] * 10) == pytest.approx(continuations.chance([]), abs=1e-3)
+
+
+def test_the_continuation_chance_follows_the_recent_answers() -> None:
+    continuations = Continuations(window=100)
+    for _ in range(1000):
+        continuations.observe(continued=True)
+    for answer in range(500):  # five windows of answers of which half are the last
+        continuations.observe(continued=bool(answer % 2))
+    assert continuations.chance([]) == pytest.approx(0.5, abs=0.05)
 
 
 def test_release_is_idempotent_and_frees_the_reservation() -> None:

@@ -4,6 +4,7 @@ no I/O (listeners)."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable
 
@@ -45,7 +46,7 @@ class Scheduler:
         self.retention = RetentionLaw.from_config(self.config)
         self.ending = EndingLaw.from_config(self.config)
         self.continuations = Continuations(self.config.end_chance_window)
-        self._continue_chance = self.continuations.chance(())  # read again each tick
+        self._continue_chance = (-math.inf, 1.0)  # (read at, chance): read at most once a tick interval
         self.counters = Counters()
         self.tuner = AdmissionTuner(self.config)
         self.wait_bound = WaitBound(self.config)
@@ -234,7 +235,6 @@ class Scheduler:
         """
         try:
             self._expire_idle()
-            self._continue_chance = self._read_continue_chance()
             if self.config.nearest_end_s is not None:  # else nobody asks: no sort of thousands a tick
                 self.lengths.survey(p.steps for p in self.programs.values())
             self._pause_likely_ended()
@@ -285,19 +285,24 @@ class Scheduler:
             self._terminate(program, EventKind.EXPIRED)
             self.counters.expired += 1
 
-    def _read_continue_chance(self) -> float:
-        """The continuation chance given every open answer's silence (ending.Continuations)."""
-        gaps, now = self.retention.tool_times.cluster, self.clock()
-        if not len(gaps):
-            return self.continuations.chance(())
-        return self.continuations.chance(
-            gaps.survival(now - p.responded_at)
-            for p in self.programs.values()
-            if p.responded_at is not None and silent(p)
-        )
+    def _continuation_chance(self) -> float:
+        """The chance an answer is continued, given every open answer's silence (ending.Continuations).
+
+        It walks every program and every request asks it while others wait, so it is read at
+        most once a tick interval: it moves slowly.
+        """
+        now = self.clock()
+        read_at, chance = self._continue_chance
+        if now - read_at < self.config.tick_interval_s:
+            return chance
+        gaps = self.retention.tool_times.cluster
+        silences = [now - p.responded_at for p in self.programs.values() if p.responded_at is not None and silent(p)]
+        chance = self.continuations.chance([gaps.survival(t) for t in silences] if len(gaps) else [])
+        self._continue_chance = (now, chance)
+        return chance
 
     def _likely_ended(self) -> Callable[[Program], bool]:
-        return self.ending.likely_ended(self.retention.tool_times, self._continue_chance, self.clock())
+        return self.ending.likely_ended(self.retention.tool_times, self._continuation_chance(), self.clock())
 
     def _pause_likely_ended(self) -> None:
         """While requests wait, an ACTING program that has likely ended gives up its room (its KV
