@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -10,8 +11,9 @@ import pytest
 from typer.testing import CliRunner
 
 from thunderctl.bench.cli import WorkloadChoice, bench_app
+from thunderctl.bench.closed_loop import Target
 from thunderctl.bench.recorded import RECORDED_SWE_LITE_SOURCE
-from thunderctl.bench.replay import ArmOutcome, TraceWorkload, slice_order
+from thunderctl.bench.replay import Arm, ArmOutcome, TraceWorkload, slice_order, wait_until_quiet
 from thunderctl.bench.report import arm_summary, plot_report, ratios, report_table, timeline, verdict
 from thunderctl.bench.results import CacheDelta, CounterSample, LoadResult, StepRecord
 from thunderctl.bench.swe_lite import TOOL_SECONDS, SweLite
@@ -141,6 +143,32 @@ def test_arms_alternate_abba_so_drift_cancels() -> None:
     assert slice_order(["cluster", "direct"], 2) == [("cluster", 0), ("direct", 0), ("direct", 1), ("cluster", 1)]
     assert slice_order(["cluster", "direct"], 1, flip=1) == [("direct", 0), ("cluster", 0)]
     assert slice_order(["cluster"], 2) == [("cluster", 0), ("cluster", 1)]
+
+
+def quiet_after(phases: list[str]) -> str:
+    """wait_until_quiet's answer with idle engines and a gateway holding programs in `phases`."""
+
+    def serve(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text="vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n")
+        return httpx.Response(
+            200, json={"programs": [{"program_id": f"p{i}", "phase": p} for i, p in enumerate(phases)]}
+        )
+
+    async def ask() -> str:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(serve)) as client:
+            gateway = Arm("cluster", Target.gateway("http://gateway"), "http://gateway")
+            return await wait_until_quiet(client, ["http://engine"], gateway, timeout=1.0)
+
+    return asyncio.run(ask())
+
+
+def test_programs_left_in_their_tools_by_clients_that_never_release_do_not_hold_up_the_next_slice() -> None:
+    assert quiet_after(["acting", "acting"]) == ""
+
+
+def test_a_program_with_a_request_still_in_the_gateway_holds_up_the_next_slice() -> None:
+    assert "still busy" in quiet_after(["acting", "reasoning"])
 
 
 def step(start: float, end: float, ok: bool = True) -> StepRecord:

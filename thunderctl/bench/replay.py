@@ -25,6 +25,7 @@ from thunderctl.bench.swe_lite import ScaledWorkload
 from thunderctl.engines.vllm import fetch_metrics
 from thunderctl.jsonapi import bearer_headers
 from thunderctl.prometheus import parse_samples
+from thunderctl.scheduler import Phase
 from thunderctl.traceformat import TraceProgram
 
 GATEWAY_COUNTERS = (
@@ -129,7 +130,14 @@ async def gateway_counters(client: httpx.AsyncClient, arm: Arm) -> dict[str, flo
 async def wait_until_quiet(
     client: httpx.AsyncClient, engine_urls: Sequence[str], gateway: Arm | None, timeout: float = QUIET_TIMEOUT_S
 ) -> str:
-    """Let the engines drain what a slice left behind; returns a warning, or "" when quiet."""
+    """Let the engines and the gateway drain what a slice left behind; returns a warning, or ""
+    when quiet.
+
+    Quiet is no request running or waiting anywhere. A program whose client is in its tool, or
+    gone without a release (`--client unreleased|unchanged`), asks nothing more: it ends by
+    the gateway's law in its own time, as it would in service, and waiting for that here would
+    be a minute or more after every slice.
+    """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         metrics = await asyncio.gather(*(fetch_metrics(client, url) for url in engine_urls))
@@ -139,7 +147,7 @@ async def wait_until_quiet(
             if gateway
             else []
         )
-        if busy == 0 and not programs:
+        if busy == 0 and not any(program["phase"] == Phase.REASONING.value for program in programs):
             return ""
         await asyncio.sleep(0.5)
     return f"engines or gateway still busy {timeout:.0f} s after a slice"
