@@ -296,7 +296,14 @@ class Scheduler:
         if now - read_at < self.config.tick_interval_s:
             return chance
         gaps = self.retention.tool_times.cluster
-        silences = [now - p.responded_at for p in self.programs.values() if p.responded_at is not None and silent(p)]
+        # A silence within the floor is no evidence of an end (no program ends within it): the gaps
+        # seen first are the short ones, and live programs in longer tools would look past them all.
+        floor = self.config.end_floor_s
+        silences = [
+            now - p.responded_at
+            for p in self.programs.values()
+            if p.responded_at is not None and now - p.responded_at > floor and silent(p)
+        ]
         chance = self.continuations.chance([gaps.survival(t) for t in silences] if len(gaps) else [])
         self._continue_chance = (now, chance)
         return chance
