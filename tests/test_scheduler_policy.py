@@ -365,6 +365,19 @@ def test_programs_released_at_their_end_do_not_make_a_live_programs_silence_look
     assert sched.programs["slow"].status is Status.ACTIVE
 
 
+def test_live_programs_silent_within_the_floor_are_no_evidence_that_programs_end() -> None:
+    sched, clock, _ = make(retention=False, tool_time_window=100, end_gap_window=100, end_floor_s=30)
+    teach_gaps(sched, clock, [2.0] * 90 + [10.0] * 10)
+    for i in range(20):
+        run_step(sched, f"long{i}", 1)
+    clock.now += 12  # in tools longer than any gap seen yet, as in the first minute of a run
+    run_step(sched, "slow", 300)
+    clock.now += 9  # longer than nine gaps in ten, shorter than the rest
+    assert sched.on_request("hog", 800) is None
+    sched.tick()
+    assert sched.programs["slow"].status is Status.ACTIVE
+
+
 def test_answers_silent_past_every_gap_count_as_ends_before_any_expires() -> None:
     continuations = Continuations(window=1024)
     for _ in range(90):

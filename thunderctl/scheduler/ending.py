@@ -99,9 +99,10 @@ class Continuations:
     programs: for a client that releases, r stays near 1 and the likely-ended test waits for the
     longest gaps. A continuation is known within its gap, an end only at expiry (margin × the
     longest gap later): counted so, r would read high through every short run and for minutes
-    after a load of short programs starts. So each answer still open also counts, as continued
-    with its posterior chance given its silence, and r is the fixed point of that estimate (the
-    EM of a cure-rate model): an answer silent past every gap counts as an end at once.
+    after a load of short programs starts. So each answer open past the end floor also counts
+    (the caller's choice of answers), as continued with its posterior chance given its silence,
+    and r is the fixed point of that estimate (the EM of a cure-rate model): an answer silent past
+    every gap counts as an end at once.
     """
 
     window: int
