@@ -352,17 +352,22 @@ def test_a_slow_tool_keeps_its_room_past_the_clusters_gaps_until_its_own_while_o
     assert sched.programs["hog"].status is Status.ACTIVE
 
 
+def status_silent_while_others_wait(sched: Scheduler, clock: VirtualClock, silent_s: float) -> Status:
+    """A program of 300 tokens answers and is silent `silent_s` while one of 800 waits for room."""
+    run_step(sched, "slow", 300)
+    clock.now += silent_s
+    assert sched.on_request("hog", 800) is None
+    sched.tick()
+    return sched.programs["slow"].status
+
+
 def test_programs_released_at_their_end_do_not_make_a_live_programs_silence_look_like_an_end() -> None:
     sched, clock, _ = make(retention=False, tool_time_window=100, end_gap_window=100)
     teach_gaps(sched, clock, [2.0] * 90 + [10.0] * 10)
     for i in range(50):  # a client that releases: every end is said, none is silent
         run_step(sched, f"done{i}", 1)
         sched.release(f"done{i}")
-    run_step(sched, "slow", 300)
-    clock.now += 5  # longer than nine gaps in ten, shorter than the rest
-    assert sched.on_request("hog", 800) is None
-    sched.tick()
-    assert sched.programs["slow"].status is Status.ACTIVE
+    assert status_silent_while_others_wait(sched, clock, silent_s=5) is Status.ACTIVE  # past 9 gaps in 10
 
 
 def test_live_programs_silent_within_the_floor_are_no_evidence_that_programs_end() -> None:
@@ -371,11 +376,7 @@ def test_live_programs_silent_within_the_floor_are_no_evidence_that_programs_end
     for i in range(20):
         run_step(sched, f"long{i}", 1)
     clock.now += 12  # in tools longer than any gap seen yet, as in the first minute of a run
-    run_step(sched, "slow", 300)
-    clock.now += 9  # longer than nine gaps in ten, shorter than the rest
-    assert sched.on_request("hog", 800) is None
-    sched.tick()
-    assert sched.programs["slow"].status is Status.ACTIVE
+    assert status_silent_while_others_wait(sched, clock, silent_s=9) is Status.ACTIVE  # past 9 gaps in 10
 
 
 def test_answers_silent_past_every_gap_count_as_ends_before_any_expires() -> None:

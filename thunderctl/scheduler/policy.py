@@ -299,12 +299,12 @@ class Scheduler:
         # A silence within the floor is no evidence of an end (no program ends within it): the gaps
         # seen first are the short ones, and live programs in longer tools would look past them all.
         floor = self.config.end_floor_s
-        silences = [
-            now - p.responded_at
+        survivals = [
+            gaps.survival(now - p.responded_at)
             for p in self.programs.values()
-            if p.responded_at is not None and now - p.responded_at > floor and silent(p)
+            if len(gaps) and p.responded_at is not None and now - p.responded_at > floor and silent(p)
         ]
-        chance = self.continuations.chance([gaps.survival(t) for t in silences] if len(gaps) else [])
+        chance = self.continuations.chance(survivals)
         self._continue_chance = (now, chance)
         return chance
 
