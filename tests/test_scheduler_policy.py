@@ -15,7 +15,7 @@ from thunderctl.scheduler import (
     SchedulerConfig,
     Status,
 )
-from thunderctl.scheduler.ending import Continuations
+from thunderctl.scheduler.ending import AnswerKinds, Continuations
 from thunderctl.sim.clock import VirtualClock
 
 # Round numbers: capacity 1000, no per-program buffer unless a test asks for one.
@@ -398,6 +398,36 @@ def test_the_continuation_chance_follows_the_recent_answers() -> None:
     for answer in range(500):  # five windows of answers of which half are the last
         continuations.observe(continued=bool(answer % 2))
     assert continuations.chance([]) == pytest.approx(0.5, abs=0.05)
+
+
+def test_after_an_answer_of_the_kind_programs_end_on_a_silence_gives_up_its_room_and_after_a_tool_keeps_it() -> None:
+    sched, clock, _ = make(retention=False, tool_time_window=100, end_gap_window=100)
+    teach_gaps(sched, clock, [2.0] * 90 + [10.0] * 10, "bash")
+    for i in range(10):  # programs nobody releases, whose last answer calls no tool: one answer in five
+        for tool in ["bash"] * 4 + [None]:
+            sched.on_request(f"old{i}", 1)
+            sched.on_response(f"old{i}", 1, 0, tool)
+    clock.now += 31
+    sched.tick()
+    assert not any(program_id.startswith("old") for program_id in sched.programs), "they ended by the law"
+    for program_id, tool in [("working", "bash"), ("done", None)]:
+        sched.on_request(program_id, 300)
+        sched.on_response(program_id, 300, 0, tool)
+    clock.now += 5  # longer than 9 gaps in 10: alike, the two would both look ended
+    assert sched.on_request("hog", 500) == "a"  # admitted at once, into the room the ended one gave up
+    assert sched.programs["done"].status is Status.PAUSED
+    assert sched.programs["working"].status is Status.ACTIVE
+
+
+def test_a_kind_of_answer_seen_a_few_times_reads_as_the_mean_one() -> None:
+    kinds = AnswerKinds(window=1024)
+    for _ in range(100):
+        for tool in ["bash"] * 9 + [None]:
+            kinds.observe(tool, ended=tool is None)
+    kinds.observe("rare", ended=True)
+    ratios = kinds.ratios()
+    assert ratios["bash"] < 0.2 and ratios[None] > 5  # a tool call is rarely the last answer, no tool call mostly is
+    assert 1.0 < ratios["rare"] < 2.0
 
 
 def test_release_is_idempotent_and_frees_the_reservation() -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from thunderctl.bench.planning import plan_program
 from thunderctl.bench.shapes import AgentShape, Uniform
-from thunderctl.sim.agents import VirtualAgents, aged_start_fraction
+from thunderctl.sim.agents import TOOL, VirtualAgents, aged_start_fraction
 from thunderctl.sim.clock import VirtualClock
 from thunderctl.sim.cost import EngineShape, LinearStepCost
 from thunderctl.sim.engine import Engine
@@ -93,3 +93,31 @@ def test_without_ageing_every_program_starts_at_its_first_step() -> None:
     first = first_records(aged=False)
     assert {step for step, _ in first.values()} == {0}
     assert all(first[index][1] == pytest.approx(PREPARATION_S) for index in range(CONCURRENCY))
+
+
+class ToolsSeen(StickyRouter):
+    """A sticky router that keeps the tool the gateway would read from each answer, by program."""
+
+    def __init__(self, workers: list[SimWorker]) -> None:
+        super().__init__(workers)
+        self.tools: dict[str, list[str | None]] = {}
+
+    def done(
+        self, program_id: str, worker: SimWorker, prompt_tokens: int, completion_tokens: int, tool: str | None = None
+    ) -> None:
+        super().done(program_id, worker, prompt_tokens, completion_tokens, tool)
+        self.tools.setdefault(program_id, []).append(tool)
+
+
+@pytest.mark.parametrize("tool_calls", [False, True])
+def test_tool_calling_agents_show_a_tool_in_every_answer_but_their_last(tool_calls) -> None:
+    clock = VirtualClock()
+    router = ToolsSeen([SimWorker("w0", Engine(SHAPE, COST), clock)])
+    loop = VirtualAgents(WORKLOAD, 3, CONCURRENCY, clock, router, SHAPE.block_size, tool_calls=tool_calls)
+    loop.start()
+    clock.run_until(600.0)
+    assert loop.completed, "some programs ended"
+    for run in loop.completed:
+        tools = router.tools[f"sim-3-{run.program_index}"]
+        assert len(tools) == run.steps
+        assert tools == ([TOOL] * (run.steps - 1) + [None] if tool_calls else [None] * run.steps)

@@ -231,6 +231,15 @@ def simulate(
             "programs end by the learnt law), unchanged (no id: programs as the gateway derives them, never released)."
         ),
     ] = Client.NAMED,
+    tool_calls: Annotated[
+        bool,
+        typer.Option(
+            "--tool-calls",
+            help="Answers call their tools as an OpenAI tool-calling loop's do, so the gateway sees what each calls, "
+            "and a program's last answer calls nothing (default: answers that tell nothing of what follows, "
+            "as text agents' may).",
+        ),
+    ] = False,
     out: Annotated[Path | None, typer.Option(help="Write the JSON report here (and the plot beside it).")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write the PNG plot here (default: --out with .png).")] = None,
     jobs: Annotated[
@@ -252,7 +261,7 @@ def simulate(
         spec = SimSpec(
             chosen, programs, concurrencies[0], duration, workers=workers,
             warmup_s=0.0 if batch else duration / 6 if warmup is None else warmup,
-            seed=seed, host_kv_gib=host_kv_gib, client=client, rollout=batch,
+            seed=seed, host_kv_gib=host_kv_gib, client=client, tool_calls=tool_calls, rollout=batch,
         )  # fmt: skip
     except (UnknownPreset, OSError, TraceFormatError, ValueError) as exc:
         raise fail(str(exc)) from exc

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
 
 from thunderctl.scheduler.config import SchedulerConfig
 from thunderctl.scheduler.program import Phase, Program, Status
-from thunderctl.scheduler.retention import GapSamples, ToolTimes
+from thunderctl.scheduler.retention import MAX_TOOL_KINDS, GapSamples, ToolTimes
 
 
 @dataclass(frozen=True)
@@ -21,9 +22,9 @@ class EndingLaw:
     after its last answer. Before any key has enough gaps, it ends after `unlearnt_s`.
 
     Long before that it is *likely ended*: once its silence is longer than all but a share
-    (1 − r) / (odds · r) of the gaps, where r is the chance that an answer is continued at all
-    (Continuations), a program that ended is `odds` times likelier than one still in its tool
-    (odds · r·S(t) < 1 − r, S the gaps' survival). Then its room is not held for it while others
+    q / (odds · (1 − q)) of the gaps, where q is the chance that its last answer was its last
+    (EndChances), a program that ended is `odds` times likelier than one still in its tool
+    (odds · (1 − q)·S(t) < q, S the gaps' survival). Then its room is not held for it while others
     wait, nor reserved ahead of it. The odds are above even because the two mistakes do not cost
     the same: a live program paused waits in the queue and is re-prefilled, an ended one held
     costs its room only until the next pass.
@@ -59,29 +60,35 @@ class EndingLaw:
         gaps = [samples.quantile(self.quantile) for samples in self._evidence(program, tool_times, tool_times.tail)]
         return max(self.floor_s, self.margin * max(gaps) if gaps else self.unlearnt_s)
 
-    def likely_ended(self, tool_times: ToolTimes, return_chance: float, now: float) -> Callable[[Program], bool]:
+    def likely_ended(self, tool_times: ToolTimes, ends: EndChances, now: float) -> Callable[[Program], bool]:
         """A test of whether a program is silent so long that it has likely ended (`odds` times
         likelier than not; False before any evidence), made once per pass over the programs.
 
-        Every gap lands in the cluster's samples, so the cluster's threshold bounds every
-        program's from below and no key has evidence before the cluster has: it is read once,
-        and the many programs heard from more recently are passed over at the cost of a subtraction.
+        Every gap lands in the cluster's samples, so the cluster's threshold at the highest end
+        chance bounds every program's from below and no key has evidence before the cluster has:
+        it is read once, and the many programs heard from more recently are passed over at the
+        cost of a subtraction.
         """
         cluster = tool_times.cluster
         if len(cluster) < self.min_samples:
             return lambda program: False
-        share = 1.0 - (1.0 - return_chance) / (self.odds * return_chance)
-        # share <= 0: answers are so often the last that silence alone decides.
-        floor = cluster.quantile(share) if share > 0 else -math.inf
+        lowest = self._share(ends.highest)
+        floor = cluster.quantile(lowest) if lowest > 0 else -math.inf
 
         def test(program: Program) -> bool:
             silence = now - program.last_activity
             if silence <= floor or not silent(program):
                 return False
+            share = self._share(ends.of(program.tool))
             evidence = self._evidence(program, tool_times, cluster)
             return share <= 0 or silence > max(samples.quantile(share) for samples in evidence)
 
         return test
+
+    def _share(self, end_chance: float) -> float:
+        """The share of the gaps a silence must outlast for an end at this chance to be `odds` times
+        likelier than a tool; <= 0 where answers are so often the last that silence alone decides."""
+        return 1.0 - end_chance / (self.odds * (1.0 - end_chance)) if end_chance < 1.0 else -math.inf
 
     def _evidence(self, program: Program, tool_times: ToolTimes, cluster: GapSamples) -> Iterator[GapSamples]:
         keys = [cluster, tool_times.by_program.get(program.id)]
@@ -129,6 +136,73 @@ class Continuations:
             if abs(chance - before) < EM_TOLERANCE:
                 break
         return chance
+
+
+@dataclass
+class AnswerKinds:
+    """How often each kind of answer (the tool it calls, or None) was its program's last, over
+    about the last `window` answers whose fate is known, released programs' included.
+
+    Which answers end programs is the same whether the client releases or not: an OpenAI
+    tool-calling loop ends on an answer that calls no tool, SWE-agent on `submit`, OpenHands on
+    `finish`. So released programs teach it to the gateway, and the programs nobody releases
+    are read by it: a silence after an answer that always ends a program is an end at once, one
+    after a tool that never does is a tool call. A kind's share is drawn towards the mean by
+    `END_KIND_PRIOR` answers, so a kind seen a few times reads as average.
+    """
+
+    window: int
+    answers: float = 0.0
+    ends: float = 0.0
+    _kinds: dict[str | None, tuple[float, float, float]] = field(default_factory=dict)  # answers, ends, at answer no.
+    _seen: float = 0.0  # answers observed, undecayed: when each kind's counts were last decayed
+
+    def observe(self, kind: str | None, ended: bool) -> None:
+        keep = 1.0 - 1.0 / self.window
+        self.answers, self.ends = self.answers * keep + 1.0, self.ends * keep + ended
+        answers, ends = self._decayed(kind)
+        self._seen += 1.0
+        self._kinds.pop(kind, None)
+        self._kinds[kind] = (answers * keep + 1.0, ends * keep + ended, self._seen)  # the last key: the most recent
+        if len(self._kinds) > MAX_TOOL_KINDS:
+            del self._kinds[next(iter(self._kinds))]
+
+    def ratios(self) -> dict[str | None, float]:
+        """Each kind's end share over the mean's; an unseen kind's is 1."""
+        if self.ends <= 0.0:
+            return {}
+        mean = self.ends / self.answers
+        ratios = {}
+        for kind in self._kinds:
+            answers, ends = self._decayed(kind)
+            ratios[kind] = (ends + END_KIND_PRIOR * mean) / ((answers + END_KIND_PRIOR) * mean)
+        return ratios
+
+    def _decayed(self, kind: str | None) -> tuple[float, float]:
+        answers, ends, at = self._kinds.get(kind, (0.0, 0.0, self._seen))
+        keep = (1.0 - 1.0 / self.window) ** (self._seen - at)
+        return answers * keep, ends * keep
+
+
+# Answers of pseudo-evidence at the mean end share a kind's own share is drawn towards.
+END_KIND_PRIOR = 8.0
+
+
+@dataclass(frozen=True)
+class EndChances:
+    """The chance q that a silent program's last answer was its last: the share of unreleased
+    programs' answers not continued (1 − r, Continuations), times how much likelier than the mean
+    an answer of its kind ends its program (AnswerKinds)."""
+
+    mean: float
+    ratios: Mapping[str | None, float] = field(default_factory=dict)
+
+    def of(self, kind: str | None) -> float:
+        return min(1.0, self.mean * self.ratios.get(kind, 1.0))
+
+    @cached_property
+    def highest(self) -> float:
+        return min(1.0, self.mean * max((1.0, *self.ratios.values())))
 
 
 EM_ITERATIONS = 100

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 from thunderctl.scheduler.admission import AdmissionTuner
 from thunderctl.scheduler.capacity import decode_fits, gpu_binds, gpu_room, headroom
 from thunderctl.scheduler.config import Decay, SchedulerConfig
-from thunderctl.scheduler.ending import Continuations, EndingLaw, silent
+from thunderctl.scheduler.ending import AnswerKinds, Continuations, EndChances, EndingLaw, silent
 from thunderctl.scheduler.events import Counters, EventKind, Listener, ProgramEvent, notify
 from thunderctl.scheduler.groups import GroupBook
 from thunderctl.scheduler.ledger import Ledger, Load, recharged
@@ -46,7 +46,8 @@ class Scheduler:
         self.retention = RetentionLaw.from_config(self.config)
         self.ending = EndingLaw.from_config(self.config)
         self.continuations = Continuations(self.config.end_chance_window)
-        self._continue_chance = (-math.inf, 1.0)  # (read at, chance): read at most once a tick interval
+        self.answer_kinds = AnswerKinds(self.config.end_chance_window)
+        self._end_chance_read = (-math.inf, EndChances(0.0))  # (read at, chances): read at most once a tick interval
         self.counters = Counters()
         self.tuner = AdmissionTuner(self.config)
         self.wait_bound = WaitBound(self.config)
@@ -135,6 +136,7 @@ class Scheduler:
         self.groups.join(program, group)
         if program.responded_at is not None:
             self.continuations.observe(continued=True)
+            self.answer_kinds.observe(program.tool, ended=False)
         self.retention.on_request(program, now)
         waiting_since = program.waiting_since or now
         with recharged(program, self._ledgers, self._waiting, self.config.buffer_tokens):
@@ -285,16 +287,18 @@ class Scheduler:
             self._terminate(program, EventKind.EXPIRED)
             self.counters.expired += 1
 
-    def _continuation_chance(self) -> float:
-        """The chance an answer is continued, given every open answer's silence (ending.Continuations).
+    def _end_chances(self) -> EndChances:
+        """The chance a silent program's last answer was its last: that an unreleased program's
+        answer is not continued, given every open answer's silence (ending.Continuations), by the
+        answer's kind (ending.AnswerKinds).
 
         It walks every program and every request asks it while others wait, so it is read at
         most once a tick interval: it moves slowly.
         """
         now = self.clock()
-        read_at, chance = self._continue_chance
+        read_at, chances = self._end_chance_read
         if now - read_at < self.config.tick_interval_s:
-            return chance
+            return chances
         gaps = self.retention.tool_times.cluster
         # A silence within the floor is no evidence of an end (no program ends within it): the gaps
         # seen first are the short ones, and live programs in longer tools would look past them all.
@@ -304,12 +308,12 @@ class Scheduler:
             for p in self.programs.values()
             if len(gaps) and p.responded_at is not None and now - p.responded_at > floor and silent(p)
         ]
-        chance = self.continuations.chance(survivals)
-        self._continue_chance = (now, chance)
-        return chance
+        chances = EndChances(1.0 - self.continuations.chance(survivals), self.answer_kinds.ratios())
+        self._end_chance_read = (now, chances)
+        return chances
 
     def _likely_ended(self) -> Callable[[Program], bool]:
-        return self.ending.likely_ended(self.retention.tool_times, self._continuation_chance(), self.clock())
+        return self.ending.likely_ended(self.retention.tool_times, self._end_chances(), self.clock())
 
     def _pause_likely_ended(self) -> None:
         """While requests wait, an ACTING program that has likely ended gives up its room (its KV
@@ -507,6 +511,8 @@ class Scheduler:
         return self.lengths.queue_delay_s(program) - self.groups.head_start_s(program)
 
     def _terminate(self, program: Program, kind: EventKind) -> None:
+        if program.responded_at is not None and silent(program):
+            self.answer_kinds.observe(program.tool, ended=True)  # released or expired, its last answer was its last
         self.retention.on_end(program)
         self.lengths.observe(program.steps)
         self.groups.end(program)

@@ -89,9 +89,17 @@ class Router(Protocol):
         there, now or once it is admitted."""
         ...
 
-    def done(self, program_id: str, worker: SimWorker, prompt_tokens: int, completion_tokens: int) -> None: ...
+    def done(
+        self, program_id: str, worker: SimWorker, prompt_tokens: int, completion_tokens: int, tool: str | None = None
+    ) -> None:
+        """A request ended; `tool`: what its answer calls, as the gateway reads it (None: nothing it can tell)."""
+        ...
 
     def release(self, program_id: str) -> None: ...
+
+
+# The tool an answer calls, with `tool_calls`: one kind for all, as the traces record no tools.
+TOOL = "bash"
 
 
 @dataclass(frozen=True)
@@ -170,6 +178,9 @@ class VirtualAgents:
     # cache has seen, as the real load generator's do, so a short run starts near steady state.
     age_initial_programs: bool = False
     client: Client = Client.NAMED
+    # Answers call their tools as an OpenAI tool-calling loop's do: the gateway reads each one's
+    # tool, and a program's last answer calls none. Off, every answer looks alike to it.
+    tool_calls: bool = False
     # A rollout batch (sim/rollout.py): programs in groups of `samples` (index // samples), which
     # share their first prompt; and no program starts after the first `concurrency`.
     samples: int = 0
@@ -235,7 +246,8 @@ class VirtualAgents:
                 request.prompt_tokens,
             )
         )
-        self.router.done(run.program_id, worker, request.prompt_tokens, request.max_tokens)
+        tool = TOOL if self.tool_calls and request.tool_call else None
+        self.router.done(run.program_id, worker, request.prompt_tokens, request.max_tokens, tool)
         run.next_step += 1
         if run.next_step < len(run.steps):
             self.clock.after(step.tool_s, lambda: self._send(run))

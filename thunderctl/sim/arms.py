@@ -76,6 +76,7 @@ class SimSpec:
     # SchedulerConfig fields the thunderctl arm runs with instead of the defaults: a variant measured
     policy: dict[str, Any] = field(default_factory=dict)
     client: Client = Client.NAMED  # whether agents name and release their programs
+    tool_calls: bool = False  # whether their answers show the tool they call (VirtualAgents.tool_calls)
     # A batch of `concurrency` programs in groups (sim/rollout.py), all started at 0 and none after:
     # the run ends when the last one does (or at `duration_s`), and is measured whole.
     rollout: Rollout | None = None
@@ -251,7 +252,7 @@ def run_arm(arm: ArmName, spec: SimSpec, progress: Callable[[float], None] | Non
     loop = VirtualAgents(
         SampledWorkload(spec.workload, samples) if samples else spec.workload, spec.seed, spec.concurrency, clock,
         router, preset.engine.block_size, age_initial_programs=spec.age_initial_programs, client=spec.client,
-        samples=samples,
+        tool_calls=spec.tool_calls, samples=samples,
     )  # fmt: skip
     occupancy: list[OccupancySample] = []
     at_warmup: list[EngineCounters] = []

@@ -35,7 +35,9 @@ class EngineRouter:
     def least_loaded(self) -> SimWorker:
         return min(self.workers, key=lambda w: self.in_flight[w.id])
 
-    def done(self, program_id: str, worker: SimWorker, prompt_tokens: int, completion_tokens: int) -> None:
+    def done(
+        self, program_id: str, worker: SimWorker, prompt_tokens: int, completion_tokens: int, tool: str | None = None
+    ) -> None:
         self.in_flight[worker.id] -= 1
 
     def release(self, program_id: str) -> None:
@@ -90,10 +92,13 @@ class PolicyRouter(EngineRouter):
         self.meters[worker.id].set(self.in_flight[worker.id] + 1, self.clock.now)
         super().dispatch(worker, go)
 
-    def done(self, program_id: str, worker: SimWorker, prompt_tokens: int, completion_tokens: int) -> None:
+    def done(
+        self, program_id: str, worker: SimWorker, prompt_tokens: int, completion_tokens: int, tool: str | None = None
+    ) -> None:
         super().done(program_id, worker, prompt_tokens, completion_tokens)
         self.meters[worker.id].set(self.in_flight[worker.id], self.clock.now)
-        account(self.scheduler, program_id, {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens})
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
+        account(self.scheduler, program_id, usage, tool)
 
     def release(self, program_id: str) -> None:
         self.scheduler.release(program_id)

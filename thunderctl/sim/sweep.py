@@ -100,6 +100,7 @@ def run_sweep(
             "warmup_s": spec.warmup_s,
             "seed": spec.seed,
             "client": spec.client.value,
+            "tool_calls": spec.tool_calls,
             "host_kv_gib": spec.host_kv_gib,
             "host_kv_blocks": spec.host_blocks,
             "kv_capacity_tokens": spec.preset.engine.kv_capacity_tokens,
