@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
 from openai import OpenAI
 
+from support import wait_for
 from thunderctl.daemon.control import build_control_app
 from thunderctl.daemon.status import ClusterStatus
 
@@ -184,3 +186,51 @@ def test_a_streamed_tool_calling_loop_is_one_program_per_conversation(served) ->
             messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
             messages.append({"role": "tool", "tool_call_id": call["id"], "content": f"ran step {step}"})
     assert sorted(p["steps"] for p in gateway.programs().values()) == [3, 3]
+
+
+def test_a_conversation_ended_on_an_answer_that_calls_no_tool_gives_its_room_to_a_waiting_one(
+    start_sim, start_gateway
+) -> None:
+    sim = start_sim(
+        "--time-scale", "0", "--served-model-name", MODEL, "--kv-blocks", "64", "--block-size", "16",
+        "--max-model-len", "1024",
+    )  # fmt: skip
+    # Programs charged their tokens only (no decode buffer, no lighter charge while in a tool):
+    # a cache of 1,024 tokens holds two of the three below, not all three.
+    settings = ["tick_interval_s=0.1", "end_floor_s=2", "retention=false", "adaptive=false", "buffer_tokens=0"]
+    gateway = start_gateway([sim.url], *(arg for setting in settings for arg in ("-s", setting)))
+    client = OpenAI(base_url=f"{gateway.url}/v1", api_key="-", timeout=20, max_retries=0)
+
+    def step(messages: list, tool: bool) -> str:
+        """One turn of an OpenAI tool loop, a tool call and its result or (not `tool`) its final
+        answer; returns the program the gateway gave it."""
+        choice = {} if tool else {"tool_choice": "none"}
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages, tools=TOOLS, max_tokens=4, **choice
+        )
+        message = raw.parse().choices[0].message
+        messages.append(message)
+        for call in message.tool_calls or []:
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": "ok"})
+        return raw.headers["x-program-id"]
+
+    def task(letter: str, words: int) -> list:
+        """A first message of `words` tokens of 4 characters each, in every task, so that the
+        gateway's estimate of a prompt's tokens (from its characters) is right."""
+        return [{"role": "user", "content": " ".join(f"{letter}{k:03d}" for k in range(words))}]
+
+    # Eight loops the gateway learns from: three tool calls (tools of 0.3, 0.3 and 2 s), then an
+    # answer that calls none; nobody releases them, so they end by the law.
+    taught = [task(letter, 60) for letter in "defghijk"]
+    for tool_s in [0.3, 0.3, 2.0, 0.0]:
+        for messages in taught:
+            step(messages, tool=bool(tool_s))
+        time.sleep(tool_s)
+    wait_for(lambda: not gateway.programs(), timeout=60, what="the taught loops to end by the law")
+
+    working = step(task("a", 280), tool=True)  # in its tool now, for less time than most tools took
+    finished = step(task("b", 280), tool=False)  # its last answer: the kind every taught loop ended on
+    waiting = step(task("c", 400), tool=True)  # with both others held it would not fit the cache
+    programs = gateway.programs()
+    assert programs[finished]["status"] == "paused", "its room went to the waiting one"
+    assert programs[working]["status"] == "active" and programs[waiting]["status"] == "active"
