@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -17,6 +18,14 @@ pytest_plugins = ["api_fixtures", "engine_fixtures", "sandbox_fixtures", "sim_fi
 # `pytest -m "not engine and not docker and not ssh and not slow"` is the fast tier (`slow` is
 # set by hand, on tests whose cost is their point: see its description in pyproject.toml).
 SERVICE_MARKERS = {"engine_home": "engine", "docker_client": "docker", "ssh_nodes": "ssh"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A suite started as a background job (`python3 -m pytest &` in a script) inherits SIGINT
+    # ignored, and so would every CLI it starts: a test that presses Ctrl-C on one would see it
+    # run on. A handler here is reset to the default in each child at exec.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -154,7 +154,7 @@ def test_logs_of_a_remote_worker_stream_over_ssh(ssh_cluster) -> None:
         assert line_containing(output, marker, timeout=20), f"{marker} never showed in `logs --follow`"
     finally:
         follower.send_signal(signal.SIGINT)
-        follower.wait(timeout=60)  # 10 s was not always enough on a 2-core machine under the suite's load
+        follower.wait(timeout=20)
 
 
 def stream_lines(process: subprocess.Popen[str]) -> queue.Queue[str | None]:
