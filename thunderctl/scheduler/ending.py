@@ -154,14 +154,14 @@ class AnswerKinds:
     window: int
     answers: float = 0.0
     ends: float = 0.0
-    _kinds: dict[str | None, tuple[float, float, float]] = field(default_factory=dict)  # answers, ends, at answer no.
-    _seen: float = 0.0  # answers observed, undecayed: when each kind's counts were last decayed
+    _kinds: dict[str | None, tuple[float, float, int]] = field(default_factory=dict)  # answers, ends, at answer no.
+    _seen: int = 0  # answers observed: each kind's counts are decayed from the answer they were last updated at
 
     def observe(self, kind: str | None, ended: bool) -> None:
         keep = 1.0 - 1.0 / self.window
         self.answers, self.ends = self.answers * keep + 1.0, self.ends * keep + ended
         answers, ends = self._decayed(kind)
-        self._seen += 1.0
+        self._seen += 1
         self._kinds.pop(kind, None)
         self._kinds[kind] = (answers * keep + 1.0, ends * keep + ended, self._seen)  # the last key: the most recent
         if len(self._kinds) > MAX_TOOL_KINDS:
