@@ -17,6 +17,24 @@ def test_an_openai_tool_call_names_the_tool() -> None:
 
 
 @pytest.mark.parametrize(
+    ("name", "arguments", "tool"),
+    [
+        ("bash", '{"command": "cd /repo && pytest -x tests/"}', "bash cd"),
+        ("execute_bash", '{"command": "FOO=1 /usr/bin/python3 setup.py", "timeout": 30}', "execute_bash python3"),
+        ("str_replace_editor", '{"command": "view", "path": "/repo/setup.py"}', "str_replace_editor view"),
+        ("bash", '{"command": ""}', "bash"),
+        ("bash", '{"command": "ls", ', "bash"),  # not JSON: the name alone
+        ("run_tests", '{"paths": ["tests/"]}', "run_tests"),
+    ],
+)
+def test_a_tool_call_that_carries_a_command_line_is_named_with_its_command_word(
+    name: str, arguments: str, tool: str
+) -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": name, "arguments": arguments}}
+    assert tool_in_response(response({"role": "assistant", "content": None, "tool_calls": [call]})) == tool
+
+
+@pytest.mark.parametrize(
     ("content", "tool"),
     [
         ("I will run the tests.\n```bash\npytest -x tests/\n```", "pytest"),

@@ -2,27 +2,57 @@
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
+# A command line's first word, past variable assignments (`FOO=1 python3 …`).
+COMMAND_WORD = r"\s*(?:[A-Za-z_][A-Za-z0-9_]*=\S*\s+)*([\w./-]+)"
 # The first command word of a fenced shell block, as mini-swe-agent style agents answer.
-BASH_COMMAND = re.compile(r"```(?:bash|sh|shell)?\s*\n\s*(?:[A-Za-z_][A-Za-z0-9_]*=\S*\s+)*([\w./-]+)")
+BASH_COMMAND = re.compile(r"```(?:bash|sh|shell)?\s*\n" + COMMAND_WORD)
+COMMAND_LINE = re.compile(COMMAND_WORD)
+# The arguments that carry a shell tool's command line (mini-swe-agent's and SWE-agent's `bash`,
+# OpenHands' `execute_bash`), or an editor tool's subcommand (`str_replace_editor`'s `view`).
+COMMAND_ARGUMENTS = ("command", "cmd")
 
 
 def tool_in_text(text: str) -> str | None:
-    match = BASH_COMMAND.search(text)
+    return command_word(BASH_COMMAND.search(text))
+
+
+def command_word(match: re.Match[str] | None) -> str | None:
     return match.group(1).rsplit("/", 1)[-1] if match else None
 
 
 def tool_in_message(message: dict[str, Any]) -> str | None:
-    """An OpenAI `tool_calls[].function.name`, else the command word of a bash block."""
+    """An OpenAI tool call's function name, with its command's first word when its arguments
+    carry a command line (`bash pytest`); else the command word of a bash block.
+
+    Harnesses that call tools give most calls to one shell tool: named alone, every tool time
+    would be of one kind, and a slow command could not be waited for by its own gaps."""
     for call in message.get("tool_calls") or []:
-        name = (call.get("function") or {}).get("name")
+        function = call.get("function") or {}
+        name = function.get("name")
         if isinstance(name, str) and name:
-            return name
+            word = command_word_in_arguments(function.get("arguments"))
+            return f"{name} {word}" if word else name
     content = message.get("content")
     return tool_in_text(content) if isinstance(content, str) else None
+
+
+def command_word_in_arguments(arguments: Any) -> str | None:
+    """The first word of the command line a tool call's JSON arguments carry, if any."""
+    if not isinstance(arguments, str) or not any(f'"{key}"' in arguments for key in COMMAND_ARGUMENTS):
+        return None  # most arguments carry none: no parse
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return None
+    if not isinstance(parsed, dict):
+        return None
+    line = next((parsed[key] for key in COMMAND_ARGUMENTS if isinstance(parsed.get(key), str)), None)
+    return command_word(COMMAND_LINE.match(line)) if line else None
 
 
 def tool_in_response(body: dict[str, Any]) -> str | None:
