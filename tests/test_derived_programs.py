@@ -63,6 +63,19 @@ def test_the_openai_sdks_tool_calling_loop_is_one_program_per_conversation(serve
     assert all(p["derived"] for p in programs.values())
 
 
+def test_each_program_is_listed_with_the_tool_its_last_answer_called(served) -> None:
+    gateway = served()
+    client = OpenAI(base_url=f"{gateway.url}/v1", api_key="-")
+    called = {}
+    for choice, tool in [("auto", "bash"), ("none", None)]:  # a tool call, and an answer that calls none
+        messages = [SYSTEM, {"role": "user", "content": f"Answer with tool choice {choice}."}]
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages, tools=TOOLS, tool_choice=choice, max_tokens=4
+        )
+        called[raw.headers["x-program-id"]] = tool
+    assert {program_id: p["tool"] for program_id, p in gateway.programs().items()} == called
+
+
 def test_64_conversations_at_once_are_64_programs_each_step_its_own(served) -> None:
     gateway = served()
     # 8 of them are the n samples of one task: the same first request.

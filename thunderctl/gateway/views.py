@@ -24,6 +24,7 @@ def programs_view(gateway: Gateway) -> list[dict[str, Any]]:
             "backend": p.worker,  # the API's key kept its old name
             "tokens": p.tokens,
             "steps": p.steps,
+            "tool": p.tool,  # what its last answer called (the tool it is in while acting), or None
             "paused_s": round(p.paused_total_s + (now - p.paused_at if p.paused_at else 0), 3),
             "derived": p.id in gateway.derived,
             "group": p.group,
