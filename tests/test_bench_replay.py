@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 from typer.testing import CliRunner
 
+from support import wait_for
 from thunderctl.bench.cli import WorkloadChoice, bench_app
 from thunderctl.bench.closed_loop import Target
 from thunderctl.bench.recorded import RECORDED_SWE_LITE_SOURCE
@@ -145,22 +147,26 @@ def test_arms_alternate_abba_so_drift_cancels() -> None:
     assert slice_order(["cluster"], 2) == [("cluster", 0), ("cluster", 1)]
 
 
-def quiet_after(phases: list[str]) -> str:
-    """wait_until_quiet's answer with idle engines and a gateway holding programs in `phases`."""
-
-    def serve(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/metrics":
-            return httpx.Response(200, text="vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n")
-        return httpx.Response(
-            200, json={"programs": [{"program_id": f"p{i}", "phase": p} for i, p in enumerate(phases)]}
-        )
+def quiet(gateway, engine_url: str, timeout: float) -> str:
+    """wait_until_quiet's answer for a real gateway in front of one engine."""
 
     async def ask() -> str:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(serve)) as client:
-            gateway = Arm("cluster", Target.gateway("http://gateway"), "http://gateway")
-            return await wait_until_quiet(client, ["http://engine"], gateway, timeout=1.0)
+        async with httpx.AsyncClient() as client:
+            arm = Arm("cluster", Target.gateway(gateway.url), gateway.url)
+            return await wait_until_quiet(client, [engine_url], arm, timeout=timeout)
 
     return asyncio.run(ask())
+
+
+def chat(gateway, program_id: str, words: int) -> httpx.Response:
+    content = " ".join(f"w{k:03d}" for k in range(words))
+    body = {
+        "model": "tiny",
+        "program_id": program_id,
+        "max_tokens": 2,
+        "messages": [{"role": "user", "content": content}],
+    }
+    return gateway.http.post("/v1/chat/completions", json=body)
 
 
 def test_programs_left_in_their_tools_by_clients_that_never_release_do_not_hold_up_the_next_slice(
@@ -168,21 +174,23 @@ def test_programs_left_in_their_tools_by_clients_that_never_release_do_not_hold_
 ) -> None:
     sim = start_sim("--time-scale", "0")
     gateway = start_gateway([sim.url])
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     for program in ("left-1", "left-2"):  # answered, never released: in their tools as far as anyone knows
-        assert gateway.http.post("/v1/chat/completions", json=body | {"program_id": program}).status_code == 200
-
-    async def quiet() -> str:
-        async with httpx.AsyncClient() as client:
-            arm = Arm("cluster", Target.gateway(gateway.url), gateway.url)
-            return await wait_until_quiet(client, [sim.url], arm, timeout=10.0)
-
-    assert asyncio.run(quiet()) == ""
+        assert chat(gateway, program, 1).status_code == 200
+    assert quiet(gateway, sim.url, timeout=10.0) == ""
     assert {"left-1", "left-2"} <= set(gateway.programs())
 
 
-def test_a_program_with_a_request_still_in_the_gateway_holds_up_the_next_slice() -> None:
-    assert "still busy" in quiet_after(["acting", "reasoning"])
+def test_a_request_waiting_in_the_gateway_holds_up_the_next_slice(start_sim, start_gateway) -> None:
+    # A cache of 1,024 tokens, programs charged their tokens only: the second request waits for room.
+    sim = start_sim("--time-scale", "0", "--kv-blocks", "64", "--block-size", "16", "--max-model-len", "1024")
+    gateway = start_gateway([sim.url], "-s", "adaptive=false", "-s", "buffer_tokens=0")
+    assert chat(gateway, "holder", 700).status_code == 200
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(chat, gateway, "waiter", 400)
+        wait_for(lambda: gateway.programs().get("waiter", {}).get("phase") == "reasoning", what="the request to wait")
+        assert "still busy" in quiet(gateway, sim.url, timeout=1.0)  # the engines are idle all the while
+        gateway.http.post("/programs/release", json={"program_id": "holder"})
+        assert waiting.result(timeout=30).status_code == 200
 
 
 def step(start: float, end: float, ok: bool = True) -> StepRecord:
