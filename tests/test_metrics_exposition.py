@@ -63,10 +63,14 @@ def test_the_gateway_page_carries_its_counters_gauges_and_per_backend_figures() 
         WorkerLink("b", "http://127.0.0.1:2", in_flight=3, metrics=EngineMetrics(kv_capacity_tokens=4096)),
     )
     gateway.scheduler.counters.pauses = 7
+    gateway.scheduler.tuner.retention_pays = True
+    gateway.scheduler.observe_prefill(20_000, 1.0)
     gateway.last_utilization = 0.123456
     samples = by_key(render_metrics(gateway))
     assert samples[("thunderctl_pauses_total", ())] == 7
     assert samples[("thunderctl_worker_utilization", ())] == 0.1235
+    assert samples[("thunderctl_retention_pays", ())] == 1
+    assert samples[("thunderctl_prefill_tokens_per_s", ())] == 11_000  # 10,000 moved a tenth towards 20,000
     assert samples[("thunderctl_programs", (("phase", "acting"), ("status", "paused")))] == 0
     assert samples[("thunderctl_backend_capacity_tokens", (("backend", "b"),))] == 4096
     assert ("thunderctl_backend_capacity_tokens", (("backend", "a"),)) not in samples  # not known yet

@@ -58,6 +58,17 @@ def gateway_families(gateway: Gateway) -> Iterator[Metric]:
     yield GaugeMetricFamily(
         "thunderctl_admission_gate_open", "1 while the admission law's gate is open.", int(sched.tuner.gate_open)
     )
+    # Why the ladder holds its top rung: priced retention's verdict and the re-prefill rate it rests on.
+    yield GaugeMetricFamily(
+        "thunderctl_retention_pays",
+        "1 while keeping a typical tool call's KV costs less than its re-prefill: the ladder holds its top rung.",
+        int(sched.tuner.retention_pays),
+    )
+    yield GaugeMetricFamily(
+        "thunderctl_prefill_tokens_per_s",
+        "The re-prefill rate priced retention uses: uncached prompt tokens over time to first token, a running mean.",
+        round(sched.retention.prefill.tokens_per_s, 1),
+    )
     yield GaugeMetricFamily(
         "thunderctl_worker_utilization",
         "Mean busy fraction of the workers in service.",
