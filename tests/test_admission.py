@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from thunderctl.scheduler import SchedulerConfig
-from thunderctl.scheduler.admission import OPEN, AdmissionTuner, admission_levels
+from thunderctl.scheduler.admission import OPEN, AdmissionTuner, Measurement, admission_levels
 
 WINDOW_S = 10.0
 Level = float | None
@@ -51,10 +51,10 @@ FLAT = {1.0: 10, 0.5: 10.3, 0.0: 10, OPEN: 10}
 @pytest.mark.parametrize(
     ("load", "first_moves"),
     [
-        pytest.param(DEAR, [0.5, 1.0], id="the probed rung is worse: back"),
-        pytest.param(CHEAP, [0.5, 0.0, OPEN], id="each rung down is better: on to the open gate"),
-        pytest.param(INTERIOR, [0.5, 0.0, 0.5], id="an interior best rung is found"),
-        pytest.param(FLAT, [0.5, 1.0], id="level: back to protection"),
+        pytest.param(DEAR, [OPEN, 1.0, 0.5, 1.0], id="the probed rungs are worse: back each time"),
+        pytest.param(CHEAP, [OPEN, 0.0, OPEN], id="the engine alone is better: there in one probe"),
+        pytest.param(INTERIOR, [OPEN, 1.0, 0.5, 0.0, 0.5], id="an interior best rung is found"),
+        pytest.param(FLAT, [OPEN, 1.0, 0.5, 1.0], id="level: back to protection"),
     ],
 )
 def test_law_climbs_towards_more_steps(load, first_moves) -> None:
@@ -132,3 +132,34 @@ def test_without_the_open_gate_the_last_rung_is_the_floor() -> None:
 )
 def test_ladder_runs_from_the_ceiling_to_the_floor(overrides, expected) -> None:
     assert admission_levels(SchedulerConfig(**overrides)) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("loaded_s", "measured"),
+    [
+        pytest.param(2, None, id="ended early in the window: not measured"),
+        pytest.param(8, 10.0, id="ended late: measured over the seconds with load"),
+    ],
+)
+def test_a_load_that_ends_inside_a_window_is_not_read_as_a_slow_rung(loaded_s, measured) -> None:
+    """The load (10 steps/s behind the open gate, where full protection made 4) stops inside the
+    first window: the steps it did not send say nothing about the gate, and the law does not go
+    back to full protection."""
+    law = tuner()
+    law.rung = open_rung = len(law.levels) - 1
+    law.measured[0] = Measurement(4.0, 0)
+    law.observe(0.0, 0, 1.0, False)
+    steps, settle_s = 0, 5
+    for now in range(1, 41):
+        if now <= 1 + settle_s + loaded_s:
+            steps += 10
+        law.observe(float(now), steps, 1.0, waited=False)
+    assert law.level != 1.0
+    reading = law.measured.get(open_rung)
+    assert (reading and reading.steps_per_s) == measured
+
+
+def test_when_retention_pays_the_top_rung_is_not_probed() -> None:
+    law = tuner()
+    law.retention_pays = True
+    assert moves(simulate(law, CHEAP, 600)) == []

@@ -53,11 +53,18 @@ class AdmissionTuner:
       capacity that nobody used, nothing needs measuring. The rung left counts as measured
       at 0 steps/s until that reading is stale.
 
+    The two ends of the ladder are neighbours too: full protection and the engine alone are
+    the two policies a user weighs, so each is one probe from the other, and the first probe
+    from the top goes to the open gate. Where protection does not pay, the law is there after
+    one window rather than after one per rung.
+
     After a move, and when load arrives after a quiet spell, `adapt_settle_s` pass uncounted
     before the next window starts: the programs admitted or held back reach the engine's pace
     first (a backlog draining right after a move would credit the move with steps its
     steady state does not make). Windows in which nobody waited (and the gate was shut) move
-    nothing: the level constrains nothing then.
+    nothing: the level constrains nothing then. A window is measured up to its last tick with
+    load, and not at all when the load ended in its first half: the steps a load does not
+    send say nothing about the rung.
     """
 
     config: SchedulerConfig
@@ -71,6 +78,7 @@ class AdmissionTuner:
     _window_start: float = 0.0
     _window_steps: int = 0
     _window_loaded: bool = False
+    _last_load: tuple[float, int] = (0.0, 0)  # the time and step count of the last tick with load
     _started: bool = False
     # Set by the scheduler from priced retention (retention.py): keeping an ACTING program's
     # KV through its expected tool time costs less than recomputing it, even at the full price
@@ -116,24 +124,27 @@ class AdmissionTuner:
             self._quiet = False
             return
         # Behind an open gate nobody waits: any step means there is load to measure.
-        loaded = waited or (self.gate_open and steps > self._window_steps)
+        loaded = waited or (self.gate_open and steps > self._last_load[1])
         if loaded and self._quiet:  # a load arriving: let it reach its pace before measuring
             self._quiet = False
             self._begin(now + cfg.adapt_settle_s, steps)
             return
         if now <= self._window_start:  # settling: the load has not followed the last move yet
             self._window_steps = steps
+            self._last_load = (now, steps)
             return
-        self._window_loaded |= loaded
+        if loaded:
+            self._window_loaded, self._last_load = True, (now, steps)
         elapsed = now - self._window_start
         if elapsed < cfg.adapt_window_s:
             return
-        if not self._window_loaded:
+        loaded_s = self._last_load[0] - self._window_start
+        if not self._window_loaded or loaded_s < elapsed / 2:
             self._quiet = True
             self._begin(now, steps)
             return
         self.windows += 1
-        self._record((steps - self._window_steps) / elapsed)
+        self._record((self._last_load[1] - self._window_steps) / loaded_s)
         rung, probing = self._choose()
         if self._probed_from is not None:  # this window was a probe: did it find better?
             if rung == self._probed_from:
@@ -153,7 +164,8 @@ class AdmissionTuner:
     def _choose(self) -> tuple[int, bool]:
         """The next rung, and whether going there is a probe."""
         tolerance = self.config.adapt_tolerance
-        neighbours = [r for r in (self.rung - 1, self.rung + 1) if 0 <= r < len(self.levels)]
+        count = len(self.levels)
+        neighbours = [r for r in dict.fromkeys(((self.rung - 1) % count, (self.rung + 1) % count)) if r != self.rung]
         fresh = [r for r in neighbours if r in self.measured and not self._stale(r)]
         best = self.rung
         for rung in fresh:
@@ -194,3 +206,4 @@ class AdmissionTuner:
 
     def _begin(self, start: float, steps: int) -> None:
         self._window_start, self._window_steps, self._window_loaded = start, steps, False
+        self._last_load = (start, steps)
