@@ -163,3 +163,15 @@ def test_when_retention_pays_the_top_rung_is_not_probed() -> None:
     law = tuner()
     law.retention_pays = True
     assert moves(simulate(law, CHEAP, 600)) == []
+
+
+def test_from_the_open_gate_full_protection_is_not_probed() -> None:
+    levels = simulate(tuner(), CHEAP, 3000)
+    assert levels[60:].count(1.0) == 0
+
+
+def test_a_rung_measured_far_below_the_best_waits_the_longest_for_its_next_probe() -> None:
+    levels = simulate(tuner(), CHEAP, 1000)
+    probes = [i for i in range(1, len(levels)) if levels[i] == 0.0 and levels[i - 1] is OPEN]
+    longest_wait_s = 4 * 8 * WINDOW_S
+    assert probes[1] - probes[0] >= longest_wait_s, f"weight 0 probed at {probes}"

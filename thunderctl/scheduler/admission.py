@@ -152,8 +152,19 @@ class AdmissionTuner:
                 self.patience[self.rung] = min(2 * self.patience.get(self.rung, base), 4 * base)
             else:
                 self.patience.clear()
+        self._wait_longest_for_far_worse(rung if not probing else self.rung)
         self._probed_from = self.rung if probing else None
         self._go(rung, now, steps)
+
+    def _wait_longest_for_far_worse(self, best: int) -> None:
+        """Rungs measured below the best by more than twice the tolerance are probed only at the
+        longest wait: a probe costs a window at a rung's deficit, and a gap that wide is not
+        noise (on vLLM-CPU's small cache full protection made 0.4x the open gate's steps)."""
+        base, floor = self.config.adapt_probe_windows, 1 - 2 * self.config.adapt_tolerance
+        best_rate = self.measured[best].steps_per_s
+        for rung, reading in self.measured.items():
+            if reading.steps_per_s < best_rate * floor and not self._stale(rung):
+                self.patience[rung] = 4 * base
 
     def _record(self, steps_per_s: float) -> None:
         last = self.measured.get(self.rung)
@@ -175,7 +186,10 @@ class AdmissionTuner:
                 best = rung
         if best != self.rung:
             return best, False
-        unmeasured = [r for r in neighbours if r not in fresh]
+        # The wrap is probed downwards only: from the engine alone, full protection is reached a
+        # rung at a time, each measured better (a probe of it costs most where the gate won).
+        wrap = count - 1 if count > 2 else None
+        unmeasured = [r for r in neighbours if r not in fresh and not (self.rung == wrap and r == 0)]
         if self.retention_pays and self.rung == 0:
             return self.rung, False  # priced: full protection is worth it, nothing to probe below
         return (unmeasured[0], True) if unmeasured else (self.rung, False)
