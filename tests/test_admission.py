@@ -32,7 +32,7 @@ def simulate(
     for now in range(1, seconds + 1):
         level = law.level
         steps += steps_per_s[level]
-        law.observe(float(now), round(steps), busy(level), waiting, waited_throughout=waiting)
+        law.observe(float(now), round(steps), busy(level), waiting, waited_throughout=waiting, arrived=waiting)
         levels.append(level)
     return levels
 
@@ -142,18 +142,19 @@ def test_ladder_runs_from_the_ceiling_to_the_floor(overrides, expected) -> None:
     ],
 )
 def test_a_load_that_ends_inside_a_window_is_not_read_as_a_slow_rung(loaded_s, measured) -> None:
-    """The load (10 steps/s behind the open gate, where full protection made 4) stops inside the
-    first window: the steps it did not send say nothing about the gate, and the law does not go
-    back to full protection."""
+    """The load (10 steps/s behind the open gate, where full protection made 4) stops sending
+    inside the first window, and its last answers trickle in: the steps it did not send say
+    nothing about the gate, and the law does not go back to full protection."""
     law = tuner()
     law.rung = open_rung = len(law.levels) - 1
     law.measured[0] = Measurement(4.0, 0)
     law.observe(0.0, 0, 1.0, False)
     steps, settle_s = 0, 5
     for now in range(1, 41):
-        if now <= 1 + settle_s + loaded_s:
-            steps += 10
-        law.observe(float(now), steps, 1.0, waited=False)
+        sending = now <= 1 + settle_s + loaded_s
+        draining = not sending and now <= 1 + settle_s + loaded_s + 5  # the last answers trickle in
+        steps += 10 if sending else 2 if draining else 0
+        law.observe(float(now), steps, 1.0, waited=False, arrived=sending)
     assert law.level != 1.0
     reading = law.measured.get(open_rung)
     assert (reading and reading.steps_per_s) == measured

@@ -105,12 +105,18 @@ class AdmissionTuner:
         return "open gate" if self.level is OPEN else f"ACTING weight {self.level:g}"
 
     def observe(
-        self, now: float, steps: int, utilization: float, waited: bool, waited_throughout: bool = False
+        self,
+        now: float,
+        steps: int,
+        utilization: float,
+        waited: bool,
+        waited_throughout: bool = False,
+        arrived: bool = False,
     ) -> None:
         """One tick: `steps` is the running count of responses; `waited`, whether a request
         waited for admission during the tick; `waited_throughout`, whether the queue was
         never empty in it (only then does idleness of the workers mean the gate starved them,
-        rather than a load that is just arriving)."""
+        rather than a load that is just arriving); `arrived`, whether any request arrived in it."""
         cfg = self.config
         if not self._started:
             self._started = True
@@ -123,8 +129,9 @@ class AdmissionTuner:
             self._go(min(self.rung + 1, len(self.levels) - 1), now, steps)
             self._quiet = False
             return
-        # Behind an open gate nobody waits: any step means there is load to measure.
-        loaded = waited or (self.gate_open and steps > self._last_load[1])
+        # Behind an open gate nobody waits: requests arriving are the load. (Not steps: the
+        # answers of a load that stopped keep coming for seconds, at a rate that is not the gate's.)
+        loaded = waited or (self.gate_open and arrived)
         if loaded and self._quiet:  # a load arriving: let it reach its pace before measuring
             self._quiet = False
             self._begin(now + cfg.adapt_settle_s, steps)

@@ -52,6 +52,7 @@ class Scheduler:
         self.tuner = AdmissionTuner(self.config)
         self.wait_bound = WaitBound(self.config)
         self._waited = False  # a request waited for admission since the last adapt()
+        self._arrived = False  # a request arrived since the last adapt(): the load behind an open gate
         self._waiting_at_adapt = False
 
     # ---- workers -------------------------------------------------------------------------
@@ -138,6 +139,7 @@ class Scheduler:
             self.continuations.observe(continued=True)
             self.answer_kinds.observe(program.tool, ended=False)
         self.retention.on_request(program, now)
+        self._arrived = True
         waiting_since = program.waiting_since or now
         with recharged(program, self._ledgers, self._waiting, self.config.buffer_tokens):
             program.tokens = max(program.tokens, prompt_tokens)
@@ -220,11 +222,12 @@ class Scheduler:
         """Feed the workers' busy fraction over the last period (0-1) to the admission law."""
         waiting = bool(self._waiting)
         waited, waited_throughout = self._waited or waiting, waiting and self._waiting_at_adapt
-        self._waited, self._waiting_at_adapt = False, waiting
+        arrived = self._arrived
+        self._waited, self._waiting_at_adapt, self._arrived = False, waiting, False
         if self.config.adaptive:
             self.tuner.retention_pays = self.config.retention and self.retention.pays(self.workers.values())
             before = self.tuner.label
-            self.tuner.observe(self.clock(), self.counters.steps, utilization, waited, waited_throughout)
+            self.tuner.observe(self.clock(), self.counters.steps, utilization, waited, waited_throughout, arrived)
             if self.tuner.label != before:
                 log.info("admission: %s -> %s (workers busy %.0f%%)", before, self.tuner.label, 100 * utilization)
 
