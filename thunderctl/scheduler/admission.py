@@ -77,8 +77,8 @@ class AdmissionTuner:
     _quiet: bool = True  # no load in the last window: the next load is just arriving
     _window_start: float = 0.0
     _window_steps: int = 0
-    _window_loaded: bool = False
-    _last_load: tuple[float, int] = (0.0, 0)  # the time and step count of the last tick with load
+    # The time and step count of the last tick with load; at the window's start while it had none.
+    _last_load: tuple[float, int] = (0.0, 0)
     _started: bool = False
     # Set by the scheduler from priced retention (retention.py): keeping an ACTING program's
     # KV through its expected tool time costs less than recomputing it, even at the full price
@@ -138,15 +138,14 @@ class AdmissionTuner:
             return
         if now <= self._window_start:  # settling: the load has not followed the last move yet
             self._window_steps = steps
-            self._last_load = (now, steps)
             return
         if loaded:
-            self._window_loaded, self._last_load = True, (now, steps)
+            self._last_load = (now, steps)
         elapsed = now - self._window_start
         if elapsed < cfg.adapt_window_s:
             return
         loaded_s = self._last_load[0] - self._window_start
-        if not self._window_loaded or loaded_s < elapsed / 2:
+        if loaded_s < elapsed / 2:  # no load at all (0 s), or it ended in the window's first half
             self._quiet = True
             self._begin(now, steps)
             return
@@ -183,7 +182,8 @@ class AdmissionTuner:
         """The next rung, and whether going there is a probe."""
         tolerance = self.config.adapt_tolerance
         count = len(self.levels)
-        neighbours = [r for r in dict.fromkeys(((self.rung - 1) % count, (self.rung + 1) % count)) if r != self.rung]
+        below, above = (self.rung - 1) % count, (self.rung + 1) % count  # the top's `below` is the gate
+        neighbours = [r for r in dict.fromkeys((below, above)) if r != self.rung]
         fresh = [r for r in neighbours if r in self.measured and not self._stale(r)]
         best = self.rung
         for rung in fresh:
@@ -226,5 +226,4 @@ class AdmissionTuner:
         self._begin(now + self.config.adapt_settle_s, steps)
 
     def _begin(self, start: float, steps: int) -> None:
-        self._window_start, self._window_steps, self._window_loaded = start, steps, False
-        self._last_load = (start, steps)
+        self._window_start, self._window_steps, self._last_load = start, steps, (start, steps)
