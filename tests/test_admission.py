@@ -58,7 +58,7 @@ FLAT = {1.0: 10, 0.5: 10.3, 0.0: 10, OPEN: 10}
     ],
 )
 def test_law_climbs_towards_more_steps(load, first_moves) -> None:
-    assert moves(simulate(tuner(), load, 120))[: len(first_moves)] == first_moves
+    assert moves(simulate(tuner(), load, 300))[: len(first_moves)] == first_moves
 
 
 @pytest.mark.parametrize(
@@ -169,6 +169,15 @@ def test_when_retention_pays_the_top_rung_is_not_probed() -> None:
 def test_from_the_open_gate_full_protection_is_not_probed() -> None:
     levels = simulate(tuner(), CHEAP, 3000)
     assert levels[60:].count(1.0) == 0
+
+
+def test_a_probe_that_wins_by_far_is_kept_a_probe_interval() -> None:
+    """Full protection made 0.4x the open gate's steps: the gate is where the load is, and its
+    other neighbour is probed a probe interval later, not in the next window."""
+    levels = simulate(tuner(), CHEAP, 300)
+    arrived = levels.index(OPEN)
+    left = next(i for i in range(arrived, len(levels)) if levels[i] is not OPEN)
+    assert left - arrived >= 8 * WINDOW_S, f"at the gate from {arrived} s, left at {left} s"
 
 
 def test_a_rung_measured_far_below_the_best_waits_the_longest_for_its_next_probe() -> None:

