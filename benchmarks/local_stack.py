@@ -6,6 +6,7 @@ Both are subprocesses stopped by their pids when the `local_stack` block ends, w
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 import psutil
 from rich.console import Console
 
+from thunderctl.engines.child import ChildServer
 from thunderctl.engines.local import EngineHome, LocalEngine, LocalEngineConfig
 from thunderctl.gateway.process import ServeProcess
 from thunderctl.processes import pick_free_port
@@ -78,6 +80,21 @@ def local_gateway(engine_url: str, gateway_args: list[str], log_dir: Path, conso
         yield gateway
     finally:
         gateway.stop()
+
+
+@contextlib.contextmanager
+def passthrough(engine_url: str, log_dir: Path) -> Iterator[str]:
+    """The URL of a pass-through proxy (passthrough.py) in front of the engine: the hop alone."""
+    script = Path(__file__).with_name("passthrough.py")
+    proxy = ChildServer(
+        lambda port: [sys.executable, str(script), "--upstream", engine_url, "--port", str(port)],
+        log_dir / "passthrough.log",
+    )
+    try:
+        proxy.wait_healthy()
+        yield proxy.url
+    finally:
+        proxy.stop()
 
 
 @contextlib.contextmanager

@@ -11,12 +11,15 @@ then prints one table of both arms. See benchmarks/README.md.
 
 With `--clients`, each kind of client (`bench swe-lite --client`) runs against a gateway of its own,
 started fresh, beside its own vLLM-alone arm; `--steps LO-HI` replays the recorded runs cut to a
-seeded number of steps in that range, so that whole programs end inside the window.
+seeded number of steps in that range, so that whole programs end inside the window. With
+`--baseline proxy` the other arm (`direct`) goes through a pass-through proxy (passthrough.py) instead
+of straight to vLLM: the ratio is then the gateway's own cost and gain, net of the hop any proxy adds.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -25,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from local_stack import EngineSettings, cpu_seconds, engine_for, local_gateway
+from local_stack import EngineSettings, cpu_seconds, engine_for, local_gateway, passthrough
 from rich.console import Console
 from rich.table import Table
 
@@ -55,6 +58,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="Comma-separated kinds of client (named, unreleased, unchanged): a fresh gateway each.",
     )  # fmt: skip
     parser.add_argument("--steps", help="LO-HI: the recorded runs cut to a seeded number of steps in this range.")
+    parser.add_argument(
+        "--baseline",
+        choices=("vllm", "proxy"),
+        default="vllm",
+        help="The arm thunderctl is compared with: vLLM alone, or vLLM behind a pass-through proxy (the hop alone).",
+    )
     parser.add_argument("--out-dir", type=Path, default=Path("results/swe_lite"))
     parser.add_argument("bench_args", nargs="*", help="More `swe-lite` options, after --.")
     return parser.parse_args(argv)
@@ -75,13 +84,13 @@ def cut_trace(steps: str, path: Path, seed: int = 0) -> Path:
 
 
 def run_one(
-    concurrency: int, client: str, args: argparse.Namespace, engine_url: str, gateway_url: str
+    concurrency: int, client: str, args: argparse.Namespace, baseline_url: str, gateway_url: str
 ) -> dict[str, Any]:
     out = args.out_dir / f"c{concurrency}-{client}.json"
     trace = ["--trace", str(cut_trace(args.steps, args.out_dir / "trace.jsonl"))] if args.steps else []
     bench_app(
         [
-            "swe-lite", "--endpoint", gateway_url, "--engine", engine_url, "--compare", "--client", client,
+            "swe-lite", "--endpoint", gateway_url, "--engine", baseline_url, "--compare", "--client", client,
             "--concurrency", str(concurrency), "--duration", str(args.duration), "--warmup", str(args.warmup),
             "--scale", str(args.scale), "--out", str(out), *trace, *args.bench_args,
         ],
@@ -91,10 +100,14 @@ def run_one(
 
 
 def summary_table(
-    reports: dict[tuple[int, str], dict[str, Any]], gateway_cpu_s: dict[tuple[int, str], float], duration_s: float
+    reports: dict[tuple[int, str], dict[str, Any]],
+    gateway_cpu_s: dict[tuple[int, str], float],
+    duration_s: float,
+    baseline: str,
 ) -> Table:
     """`gateway_cpu_s` per run: shown per step the cluster arm made (its steps/min over `duration_s`)."""
-    table = Table(title="swe-lite: thunderctl (cluster) vs straight to vLLM (direct), one vLLM-CPU engine")
+    direct = "straight to vLLM" if baseline == "vllm" else "vLLM behind a pass-through proxy"
+    table = Table(title=f"swe-lite: thunderctl (cluster) vs {direct} (direct), one vLLM-CPU engine")
     columns = ("conc", "client", "arm", "steps/min", "hit rate", "p50", "p90", "program p90", "programs/min",
                "preempt", "pauses/resumes", "cluster/direct", "gateway CPU ms/step")  # fmt: skip
     for column in columns:
@@ -120,16 +133,19 @@ def main(argv: list[str] | None = None) -> None:
     console = Console() if sys.stdout.isatty() else Console(width=140)
     reports = {}
     gateway_cpu_s: dict[tuple[int, str], float] = {}  # the gateway process's, over the run (its idle direct slices too)
-    with engine_for(EngineSettings(kv_blocks=args.kv_blocks), args.engine_url, args.out_dir / "logs", console) as url:
+    logs = args.out_dir / "logs"
+    with contextlib.ExitStack() as stack:
+        url = stack.enter_context(engine_for(EngineSettings(kv_blocks=args.kv_blocks), args.engine_url, logs, console))
+        baseline_url = url if args.baseline == "vllm" else stack.enter_context(passthrough(url, logs))
         for client in args.clients.split(","):
-            with local_gateway(url, args.gateway_arg, args.out_dir / "logs" / client, console) as gateway:
+            with local_gateway(url, args.gateway_arg, logs / client, console) as gateway:
                 process = psutil.Process(gateway.process.pid)
                 for concurrency in map(int, args.concurrency.split(",")):
                     before = cpu_seconds(process)
-                    reports[concurrency, client] = run_one(concurrency, client, args, url, gateway.url)
+                    reports[concurrency, client] = run_one(concurrency, client, args, baseline_url, gateway.url)
                     gateway_cpu_s[concurrency, client] = cpu_seconds(process) - before
     console.print(f"load average at the end: {' '.join(f'{v:.1f}' for v in os.getloadavg())}")
-    console.print(summary_table(reports, gateway_cpu_s, args.duration))
+    console.print(summary_table(reports, gateway_cpu_s, args.duration, args.baseline))
 
 
 if __name__ == "__main__":
