@@ -83,8 +83,8 @@ def local_gateway(engine_url: str, gateway_args: list[str], log_dir: Path, conso
 
 
 @contextlib.contextmanager
-def passthrough(engine_url: str, log_dir: Path) -> Iterator[str]:
-    """The URL of a pass-through proxy (passthrough.py) in front of the engine: the hop alone."""
+def passthrough(engine_url: str, log_dir: Path) -> Iterator[ChildServer]:
+    """A pass-through proxy (passthrough.py) in front of the engine: the hop alone."""
     script = Path(__file__).with_name("passthrough.py")
     proxy = ChildServer(
         lambda port: [sys.executable, str(script), "--upstream", engine_url, "--port", str(port)],
@@ -92,7 +92,7 @@ def passthrough(engine_url: str, log_dir: Path) -> Iterator[str]:
     )
     try:
         proxy.wait_healthy()
-        yield proxy.url
+        yield proxy
     finally:
         proxy.stop()
 

@@ -14,8 +14,9 @@ each a subprocess on loopback. Per concurrency, closed-loop streams (each sends 
 request, reads it to `[DONE]`, sends the next) go in two arms, `direct` (to the engine) and
 `gateway` (through it), alternated in slices (direct, gateway, gateway, direct...) so that drift
 of this shared machine lands on both alike; `--baseline-tree` adds a third, `baseline`, a gateway
-run from another checkout (the code before a change), in the same rotation. The load comes from
---clients processes, so that one client process's CPU is not the ceiling.
+run from another checkout (the code before a change), in the same rotation; `--proxy` adds
+`proxy`, a pass-through proxy (passthrough.py): what any hop costs, beside what the gateway does.
+The load comes from --clients processes, so that one client process's CPU is not the ceiling.
 
 `--client named` sends a program id per stream; `unchanged` sends none, so the gateway finds each
 request's program from its conversation. With `--turns N` each stream is an agent's conversation
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -52,11 +54,12 @@ from pathlib import Path
 
 import aiohttp
 import psutil
-from local_stack import cpu_seconds
+from local_stack import cpu_seconds, passthrough
 from rich.console import Console
 from rich.table import Table
 
 from thunderctl import aio
+from thunderctl.engines.child import ChildServer
 from thunderctl.engines.simulated.process import SimProcess
 from thunderctl.gateway.process import ServeProcess
 
@@ -216,7 +219,7 @@ def run_slice(
             start_at=start_at,
             warmup_s=args.warmup_s,
             window_s=args.slice_s,
-            program_ids=arm != "direct" and args.client == "named",
+            program_ids=arm not in ("direct", "proxy") and args.client == "named",
             turns=args.turns,
             observation=" ".join(f"line{i % 97}" for i in range(args.observation_words)),
         )
@@ -349,6 +352,8 @@ def parse_args() -> argparse.Namespace:
                         help="a checkout of thunderctl whose gateway runs as a third arm, `baseline` (the code before a change)")  # fmt: skip
     parser.add_argument("--baseline-arg", action="append", default=[],
                         help="one more `thunderctl serve` option for the baseline only (with --baseline-tree)")  # fmt: skip
+    parser.add_argument("--proxy", action="store_true",
+                        help="one more arm, `proxy`: the engine behind a pass-through proxy (passthrough.py), no gateway")  # fmt: skip
     parser.add_argument("--profile", type=Path,
                         help="record the gateway with py-spy: a flame graph (.svg) or collapsed stacks (other names)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("results/relay_throughput.json"))
@@ -366,13 +371,16 @@ def main() -> None:
     concurrencies = [int(s) for s in args.streams.split(",")]
     engine_options = ["--time-scale", "0", "--served-model-name", MODEL, *args.engine_arg]
     trees = {"gateway": None, **({"baseline": args.baseline_tree.resolve()} if args.baseline_tree else {})}
-    arms = ("direct", *trees)
-    with tempfile.TemporaryDirectory(prefix="thunderctl-relay-") as workdir:
+    arms = ("direct", *(("proxy",) if args.proxy else ()), *trees)
+    with tempfile.TemporaryDirectory(prefix="thunderctl-relay-") as workdir, contextlib.ExitStack() as stack:
         engine = SimProcess(engine_options, Path(workdir) / "engine.log")
         gateways: dict[str, ServeProcess] = {}
+        hops: dict[str, ChildServer] = {}
         profiler = None
         try:
             engine.wait_healthy(timeout=300)
+            if args.proxy:
+                hops["proxy"] = stack.enter_context(passthrough(engine.url, Path(workdir)))
             for arm, tree in trees.items():
                 options = [*args.gateway_arg, *(args.baseline_arg if arm == "baseline" else [])]
                 gateways[arm] = ServeProcess([engine.url], options, Path(workdir) / f"{arm}.log", pythonpath=tree)
@@ -386,10 +394,16 @@ def main() -> None:
                 )  # fmt: skip
             engine_process = psutil.Process(engine.process.pid)
             # Each arm counts the CPU of the engine and of the gateway it goes through.
+            # The proxy's CPU is counted where a gateway's is: it is the process the arm goes through.
             servers = {"direct": {"engine": engine_process}} | {
-                arm: {"engine": engine_process, "gateway": psutil.Process(g.process.pid)} for arm, g in gateways.items()
+                arm: {"engine": engine_process, "gateway": psutil.Process(g.process.pid)}
+                for arm, g in (hops | gateways).items()
             }
-            targets = {"direct": (engine.url, {})} | {arm: (g.url, g.headers) for arm, g in gateways.items()}
+            targets = (
+                {"direct": (engine.url, {})}
+                | {arm: (hop.url, {}) for arm, hop in hops.items()}
+                | {arm: (g.url, g.headers) for arm, g in gateways.items()}
+            )
             points = []
             with ProcessPoolExecutor(max_workers=args.clients, mp_context=get_context("spawn")) as pool:
                 for n, streams in enumerate(concurrencies):

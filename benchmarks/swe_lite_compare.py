@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     logs = args.out_dir / "logs"
     with contextlib.ExitStack() as stack:
         url = stack.enter_context(engine_for(EngineSettings(kv_blocks=args.kv_blocks), args.engine_url, logs, console))
-        baseline_url = url if args.baseline == "vllm" else stack.enter_context(passthrough(url, logs))
+        baseline_url = url if args.baseline == "vllm" else stack.enter_context(passthrough(url, logs)).url
         for client in args.clients.split(","):
             with local_gateway(url, args.gateway_arg, logs / client, console) as gateway:
                 process = psutil.Process(gateway.process.pid)
