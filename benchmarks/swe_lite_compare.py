@@ -14,6 +14,11 @@ started fresh, beside its own vLLM-alone arm; `--steps LO-HI` replays the record
 seeded number of steps in that range, so that whole programs end inside the window. With
 `--baseline proxy` the other arm (`direct`) goes through a pass-through proxy (passthrough.py) instead
 of straight to vLLM: the ratio is then the gateway's own cost and gain, net of the hop any proxy adds.
+With `--front proxy` the other way round: the `cluster` arm goes through the pass-through proxy instead
+of thunderctl, against vLLM alone, which measures what the hop alone costs on this machine.
+
+    python benchmarks/swe_lite_compare.py --kv-blocks 1024 --concurrency 48 --duration 300 \
+        --clients unchanged --steps 5-12 --front proxy       # the hop alone against vLLM alone
 """
 
 from __future__ import annotations
@@ -64,9 +69,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="vllm",
         help="The arm thunderctl is compared with: vLLM alone, or vLLM behind a pass-through proxy (the hop alone).",
     )
+    parser.add_argument(
+        "--front",
+        choices=("gateway", "proxy"),
+        default="gateway",
+        help="What the cluster arm goes through: thunderctl's gateway, or the pass-through proxy (with "
+        "--baseline vllm and --clients unchanged: what the hop alone costs).",
+    )
     parser.add_argument("--out-dir", type=Path, default=Path("results/swe_lite"))
     parser.add_argument("bench_args", nargs="*", help="More `swe-lite` options, after --.")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.front == "proxy" and (args.baseline != "vllm" or args.clients != "unchanged"):
+        parser.error(
+            "--front proxy measures the hop alone: give it with --baseline vllm and --clients unchanged "
+            "(a proxy knows no program ids and has no release route)"
+        )
+    return args
 
 
 def cut_trace(steps: str, path: Path, seed: int = 0) -> Path:
@@ -84,13 +102,13 @@ def cut_trace(steps: str, path: Path, seed: int = 0) -> Path:
 
 
 def run_one(
-    concurrency: int, client: str, args: argparse.Namespace, baseline_url: str, gateway_url: str
+    concurrency: int, client: str, args: argparse.Namespace, baseline_url: str, front_url: str
 ) -> dict[str, Any]:
     out = args.out_dir / f"c{concurrency}-{client}.json"
     trace = ["--trace", str(cut_trace(args.steps, args.out_dir / "trace.jsonl"))] if args.steps else []
     bench_app(
         [
-            "swe-lite", "--endpoint", gateway_url, "--engine", baseline_url, "--compare", "--client", client,
+            "swe-lite", "--endpoint", front_url, "--engine", baseline_url, "--compare", "--client", client,
             "--concurrency", str(concurrency), "--duration", str(args.duration), "--warmup", str(args.warmup),
             "--scale", str(args.scale), "--out", str(out), *trace, *args.bench_args,
         ],
@@ -101,15 +119,17 @@ def run_one(
 
 def summary_table(
     reports: dict[tuple[int, str], dict[str, Any]],
-    gateway_cpu_s: dict[tuple[int, str], float],
+    front_cpu_s: dict[tuple[int, str], float],
     duration_s: float,
     baseline: str,
+    front: str,
 ) -> Table:
-    """`gateway_cpu_s` per run: shown per step the cluster arm made (its steps/min over `duration_s`)."""
+    """`front_cpu_s` per run: shown per step the cluster arm made (its steps/min over `duration_s`)."""
     direct = "straight to vLLM" if baseline == "vllm" else "vLLM behind a pass-through proxy"
-    table = Table(title=f"swe-lite: thunderctl (cluster) vs {direct} (direct), one vLLM-CPU engine")
+    cluster = "thunderctl" if front == "gateway" else "the pass-through proxy"
+    table = Table(title=f"swe-lite: {cluster} (cluster) vs {direct} (direct), one vLLM-CPU engine")
     columns = ("conc", "client", "arm", "steps/min", "hit rate", "p50", "p90", "program p90", "programs/min",
-               "preempt", "pauses/resumes", "cluster/direct", "gateway CPU ms/step")  # fmt: skip
+               "preempt", "pauses/resumes", "cluster/direct", f"{front} CPU ms/step")  # fmt: skip
     for column in columns:
         table.add_column(column, justify="left" if column in ("arm", "client") else "right")
     for (concurrency, client), report in reports.items():
@@ -117,7 +137,7 @@ def summary_table(
             pauses = "" if arm["pauses"] is None else f"{arm['pauses']:.0f}/{arm['resumes']:.0f}"
             ratio = fmt(report["ratios"]["steps_per_min"], "x") if name == "cluster" else ""
             steps = (arm["steps_per_min"] or 0) * duration_s / 60
-            cpu = f"{1e3 * gateway_cpu_s[concurrency, client] / steps:.1f}" if name == "cluster" and steps else ""
+            cpu = f"{1e3 * front_cpu_s[concurrency, client] / steps:.1f}" if name == "cluster" and steps else ""
             table.add_row(
                 str(concurrency), client if name == "cluster" else "", name, fmt(arm["steps_per_min"], digits=1),
                 fmt(arm["hit_rate"]), fmt(arm["p50_s"], " s"), fmt(arm["p90_s"], " s"),
@@ -132,20 +152,25 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     console = Console() if sys.stdout.isatty() else Console(width=140)
     reports = {}
-    gateway_cpu_s: dict[tuple[int, str], float] = {}  # the gateway process's, over the run (its idle direct slices too)
+    front_cpu_s: dict[tuple[int, str], float] = {}  # the front process's, over the run (its idle direct slices too)
     logs = args.out_dir / "logs"
     with contextlib.ExitStack() as stack:
         url = stack.enter_context(engine_for(EngineSettings(kv_blocks=args.kv_blocks), args.engine_url, logs, console))
         baseline_url = url if args.baseline == "vllm" else stack.enter_context(passthrough(url, logs)).url
         for client in args.clients.split(","):
-            with local_gateway(url, args.gateway_arg, logs / client, console) as gateway:
-                process = psutil.Process(gateway.process.pid)
+            fresh = (
+                local_gateway(url, args.gateway_arg, logs / client, console)
+                if args.front == "gateway"
+                else passthrough(url, logs / client)
+            )
+            with fresh as front:
+                process = psutil.Process(front.process.pid)
                 for concurrency in map(int, args.concurrency.split(",")):
                     before = cpu_seconds(process)
-                    reports[concurrency, client] = run_one(concurrency, client, args, baseline_url, gateway.url)
-                    gateway_cpu_s[concurrency, client] = cpu_seconds(process) - before
+                    reports[concurrency, client] = run_one(concurrency, client, args, baseline_url, front.url)
+                    front_cpu_s[concurrency, client] = cpu_seconds(process) - before
     console.print(f"load average at the end: {' '.join(f'{v:.1f}' for v in os.getloadavg())}")
-    console.print(summary_table(reports, gateway_cpu_s, args.duration, args.baseline))
+    console.print(summary_table(reports, front_cpu_s, args.duration, args.baseline, args.front))
 
 
 if __name__ == "__main__":
