@@ -55,7 +55,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, StreamingRespon
 from starlette.routing import Route
 
 from thunderctl.gateway.auth import env_api_key
-from thunderctl.gateway.identity import ConversationIndex
+from thunderctl.gateway.identity import ConversationIndex, Turn
 from thunderctl.gateway.process import ServeProcess
 from thunderctl.jsonapi import bearer_headers
 from thunderctl.percentiles import percentile
@@ -194,7 +194,7 @@ def filled_index(remembered: int) -> ConversationIndex:
     """An index holding `remembered` short conversations."""
     index = ConversationIndex(remembered)
     for i in range(remembered):
-        claim = index.claim({"messages": [{"role": "user", "content": f"task {i}"}]})
+        claim = index.claim(Turn(messages=[{"role": "user", "content": f"task {i}"}]))
         assert claim is not None
         index.answered_chat(claim, {"role": "assistant", "content": "ok"})
     return index
@@ -213,9 +213,9 @@ def index_cost(rounds: int = 30) -> dict[str, float]:
     for remembered in (1_000, 65_536):
         index = filled_index(remembered)
         for kind, first, step in (
-            ("chat", {"messages": chat}, lambda n: {"messages": [*chat, *TURN * n]}),
-            ("text", {"prompt": text}, lambda n: {"prompt": text + " ok obs" * n}),
-            ("ids", {"prompt": ids}, lambda n: {"prompt": ids + [1, 2] * n}),
+            ("chat", Turn(messages=chat), lambda n: Turn(messages=[*chat, *TURN * n])),
+            ("text", Turn(prompt=text), lambda n: Turn(prompt=text + " ok obs" * n)),
+            ("ids", Turn(prompt=ids), lambda n: Turn(prompt=ids + [1, 2] * n)),
         ):  # fmt: skip
             claim = index.claim(first)
             durations = []

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from thunderctl.gateway.answers import StreamedAnswer, tool_in_response, uncached_prompt_tokens
+from thunderctl.gateway.answers import uncached_prompt_tokens
+from thunderctl.gateway.apis import CHAT
+from thunderctl.gateway.apis.chat import OpenAIChunks
 
 
 def response(message: dict) -> dict:
     return {"choices": [{"index": 0, "message": message}]}
+
+
+def tool_in_response(body: dict) -> str | None:
+    return CHAT.answered(body).tool
 
 
 def test_an_openai_tool_call_names_the_tool() -> None:
@@ -48,12 +54,12 @@ def test_the_command_word_of_a_bash_block_names_the_tool(content: str, tool: str
 
 
 def test_a_streamed_answer_gives_its_tool_and_time_to_first_token() -> None:
-    answer = StreamedAnswer(sent_at=10.0)
+    answer = OpenAIChunks(sent_at=10.0)
     answer.chunk({"choices": [{"delta": {"role": "assistant"}}]}, now=10.5)  # no token yet
     for now, text in ((12.0, "```bash\ngr"), (12.1, "ep -rn foo .\n```")):
         answer.chunk({"choices": [{"delta": {"content": text}}]}, now=now)
     assert answer.ttft_s == pytest.approx(2.0)
-    assert answer.tool == "grep"
+    assert answer.answer().tool == "grep"
 
 
 def test_uncached_tokens_leave_out_the_prefix_cache_hit() -> None:

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from thunderctl.gateway.apis import CHAT, COMPLETIONS
 from thunderctl.gateway.requests import (
     BadRequest,
     PromptShape,
     TokenEstimator,
-    check_generation_fields,
     pop_program_id,
-    prompt_shape,
 )
 from thunderctl.gateway.server import parse_worker
 from thunderctl.scheduler.front import BusyMeter
@@ -106,3 +105,12 @@ def test_busy_meter_averages_utilisation_over_the_period(timeline, expected) -> 
     for at, in_flight in timeline:
         meter.set(in_flight, float(at))
     assert meter.take(10.0) == pytest.approx(expected)
+
+
+def prompt_shape(body: dict) -> PromptShape:
+    api = CHAT if "messages" in body else COMPLETIONS
+    return api.shape(body, api.turn(body))
+
+
+def check_generation_fields(body: dict) -> None:
+    CHAT.check(body)

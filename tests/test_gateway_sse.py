@@ -8,7 +8,7 @@ import itertools
 import json
 from collections.abc import Callable
 
-from thunderctl.gateway.answers import StreamedAnswer
+from thunderctl.gateway.apis.chat import OpenAIChunks
 from thunderctl.gateway.sse import UNREAD_BYTES, EventFramer, StreamRelay
 
 USAGE = {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15}
@@ -57,11 +57,11 @@ def test_crlf_events_and_an_unterminated_tail() -> None:
 def test_a_program_stream_passes_unchanged_and_its_usage_and_tool_are_read_across_cuts() -> None:
     whole = b"".join(STREAM)
     for size in (1, 5, len(whole)):
-        answer = StreamedAnswer(sent_at=0.0)
+        answer = OpenAIChunks(sent_at=0.0)
         relay = StreamRelay(answer, client_wants_usage=True, clock=lambda: 1.0)
         assert relayed(cut(whole, size), relay) == whole
         assert relay.usage == USAGE
-        assert answer.tool == "pytest" and answer.ttft_s == 1.0
+        assert answer.answer().tool == "pytest" and answer.ttft_s == 1.0
 
 
 def test_a_client_that_did_not_ask_for_usage_gets_neither_the_usage_chunk_nor_usage_on_a_content_chunk() -> None:
@@ -88,12 +88,12 @@ def ticking() -> Callable[[], float]:
 
 
 def test_a_program_stream_read_an_event_at_a_time_times_its_first_token_and_reads_its_tool_at_the_end() -> None:
-    answer = StreamedAnswer(sent_at=0.0)
+    answer = OpenAIChunks(sent_at=0.0)
     relay = StreamRelay(answer, client_wants_usage=True, clock=ticking())
     assert [relay.feed(e) for e in STREAM] == STREAM  # each read relayed as it came
     assert relay.end() == b""
     assert answer.ttft_s == 2.0  # the second event's read: the first with a token
-    assert answer.tool == "pytest" and relay.usage == USAGE
+    assert answer.answer().tool == "pytest" and relay.usage == USAGE
 
 
 def test_a_long_answer_is_read_in_batches_and_its_first_tool_call_counts() -> None:
@@ -103,24 +103,24 @@ def test_a_long_answer_is_read_in_batches_and_its_first_tool_call_counts() -> No
 
     filler = [event(content("word ")) for _ in range(2 * UNREAD_BYTES // len(event(content("word "))))]
     stream = [STREAM[0], event(content("thinking")), *filler, call("run_tests"), *filler, call("other"), STREAM[4]]
-    answer = StreamedAnswer(sent_at=0.0)
+    answer = OpenAIChunks(sent_at=0.0)
     relay = StreamRelay(answer, client_wants_usage=True, clock=lambda: 1.0)
     assert b"".join(relay.feed(e) for e in stream) + relay.end() == b"".join(stream)
-    assert answer.tool == "run_tests"
+    assert answer.answer().tool == "run_tests"
 
 
 def test_a_stream_cut_short_still_gives_the_tool_of_what_came() -> None:
-    answer = StreamedAnswer(sent_at=0.0)
+    answer = OpenAIChunks(sent_at=0.0)
     relay = StreamRelay(answer, client_wants_usage=True, clock=lambda: 1.0)
     for piece in STREAM[:3]:
         relay.feed(piece)
     relay.settle()  # what the gateway does when the client or the engine goes away
-    assert answer.tool == "pytest" and relay.usage is None
+    assert answer.answer().tool == "pytest" and relay.usage is None
 
 
 def test_a_chunk_past_the_first_token_that_is_not_json_is_relayed_and_the_others_still_read() -> None:
     stream = [STREAM[0], STREAM[1], b"data: {not json\n\n", STREAM[2], STREAM[4]]
-    answer = StreamedAnswer(sent_at=0.0)
+    answer = OpenAIChunks(sent_at=0.0)
     relay = StreamRelay(answer, client_wants_usage=True, clock=lambda: 1.0)
     assert relayed(stream, relay) == b"".join(stream)
-    assert answer.tool == "pytest"
+    assert answer.answer().tool == "pytest"

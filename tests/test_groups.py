@@ -17,7 +17,7 @@ from thunderctl.bench.recorded import recorded_swe_lite
 from thunderctl.cli import app
 from thunderctl.daemon.control import build_control_app
 from thunderctl.daemon.status import ClusterStatus
-from thunderctl.gateway.identity import ConversationIndex
+from thunderctl.gateway.identity import ConversationIndex, Turn
 from thunderctl.gateway.requests import BadRequest, pop_group_id
 from thunderctl.scheduler import Scheduler, SchedulerConfig, Status
 from thunderctl.sim.clock import VirtualClock
@@ -134,8 +134,8 @@ def chat(task: str) -> dict:
 
 def test_derived_programs_that_share_a_first_prompt_share_a_group() -> None:
     index = ConversationIndex(64)
-    samples = [index.claim(chat("Fix issue 42.")) for _ in range(3)]
-    other = index.claim(chat("Fix issue 43."))
+    samples = [index.claim(Turn(**chat("Fix issue 42."))) for _ in range(3)]
+    other = index.claim(Turn(**chat("Fix issue 43.")))
     assert all(s is not None and other is not None for s in [*samples, other])
     assert len({s.program_id for s in samples}) == 3, "each sample its own program"
     assert len({s.group for s in samples}) == 1 and samples[0].group != other.group
@@ -143,7 +143,7 @@ def test_derived_programs_that_share_a_first_prompt_share_a_group() -> None:
 
 def test_completions_of_the_same_token_ids_share_a_group() -> None:
     index = ConversationIndex(64)
-    first, second, other = (index.claim({"prompt": ids}) for ids in ([1, 2, 3], [1, 2, 3], [1, 2, 4]))
+    first, second, other = (index.claim(Turn(prompt=ids)) for ids in ([1, 2, 3], [1, 2, 3], [1, 2, 4]))
     assert first.group == second.group != other.group and first.program_id != second.program_id
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from thunderctl.gateway.identity import Claim, ConversationIndex, Match
+from thunderctl.gateway.identity import Claim, ConversationIndex, Match, Turn
 
 SYSTEM = {"role": "system", "content": "You are a careful software engineer."}
 TASK = {"role": "user", "content": "Fix the failing test in utils.py"}
@@ -31,14 +31,14 @@ OBSERVATION = {"role": "user", "content": "def add(a, b): return a - b"}
 
 def answered(index: ConversationIndex, messages: list[dict[str, Any]], answer: dict[str, Any]) -> str:
     """Send a chat request and its answer through the index; the program it belonged to."""
-    claim = index.claim({"messages": messages})
+    claim = index.claim(Turn(messages=messages))
     assert claim is not None
     index.answered_chat(claim, answer)
     return claim.program_id
 
 
 def program_of(index: ConversationIndex, messages: list[dict[str, Any]]) -> str:
-    claim = index.claim({"messages": messages})
+    claim = index.claim(Turn(messages=messages))
     assert claim is not None
     return claim.program_id
 
@@ -47,7 +47,7 @@ def completed(
     index: ConversationIndex, prompt: str | list[int], text: str, token_ids: list[int] | None = None
 ) -> Claim:
     """Send a completions request and its answer through the index; its claim."""
-    claim = index.claim({"prompt": prompt})
+    claim = index.claim(Turn(prompt=prompt))
     assert claim is not None
     index.answered_completion(claim, text, token_ids)
     return claim
@@ -116,7 +116,7 @@ def test_a_condensed_history_continues_while_its_latest_answer_is_the_programs()
     assert answered(index, [SYSTEM, TASK, ANSWER, OBSERVATION], second) == program
     summary = {"role": "user", "content": "Summary: the file subtracts instead of adding."}
     condensed = [SYSTEM, TASK, summary, second, {"role": "user", "content": "done"}]
-    claim = index.claim({"messages": condensed})
+    claim = index.claim(Turn(messages=condensed))
     assert claim is not None and (claim.program_id, claim.match) == (program, Match.REWRITTEN)
 
 
@@ -139,7 +139,7 @@ def test_a_request_sent_again_stays_with_its_program() -> None:
 def test_a_completions_prompt_that_extends_prompt_and_completion_continues_its_program() -> None:
     index = ConversationIndex(100)
     claim = completed(index, "Task: fix utils.py\nThought:", " read the file\nAction: cat utils.py\n")
-    follow = index.claim({"prompt": "Task: fix utils.py\nThought: read the file\nAction: cat utils.py\nObs: ok\n"})
+    follow = index.claim(Turn(prompt="Task: fix utils.py\nThought: read the file\nAction: cat utils.py\nObs: ok\n"))
     assert follow is not None and follow.program_id == claim.program_id
 
 
@@ -147,21 +147,21 @@ def test_a_token_id_prompt_that_extends_prompt_and_completion_ids_continues_its_
     index = ConversationIndex(100)
     prompts = [list(range(1000 * k, 1000 * k + 300)) for k in range(3)]
     claims = [completed(index, p, "", [7, 8, 9]) for p in prompts]
-    follow = index.claim({"prompt": [*prompts[1], 7, 8, 9, 42, 43]})
+    follow = index.claim(Turn(prompt=[*prompts[1], 7, 8, 9, 42, 43]))
     assert follow is not None and follow.program_id == claims[1].program_id != claims[0].program_id
 
 
 def test_a_token_id_prompt_whose_completion_ids_are_unknown_continues_by_its_prompt() -> None:
     index = ConversationIndex(100)
     claim = completed(index, list(range(50)), "text only")
-    follow = index.claim({"prompt": [*range(50), 99, 98]})
+    follow = index.claim(Turn(prompt=[*range(50), 99, 98]))
     assert follow is not None and follow.program_id == claim.program_id
 
 
 def test_a_completion_that_does_not_extend_the_earlier_one_starts_a_new_program() -> None:
     index = ConversationIndex(100)
     claim = completed(index, "Task: fix utils.py\nThought:", " read the file")
-    other = index.claim({"prompt": "Task: fix utils.py\nThought: write a test first"})
+    other = index.claim(Turn(prompt="Task: fix utils.py\nThought: write a test first"))
     assert other is not None and other.match is Match.NEW and other.program_id != claim.program_id
 
 
@@ -178,11 +178,34 @@ def test_memory_holds_the_most_recently_continued_conversations_only() -> None:
 
 
 def test_a_batch_of_prompts_is_not_followed() -> None:
-    assert ConversationIndex(10).claim({"prompt": ["one", "two"]}) is None
+    assert ConversationIndex(10).claim(Turn(prompt=["one", "two"])) is None
 
 
 def test_a_batch_of_one_prompt_is_followed_as_that_prompt() -> None:
     index = ConversationIndex(10)
     claim = completed(index, ["Task: fix it\nThought:"], " read")
-    follow = index.claim({"prompt": ["Task: fix it\nThought: read\nObs: ok"]})
+    follow = index.claim(Turn(prompt=["Task: fix it\nThought: read\nObs: ok"]))
     assert follow is not None and follow.program_id == claim.program_id
+
+
+CORRECTION = {"role": "user", "content": "Format error: give exactly one bash block."}
+
+
+def test_a_request_that_drops_the_answer_and_appends_a_correction_continues_the_program() -> None:
+    index = ConversationIndex(10)
+    program = started(index)  # its answer did not parse: the agent drops it
+    assert answered(index, [SYSTEM, TASK, CORRECTION], ANSWER) == program
+    assert program_of(index, [SYSTEM, TASK, CORRECTION, CORRECTION]) == program
+
+
+def test_samples_that_all_drop_their_answers_stay_one_program_each() -> None:
+    index = ConversationIndex(10)
+    programs = {started(index) for _ in range(4)}
+    retried = {answered(index, [SYSTEM, TASK, CORRECTION], ANSWER) for _ in range(4)}
+    assert len(programs) == 4 and retried == programs
+
+
+def test_the_same_first_request_again_is_a_new_program_not_a_retry() -> None:
+    index = ConversationIndex(10)
+    first = started(index)
+    assert program_of(index, [SYSTEM, TASK]) != first

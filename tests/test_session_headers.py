@@ -52,7 +52,7 @@ def test_the_final_header_is_true_or_false(value, final) -> None:
 def test_a_final_header_that_is_neither_or_names_no_program_says_how_to_fix_it() -> None:
     with pytest.raises(BadRequest, match=f"{FINAL} header must be true or false, not 'yes'"):
         ends_session({FINAL: "yes"}, "p")
-    with pytest.raises(BadRequest, match=f"send its id in the {SESSION} header"):
+    with pytest.raises(BadRequest, match="send its id in the x-dynamo-trajectory-id header"):
         ends_session({FINAL: "true"}, None)
 
 

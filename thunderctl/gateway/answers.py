@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
 from typing import Any
 
 # A command line's first word, past variable assignments (`FOO=1 python3 …`).
@@ -53,71 +52,6 @@ def command_word_in_arguments(arguments: Any) -> str | None:
         return None
     line = next((parsed[key] for key in COMMAND_ARGUMENTS if isinstance(parsed.get(key), str)), None)
     return command_word(COMMAND_LINE.match(line)) if line else None
-
-
-def tool_in_response(body: dict[str, Any]) -> str | None:
-    choices = body.get("choices") or []
-    message = choices[0].get("message") if choices and isinstance(choices[0], dict) else None
-    return tool_in_message(message) if isinstance(message, dict) else None
-
-
-@dataclass
-class StreamedAnswer:
-    """A streamed answer as its chunks pass: its text, tool calls and token ids (of its first choice,
-    the one a client continues), its first token's time."""
-
-    sent_at: float
-    first_token_at: float | None = None
-    _text: list[str] = field(default_factory=list)
-    _calls: dict[int, dict[str, Any]] = field(default_factory=dict)  # by the delta's index
-    _token_ids: list[int] = field(default_factory=list)
-
-    def chunk(self, chunk: dict[str, Any], now: float) -> None:
-        for choice in chunk.get("choices") or []:
-            if choice.get("index", 0) != 0:
-                continue
-            delta = choice.get("delta") or {}
-            text = delta.get("content") if "delta" in choice else choice.get("text")  # chat, completions
-            if self.first_token_at is None and (text or delta.get("tool_calls")):
-                self.first_token_at = now
-            if isinstance(text, str):
-                self._text.append(text)
-            if isinstance(choice.get("token_ids"), list):
-                self._token_ids.extend(choice["token_ids"])
-            for call in delta.get("tool_calls") or []:
-                self._call_delta(call)
-
-    def _call_delta(self, call: dict[str, Any]) -> None:
-        whole = self._calls.setdefault(call.get("index", len(self._calls)), {"name": None, "arguments": []})
-        function = call.get("function") or {}
-        whole["name"] = whole["name"] or function.get("name")
-        if isinstance(function.get("arguments"), str):
-            whole["arguments"].append(function["arguments"])
-
-    @property
-    def text(self) -> str:
-        return "".join(self._text)
-
-    @property
-    def token_ids(self) -> list[int] | None:
-        return self._token_ids or None
-
-    @property
-    def message(self) -> dict[str, Any]:
-        """The answer as the assistant message a client echoes back."""
-        calls = [
-            {"function": {"name": call["name"], "arguments": "".join(call["arguments"])}}
-            for _, call in sorted(self._calls.items())
-        ]
-        return {"role": "assistant", "content": self.text, "tool_calls": calls}
-
-    @property
-    def tool(self) -> str | None:
-        return tool_in_message(self.message)
-
-    @property
-    def ttft_s(self) -> float | None:
-        return None if self.first_token_at is None else self.first_token_at - self.sent_at
 
 
 def uncached_prompt_tokens(usage: dict[str, Any]) -> int:

@@ -1,8 +1,9 @@
-"""HTTP routes of the gateway: OpenAI-compatible endpoints plus program control and metrics."""
+"""HTTP routes of the gateway: the engines' generation APIs (scheduled), their other public routes
+(relayed), program control and metrics. The engines' control routes are never a client's."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import httpx
@@ -14,20 +15,20 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from thunderctl.gateway.admin import WeightSync, admin_routes
+from thunderctl.gateway.apis import CHAT, GENERATION_ROUTES, MESSAGES, Api
 from thunderctl.gateway.auth import GatewayAuth, RequireApiKey
 from thunderctl.gateway.disconnects import CountDisconnects
 from thunderctl.gateway.gateway import Gateway, WorkerError
 from thunderctl.gateway.metrics import render_metrics
 from thunderctl.gateway.requests import (
     PROGRAM_HEADER,
+    Named,
     as_sent,
-    check_generation_fields,
-    ends_session,
+    forwarded_headers,
+    named_program,
     pop_docker_ids,
-    pop_group_id,
-    pop_program_id,
-    prompt_shape,
 )
+from thunderctl.gateway.routes import CONTROL_PATHS, RELAYED_ROUTES, served_paths
 from thunderctl.gateway.streaming import RelayedStream
 from thunderctl.gateway.views import groups_view, programs_view
 from thunderctl.jsonapi import (
@@ -35,6 +36,7 @@ from thunderctl.jsonapi import (
     BodyLimits,
     bad_request,
     error,
+    read_body,
     read_json_body,
     read_json_object,
     valid_program_id,
@@ -56,59 +58,93 @@ def build_app(
     an API key in `auth`, every route but /health (and /metrics, if public) asks for it.
     `weight_sync` serves /admin/pause and /admin/resume (default: with the default bound)."""
 
+    keyed = auth.api_key is not None
+
     def release_program(program_id: str) -> bool:
         released = gateway.scheduler.release(program_id)
         if on_release is not None:
             on_release(program_id)
         return released
 
-    async def completions(request: Request) -> Response:
-        try:
-            raw, body = await read_json_body(request, limits)
-            sent = as_sent(raw, body)
-            headers = dict(request.headers)
-            program_id = pop_program_id(body, headers)
-            group = pop_group_id(body, headers)
-            final = ends_session(headers, program_id)
-        except BadRequest as exc:
-            return bad_request(exc)
-        response = await answer(request.url.path, body, program_id, group, sent)
-        if final:
-            # The session's last request, whatever its answer: released once the response has
-            # gone out (a stream, after its last byte), as POST /programs/release would.
-            response.background = BackgroundTask(release_program, program_id)
-        return response
+    def generation(api: Api) -> Callable[[Request], Awaitable[Response]]:
+        async def generate(request: Request) -> Response:
+            try:
+                raw, body = await read_json_body(request, limits)
+                sent = as_sent(raw, body)
+                named = named_program(body, request.headers, api.program_hints(body))
+            except BadRequest as exc:
+                return api.error(exc.status, str(exc))
+            response = await answer(api, request, body, named, sent)
+            if named.final:
+                # The session's last request, whatever its answer: released once the response has
+                # gone out (a stream, after its last byte), as POST /programs/release would.
+                response.background = BackgroundTask(release_program, named.program_id)
+            return response
 
-    async def answer(
-        path: str, body: dict[str, Any], program_id: str | None, group: str | None, sent: bytes | None
-    ) -> Response:
+        return generate
+
+    async def answer(api: Api, request: Request, body: dict[str, Any], named: Named, sent: bytes | None) -> Response:
         try:
             docker_ids = pop_docker_ids(body)
-            check_generation_fields(body)
-            shape = prompt_shape(body)
+            api.check(body)
+            turn = api.turn(body)
+            shape = api.shape(body, turn)
         except BadRequest as exc:
-            return bad_request(exc)
-        claim = gateway.derived.claim(body) if program_id is None else None
+            return api.error(exc.status, str(exc))
+        program_id, group = named.program_id, named.group
+        claim = gateway.derived.claim(turn) if program_id is None else None
         if claim is not None:
             program_id, group = claim.program_id, group or claim.group
         if docker_ids and program_id is not None and on_docker_ids is not None:
             on_docker_ids(program_id, docker_ids)
         try:
-            relayed = await gateway.relay(path, body, program_id, shape, claim, group, sent)
+            relayed = await gateway.relay(
+                api, request.url.path, body, program_id, shape, claim, group, sent, named.parent,
+                forwarded_headers(request.headers, keyed),
+            )  # fmt: skip
         except (WorkerError, httpx.HTTPError) as exc:
-            return error(502, str(exc), "backend_error")
+            return api.error(502, str(exc), "backend_error")
         # The client learns the program it was given, to release it or to name it from now on.
         headers = {PROGRAM_HEADER: claim.program_id} if claim is not None else None
         if isinstance(relayed.body, bytes):
             return Response(relayed.body, relayed.status, headers=headers, media_type=relayed.media_type)
         return RelayedStream(relayed.body, relayed.status, media_type=relayed.media_type, headers=headers)
 
-    async def models(_: Request) -> Response:
-        try:
-            status, content = await gateway.get_models()
-        except WorkerError as exc:
-            return error(502, str(exc), "backend_error")
-        return Response(content, status, media_type="application/json")
+    def relayed(api: Api) -> Callable[[Request], Awaitable[Response]]:
+        """An engine route the gateway does not schedule, relayed to a worker (errors in `api`'s shape)."""
+
+        async def relay(request: Request) -> Response:
+            try:
+                body = await read_body(request, limits.max_bytes)
+            except BadRequest as exc:
+                return api.error(exc.status, str(exc))
+            try:
+                answer = await gateway.forward(
+                    request.method, request.url.path, request.url.query, body, forwarded_headers(request.headers, keyed),
+                    request.headers.get(PROGRAM_HEADER),
+                )  # fmt: skip
+            except WorkerError as exc:
+                return api.error(502, str(exc), "backend_error")
+            assert isinstance(answer.body, bytes)
+            return Response(answer.body, answer.status, media_type=answer.media_type)
+
+        return relay
+
+    async def control(request: Request) -> Response:
+        return error(
+            403,
+            f"{request.url.path} is an engine's control route, which only the cluster calls: pause and resume the "
+            "workers with `thunderctl pause` / `thunderctl resume` (POST /admin/pause, /admin/resume with the key)",
+            "permission_error",
+        )
+
+    async def not_served(request: Request) -> Response:
+        api = MESSAGES if request.url.path.startswith("/v1/messages") else CHAT
+        return api.error(
+            404,
+            f"{request.method} {request.url.path} is not served here; the gateway serves: {', '.join(served_paths())}",
+            "not_found_error",
+        )
 
     async def release(request: Request) -> Response:
         try:
@@ -132,15 +168,16 @@ def build_app(
 
     return Starlette(
         routes=[
-            Route("/v1/chat/completions", completions, methods=["POST"]),
-            Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/models", models, methods=["GET"]),
+            *(Route(path, generation(api), methods=["POST"]) for path, api in GENERATION_ROUTES.items()),
+            *(Route(r.path, relayed(r.api), methods=[r.method]) for r in RELAYED_ROUTES),
+            *(Route(path, control, methods=["GET", "POST", "PUT", "DELETE"]) for path in CONTROL_PATHS),
             Route("/programs/release", release, methods=["POST"]),
             Route("/programs", programs, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             *admin_routes(weight_sync or WeightSync(gateway), limits),
             *extra_routes,
+            Route("/{path:path}", not_served, methods=["GET", "POST", "PUT", "DELETE", "PATCH"]),
         ],
         middleware=[
             Middleware(CountDisconnects, on_disconnect=gateway.count_client_disconnect),

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Container
-from typing import Any
 
-from thunderctl.gateway.answers import StreamedAnswer
-from thunderctl.gateway.identity import Claim, ConversationIndex, IdentityConfig
+from thunderctl.gateway.apis.base import Answer
+from thunderctl.gateway.identity import Claim, ConversationIndex, IdentityConfig, Turn
 from thunderctl.scheduler import EventKind, ProgramEvent
 
 
@@ -21,10 +20,10 @@ class DerivedPrograms:
     def __contains__(self, program_id: str) -> bool:
         return program_id in self._ids
 
-    def claim(self, body: dict[str, Any]) -> Claim | None:
+    def claim(self, turn: Turn) -> Claim | None:
         """The program of a request that names none: the one whose conversation it continues, or a
         new one (None: derivation is off, or the request cannot be followed)."""
-        claim = self.conversations.claim(body) if self.conversations is not None else None
+        claim = self.conversations.claim(turn) if self.conversations is not None else None
         if claim is not None:
             self._ids.add(claim.program_id)
         return claim
@@ -39,23 +38,12 @@ class DerivedPrograms:
         if event.kind is EventKind.RELEASED and self.conversations is not None:
             self.conversations.forget(event.program.id)  # a released conversation that goes on is a new program
 
-    def remember(self, claim: Claim | None, path: str, answered: dict[str, Any] | StreamedAnswer) -> None:
+    def remember(self, claim: Claim | None, answer: Answer) -> None:
         """Remember the conversation a derived program's answer extends, for its next request."""
         if claim is None or self.conversations is None:
             return
-        chat = path.endswith("/chat/completions")
-        if isinstance(answered, StreamedAnswer):
-            if chat:
-                self.conversations.answered_chat(claim, answered.message)
-            else:
-                self.conversations.answered_completion(claim, answered.text, answered.token_ids)
-            return
-        choices = answered.get("choices") or []
-        choice = choices[0] if choices and isinstance(choices[0], dict) else {}
-        if chat and isinstance(choice.get("message"), dict):
-            self.conversations.answered_chat(claim, choice["message"])
-        elif not chat and isinstance(choice.get("text"), str):
-            token_ids = choice.get("token_ids")
-            self.conversations.answered_completion(
-                claim, choice["text"], token_ids if isinstance(token_ids, list) else None
-            )
+        if claim.chat:
+            if answer.message is not None:
+                self.conversations.answered_chat(claim, answer.message)
+        elif answer.text is not None:
+            self.conversations.answered_completion(claim, answer.text, answer.token_ids)

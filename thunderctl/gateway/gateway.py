@@ -11,18 +11,16 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from thunderctl.engines.vllm import EngineMetrics, engine_paused, fetch_metrics, is_healthy
-from thunderctl.gateway.answers import (
-    StreamedAnswer,
-    tool_in_response,
-    uncached_prompt_tokens,
-)
+from thunderctl.gateway.answers import uncached_prompt_tokens
+from thunderctl.gateway.apis import Api
+from thunderctl.gateway.apis.base import StreamedAnswer
 from thunderctl.gateway.derived import DerivedPrograms
 from thunderctl.gateway.identity import Claim, IdentityConfig
 from thunderctl.gateway.links import WorkerLink, WorkerState
@@ -297,17 +295,19 @@ class Gateway:
                 waiter.set()
 
     async def admit(
-        self, program_id: str | None, shape: PromptShape, group: str | None = None
+        self, program_id: str | None, shape: PromptShape, group: str | None = None, parent: str | None = None
     ) -> tuple[WorkerLink, bool]:
-        """Where this request (of a program of `group`, when named) goes, and whether it waited here
-        for its program's resume."""
+        """Where this request (of a program of `group`, under `parent`, when named) goes, and whether it
+        waited here for its program's resume."""
         await self.admitting.wait()
         if program_id is None:
             return self.least_loaded(), False
         with self.timings.admission_wait.time():
-            return await self._admit_program(program_id, shape, group)
+            return await self._admit_program(program_id, shape, group, parent)
 
-    async def _admit_program(self, program_id: str, shape: PromptShape, group: str | None) -> tuple[WorkerLink, bool]:
+    async def _admit_program(
+        self, program_id: str, shape: PromptShape, group: str | None, parent: str | None
+    ) -> tuple[WorkerLink, bool]:
         while True:
             worker = self.scheduler.on_request(
                 program_id,
@@ -315,6 +315,7 @@ class Gateway:
                 shape.prefix_key,
                 self.estimator.estimate(shape.prefix_chars),
                 group,
+                parent,
             )
             if worker is not None:
                 return self.links[worker], False
@@ -332,6 +333,7 @@ class Gateway:
 
     async def relay(
         self,
+        api: Api,
         path: str,
         body: dict[str, Any],
         program_id: str | None,
@@ -339,46 +341,52 @@ class Gateway:
         claim: Claim | None = None,
         group: str | None = None,
         sent: bytes | None = None,
+        parent: str | None = None,
+        client_headers: Sequence[tuple[str, str]] = (),
     ) -> Relayed:
         """Send the request to its worker; account the engine's usage when it ends. `claim`: the
         request's derived program, whose conversation its answer extends; `group`: the program's
         group (groups.py), named or derived; `sent`: the body's bytes as the client sent them, when
-        the worker can have them so (requests.as_sent).
+        the worker can have them so (requests.as_sent); `parent`: the program it was started from;
+        `client_headers`: the client's headers that go on to the worker (requests.forwarded_headers).
 
         A request that fails before any byte reached the client (its worker died or stalled) is tried
         once more on another worker.
         """
         stream = bool(body.get("stream"))
         client_wants_usage = True
-        if stream:
+        ask_usage = stream and api.asks_usage
+        if ask_usage:
             options = body.get("stream_options") or {}
             client_wants_usage = bool(options.get("include_usage"))
             body["stream_options"] = {**options, "include_usage": True}
         if self.recorder is not None and program_id is not None:
             self.recorder.on_request(program_id)
-        payload = relayed_payload(body, sent, stream)
+        payload = relayed_payload(body, sent, ask_usage)
+        headers = self._worker_headers(client_headers)
         for attempt in (1, 2):
-            link, waited = await self.admit(program_id, shape, group)
+            link, waited = await self.admit(program_id, shape, group, parent)
             if waited and self.resumed_priority is not None:
                 # Resumed programs first inside the engine, as Dynamo's resume boost does.
                 payload = json.dumps({**body, "priority": self.resumed_priority}).encode()
             link.add_in_flight(1, self._clock())
-            answer = StreamedAnswer(sent_at=self._clock())
+            answer = api.streamed(self._clock())
             response = None
             try:
                 async with self.unanswered.waiting_on(link.id):  # given up if the worker stalls
                     request = httpx.Request(
                         "POST",
                         self._endpoint(link, path),
-                        headers=self._relay_headers,
+                        headers=headers,
                         content=payload,
                         extensions=self._relay_extensions,
                     )
                     response = await self._transport.handle_async_request(request)
                     if response.status_code == 200 and stream:
-                        lines = self._relay_stream(
-                            response, link, program_id, shape, client_wants_usage, answer, claim, path
+                        relay = StreamRelay(
+                            answer if program_id is not None else None, client_wants_usage, self._clock, api.usage_of
                         )
+                        lines = self._relay_stream(response, link, program_id, shape, relay, answer, claim)
                         return Relayed(200, response.headers.get("content-type", "text/event-stream"), lines)
                     content = await response.aread()
                 break
@@ -395,9 +403,9 @@ class Gateway:
         usage, tool = None, None
         if response.status_code == 200:
             with contextlib.suppress(ValueError, AttributeError):
-                answered = json.loads(content)
-                usage, tool = answered.get("usage"), tool_in_response(answered)
-                self.derived.remember(claim, path, answered)
+                answered = api.answered(json.loads(content))
+                usage, tool = answered.usage, answered.tool
+                self.derived.remember(claim, answered)
         self._finish(link, program_id, shape, usage, tool)
         media_type = response.headers.get("content-type", "application/json")
         return Relayed(response.status_code, media_type, content)
@@ -408,12 +416,10 @@ class Gateway:
         link: WorkerLink,
         program_id: str | None,
         shape: PromptShape,
-        client_wants_usage: bool,
+        relay: StreamRelay,
         answer: StreamedAnswer,
         claim: Claim | None,
-        path: str,
     ) -> AsyncGenerator[bytes, None]:
-        relay = StreamRelay(answer if program_id is not None else None, client_wants_usage, self._clock)
         try:
             async for data in reads(response):
                 if relayed := relay.feed(data):
@@ -421,12 +427,13 @@ class Gateway:
             if rest := relay.end():
                 yield rest
             # Only a whole answer: a client whose stream was cut does not echo it back.
-            self.derived.remember(claim, path, answer)
+            self.derived.remember(claim, answer.answer())
         finally:
             # Runs on normal end, worker error and client disconnect alike: the slot is freed.
             await response.aclose()
             relay.settle()
-            self._finish(link, program_id, shape, relay.usage, answer.tool, answer.ttft_s)
+            whole = answer.answer() if program_id is not None else None
+            self._finish(link, program_id, shape, relay.usage, whole.tool if whole else None, answer.ttft_s)
 
     def _endpoint(self, link: WorkerLink, path: str) -> httpx.URL:
         url = self._endpoints.get((link.url, path))
@@ -468,13 +475,40 @@ class Gateway:
         if program_id is not None:
             self.scheduler.on_request_failed(program_id)
 
-    async def get_models(self) -> tuple[int, bytes]:
-        link = self.least_loaded()
+    def _worker_headers(self, client_headers: Sequence[tuple[str, str]]) -> httpx.Headers:
+        """The gateway's headers to a worker, with the client's that go on (its key but where the
+        worker has one of its own)."""
+        if not client_headers:
+            return self._relay_headers
+        headers = httpx.Headers(self._relay_headers)
+        keyed = "authorization" in self._relay_headers
+        for name, value in client_headers:
+            if not (keyed and name.lower() == "authorization"):
+                headers[name] = value
+        return headers
+
+    async def forward(
+        self,
+        method: str,
+        path: str,
+        query: str,
+        body: bytes,
+        client_headers: Sequence[tuple[str, str]] = (),
+        program_id: str | None = None,
+    ) -> Relayed:
+        """A request of an engine's route the gateway does not schedule (tokenize, a model's card,
+        embeddings…), relayed whole: to the worker of the program it names when that program is placed
+        (its tokens and cache are there), else to the least-loaded worker."""
+        program = self.scheduler.programs.get(program_id) if program_id else None
+        worker = program.worker if program is not None and program.worker in self.links else None
+        link = self.links[worker] if worker is not None and self.links[worker].usable else self.least_loaded()
+        url = f"{link.url}{path}" + (f"?{query}" if query else "")
+        headers = self._worker_headers(client_headers)
         try:
-            response = await self._client.get(f"{link.url}/v1/models")
+            response = await self._client.request(method, url, content=body or None, headers=headers)
         except httpx.HTTPError as exc:
             raise WorkerError(f"backend {link.id} ({link.url}) failed: {exc!r}") from exc
-        return response.status_code, response.content
+        return Relayed(response.status_code, response.headers.get("content-type", "application/json"), response.content)
 
     def count_client_disconnect(self) -> int:
         self.client_disconnects += 1

@@ -12,7 +12,10 @@ agent carries that history, and hashing it finds the program again:
   history (condensed it, truncated old observations), when its latest assistant message is the
   program's last answer under the same opening (the first message and the first user message, the
   task, which condensers keep). An answer alone is not enough: agents often answer alike (the same
-  first command), and a conversation forgotten must not join another program;
+  first command), and a conversation forgotten must not join another program. A request that
+  extends a program's last *request* without its answer (the answer dropped and a correction
+  appended, as agents do on a format error, or a retry with a nudge) continues that program too.
+  The other chat-like APIs (Responses, Messages) come here in chat's form (`gateway/apis/`);
 - completions: the prompt (text, or token ids as RL rollout workers send) continues a program when
   it starts with that program's last prompt and completion. It is found through a hash of the
   prompt's head (the first 2^k units, k as large as the prompt allows), which leads to the few
@@ -63,10 +66,20 @@ class IdentityConfig(BaseModel):
     )
 
 
+@dataclass(frozen=True)
+class Turn:
+    """What a request says of its conversation, as identity hashes it: chat-like messages (each API's
+    in chat's form, `gateway/apis/`), or else a completions prompt."""
+
+    messages: list[Any] | None = None
+    prompt: Any = None
+
+
 class Match(StrEnum):
     """How a request found its program."""
 
     HISTORY = "history"  # its messages (or prompt) extend the program's last request and answer
+    RETRIED = "retried"  # its messages extend the program's last request, its answer left out
     REWRITTEN = "rewritten"  # its history was rewritten; its latest assistant message is the program's answer
     NEW = "new"  # it continues nothing: a new program
 
@@ -84,6 +97,11 @@ class Claim:
     _prompt_units: int = 0
     _head: bytes = b""  # completions: the key of the prompt's head
     _token_ids: bool = False
+
+    @property
+    def chat(self) -> bool:
+        """Whether it is a chat-like request's (else a completions prompt's)."""
+        return self._prompt is None
 
 
 @dataclass
@@ -216,13 +234,13 @@ class ConversationIndex:
 
     # ---- a request ------------------------------------------------------------------------
 
-    def claim(self, body: dict[str, Any]) -> Claim | None:
+    def claim(self, turn: Turn) -> Claim | None:
         """The program this request belongs to (None: one that cannot be followed, a batch of
         prompts, served unscheduled)."""
-        if "messages" in body:
-            claim: Claim | None = self._claim_chat(body["messages"])
+        if turn.messages is not None:
+            claim: Claim | None = self._claim_chat(turn.messages)
         else:
-            claim = self._claim_completion(body.get("prompt"))
+            claim = self._claim_completion(turn.prompt)
         if claim is not None:
             self.matched[claim.match] += 1
         return claim
@@ -237,8 +255,12 @@ class ConversationIndex:
         assistants = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"]
         keys = [b"C" + chains[i] for i in reversed(assistants)]
         rewritten = [b"O" + _digest(opening, digests[assistants[-1]])] if assistants else []
-        program = self._first(keys)
-        match = Match.HISTORY
+        # The requests this one extends, the longest first: never itself (the same request again is
+        # a new sample of the same task, or a resend, as for first requests).
+        retried = [b"R" + chains[i] for i in range(len(chains) - 2, -1, -1)]
+        program, match = self._first(keys), Match.HISTORY
+        if program is None:
+            program, match = self._first(retried), Match.RETRIED
         if program is None:
             program, match = self._first(rewritten), Match.REWRITTEN
         return self._claimed(program, match, Claim("", Match.NEW, _chain=chain, _opening=opening))
@@ -310,7 +332,7 @@ class ConversationIndex:
     def answered_chat(self, claim: Claim, message: dict[str, Any]) -> None:
         """Remember the conversation as it stands after this answer (an assistant message)."""
         answer = message_digest({"role": "assistant", **message})
-        keys = (b"C" + _digest(claim._chain, answer), b"O" + _digest(claim._opening, answer))
+        keys = (b"C" + _digest(claim._chain, answer), b"O" + _digest(claim._opening, answer), b"R" + claim._chain)
         self._remember(claim.program_id, _Conversation(keys))
 
     def answered_completion(self, claim: Claim, text: str, token_ids: list[int] | None) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from thunderctl.gateway.answers import StreamedAnswer
+from thunderctl.gateway.apis.base import StreamedAnswer, Usage
 
 # An event ends at a blank line; vLLM ends its lines with "\n", the SSE standard allows "\r\n".
 EVENT_END = re.compile(rb"\r?\n\r?\n")
@@ -56,16 +56,18 @@ class StreamRelay:
     """One stream on its way to the client: the usage it carried, and the events as the client gets them.
 
     `answer` is the program's answer to follow (None: not a program's request, so only a chunk
-    that carries usage is parsed). Its chunks are read one by one until its first token (whose
-    time the scheduler learns); the rest wait, as bytes, to be read in batches (`settle`), since
-    only the whole answer's text and tool calls matter. A client that did not ask for usage does
+    that carries usage is parsed); `usage_of` reads the usage an event carries, in its API's terms.
+    Its chunks are read one by one until its first token (whose time the scheduler learns); the rest
+    wait, as bytes, to be read in batches (`settle`), since only the whole answer's text and tool
+    calls matter. A client that did not ask for usage does
     not get the usage-only chunk the gateway asked for, nor `usage` riding on another chunk.
     """
 
     answer: StreamedAnswer | None
     client_wants_usage: bool
     clock: Callable[[], float]
-    usage: dict[str, Any] | None = None
+    usage_of: Callable[[dict[str, Any]], Usage | None] = lambda chunk: chunk.get("usage")
+    usage: Usage | None = None
     _framer: EventFramer = field(default_factory=EventFramer)
     _unread: list[bytes] = field(default_factory=list)  # the answer's events past its first token
     _unread_bytes: int = 0
@@ -139,7 +141,8 @@ class StreamRelay:
             answer.chunk(chunk, self.clock())
         if not carries_usage:
             return line
-        self.usage = chunk.get("usage") or self.usage
+        if found := self.usage_of(chunk):
+            self.usage = {**self.usage, **found} if self.usage else found
         if self.client_wants_usage:
             return line
         if not chunk.get("choices"):

@@ -28,6 +28,7 @@ def programs_view(gateway: Gateway) -> list[dict[str, Any]]:
             "paused_s": round(p.paused_total_s + (now - p.paused_at if p.paused_at else 0), 3),
             "derived": p.id in gateway.derived,
             "group": p.group,
+            "parent": p.parent,  # the program it was started from (a subagent's session), or None
         }
         for p in gateway.scheduler.programs.values()
     ]

@@ -210,6 +210,6 @@ EM_TOLERANCE = 1e-5
 
 
 def silent(program: Program) -> bool:
-    """No request of it in flight or waiting: only its client can continue it."""
+    """No request of it in flight or waiting, and no child of it live: only its client can continue it."""
     in_flight = program.phase is Phase.REASONING and program.status is Status.ACTIVE
-    return not in_flight and program.waiting_since is None
+    return not in_flight and program.waiting_since is None and program.children == 0

@@ -121,9 +121,10 @@ class Scheduler:
         prefix_key: str | None = None,
         prefix_tokens: int = 0,
         group: str | None = None,
+        parent: str | None = None,
     ) -> str | None:
-        """A request of the program (a sample of `group`, when it names one) arrived; returns its
-        worker, or None while it must wait.
+        """A request of the program (a sample of `group`, started from the program `parent`, when it
+        names them) arrived; returns its worker, or None while it must wait.
 
         `prompt_tokens` is the gateway's estimate of the prompt; the engine's usage replaces
         it when the response ends.
@@ -133,6 +134,7 @@ class Scheduler:
         if program is None:
             program = Program(program_id, created_at=now, paused_at=now)
             self.programs[program_id] = program
+            self._adopt(program, parent)
             self._emit(EventKind.CREATED, program)
         self.groups.join(program, group)
         if program.responded_at is not None:
@@ -513,7 +515,19 @@ class Scheduler:
         steps it has left (nearest the end first), sooner the more of its group has ended."""
         return self.lengths.queue_delay_s(program) - self.groups.head_start_s(program)
 
+    def _adopt(self, program: Program, parent_id: str | None) -> None:
+        """A new program started from a live one: its parent is not silent while it lives."""
+        parent = self.programs.get(parent_id) if parent_id is not None and parent_id != program.id else None
+        if parent is not None:
+            program.parent = parent.id
+            parent.children += 1
+
     def _terminate(self, program: Program, kind: EventKind) -> None:
+        parent = self.programs.get(program.parent) if program.parent is not None else None
+        if parent is not None:
+            parent.children -= 1
+            # Its tool call (the child's life) ended now: its silence counts from here.
+            parent.last_activity = self.clock()
         if program.responded_at is not None and silent(program):
             self.answer_kinds.observe(program.tool, ended=True)  # released or expired, its last answer was its last
         self.retention.on_end(program)

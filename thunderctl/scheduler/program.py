@@ -39,6 +39,10 @@ class Program:
     responded_at: float | None = None  # its last response ended and no request followed yet
     tool: str | None = None  # the tool its last answer called, when the answer names one
     group: str | None = None  # the group it is a sample of (groups.py), once a request named one
+    # The program it was started from (a subagent's session, a Dynamo trajectory's parent): while a
+    # child runs, its parent is in a tool call that lasts the child's life.
+    parent: str | None = None
+    children: int = 0  # its live children
 
     @property
     def is_new(self) -> bool:
