@@ -38,8 +38,9 @@ from thunderctl.sandbox import SandboxConfig, SandboxPool
 @dataclass
 class FakeBackend:
     """A simulated vLLM worker that records the Authorization header of every /v1 request
-    (`authorizations`) and the body of every completion request (`bodies`, and as bytes in `raw_bodies`); with `key`, its /v1
-    routes ask for it as vLLM's `--api-key` does. Its engine: model "fake", 4,096 KV blocks of 16
+    (`authorizations`) and the body of every completion request (`bodies`, and as bytes in `raw_bodies`), and the method,
+    path (with its query) and headers of every request (`requests`); with `key`, its /v1 routes ask for it as vLLM's
+    `--api-key` does. Its engine: model "fake", 4,096 KV blocks of 16
     tokens, max_model_len 4,096."""
 
     url: str
@@ -47,9 +48,15 @@ class FakeBackend:
     authorizations: list[str | None] = field(default_factory=list)
     bodies: list[dict] = field(default_factory=list)
     raw_bodies: list[bytes] = field(default_factory=list)
+    requests: list[tuple[str, str, Headers]] = field(default_factory=list)
 
     def recording(self, engine: ASGIApp) -> ASGIApp:
         async def app(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] == "http":
+                query = scope["query_string"].decode()
+                self.requests.append(
+                    (scope["method"], scope["path"] + (f"?{query}" if query else ""), Headers(scope=scope))
+                )
             if scope["type"] == "http" and scope["path"].startswith("/v1/"):
                 authorization = Headers(scope=scope).get("authorization")
                 self.authorizations.append(authorization)
@@ -96,6 +103,7 @@ class FakeBackends:
             worker.authorizations.clear()
             worker.bodies.clear()
             worker.raw_bodies.clear()
+            worker.requests.clear()
             return worker
         port = pick_free_port()
         worker = FakeBackend(f"http://127.0.0.1:{port}", key)

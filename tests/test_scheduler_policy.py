@@ -321,6 +321,28 @@ def test_a_program_with_a_request_in_flight_or_waiting_never_ends(waiting) -> No
     assert "p" in sched.programs
 
 
+def test_a_parent_whose_child_runs_does_not_end_and_ends_by_its_own_gaps_after_the_child() -> None:
+    sched, clock, events = make()
+    teach_gaps(sched, clock, [5.0] * 8)
+    run_step(sched, "session", 100)
+    clock.now += 20
+    sched.on_request("session/agent", 50, parent="session")  # a subagent: the session waits on it
+    for _ in range(4):  # the session silent far past the floor and its gaps while the child works
+        sched.on_response("session/agent", 50, 10)
+        clock.now += 5
+        sched.tick()
+        sched.on_request("session/agent", 50)
+    assert "session" in sched.programs and sched.programs["session/agent"].parent == "session"
+    sched.on_response("session/agent", 50, 10)
+    sched.release("session/agent")
+    clock.now += 29
+    sched.tick()
+    assert "session" in sched.programs  # its silence counts from the child's end
+    clock.now += 2
+    sched.tick()
+    assert "session" not in sched.programs and kinds(events, "session")[-1] is EventKind.EXPIRED
+
+
 def test_a_paused_program_silent_past_its_gap_is_not_resumed_into_room_others_need() -> None:
     sched, clock, _ = make(retention=False)
     teach_gaps(sched, clock, [5.0] * 8)

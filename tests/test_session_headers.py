@@ -148,3 +148,54 @@ async def test_a_streamed_final_response_releases_only_after_its_last_byte(fake_
     assert bodies[-1][0] is False  # the last message of the response came before the release
     assert b"data: [DONE]" in b"".join(chunk for _, _, chunk in bodies)
     assert not known()
+
+
+HARNESS_HEADERS = [
+    "x-session-id",  # SkyRL
+    "x-litellm-session-id",  # OpenHands through litellm
+    "x-claude-code-session-id",  # Claude Code
+    "session-id",  # Codex CLI
+    "thread-id",  # Codex CLI
+    "x-dynamo-trajectory-id",  # Dynamo
+    SESSION,  # Dynamo's older name
+]
+
+
+@pytest.mark.parametrize("rank", range(len(HARNESS_HEADERS)))
+def test_each_harness_session_header_names_the_program_over_those_after_it(rank: int) -> None:
+    headers = {name: f"id-{i}" for i, name in enumerate(HARNESS_HEADERS) if i >= rank}
+    assert pop_program_id({}, headers) == f"id-{rank}"
+    assert pop_program_id({}, headers | {"x-program-id": "own"}) == "own"
+
+
+@pytest.mark.anyio
+async def test_a_claude_code_subagent_is_a_program_of_its_own_under_its_sessions(gateway_app) -> None:
+    client, _ = await gateway_app()
+    session = {"x-claude-code-session-id": "sess"}
+    for headers in (session, session | {"x-claude-code-agent-id": "a1"}):
+        assert (await client.post("/v1/chat/completions", json=CHAT, headers=headers)).status_code == 200
+    parents = {p["program_id"]: p["parent"] for p in (await client.get("/programs")).json()["programs"]}
+    assert parents == {"sess": None, "sess/a1": "sess"}
+
+
+@pytest.mark.anyio
+async def test_a_trajectorys_final_request_releases_it_and_its_parent_is_named(gateway_app) -> None:
+    released: list[str] = []
+    client, _ = await gateway_app(on_release=released.append)
+    await client.post("/v1/chat/completions", json=CHAT, headers={"x-dynamo-trajectory-id": "root"})
+    child = {"x-dynamo-trajectory-id": "leaf", "x-dynamo-parent-trajectory-id": "root"}
+    await client.post("/v1/chat/completions", json=CHAT, headers=child)
+    parents = {p["program_id"]: p["parent"] for p in (await client.get("/programs")).json()["programs"]}
+    assert parents == {"root": None, "leaf": "root"}
+    final = await client.post("/v1/chat/completions", json=CHAT, headers=child | {"x-dynamo-trajectory-final": "true"})
+    assert final.status_code == 200 and released == ["leaf"] and await program_ids(client) == ["root"]
+
+
+@pytest.mark.anyio
+async def test_headers_the_gateway_does_not_act_on_reach_the_worker_unchanged(gateway_app) -> None:
+    client, worker = await gateway_app()
+    headers = {"x-session-id": "traj-1", "x-trace": "abc", "user-agent": "agent/1.0", "x-program-id": "p"}
+    assert (await client.post("/v1/chat/completions", json=CHAT, headers=headers)).status_code == 200
+    (_, _, seen), *_ = [r for r in worker.requests if r[1] == "/v1/chat/completions"]
+    assert seen["x-session-id"] == "traj-1" and seen["x-trace"] == "abc" and seen["user-agent"] == "agent/1.0"
+    assert "x-program-id" not in seen

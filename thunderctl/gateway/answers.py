@@ -14,6 +14,7 @@ COMMAND_LINE = re.compile(COMMAND_WORD)
 # The arguments that carry a shell tool's command line (mini-swe-agent's and SWE-agent's `bash`,
 # OpenHands' `execute_bash`), or an editor tool's subcommand (`str_replace_editor`'s `view`).
 COMMAND_ARGUMENTS = ("command", "cmd")
+SHELL_FLAGS = ("-c", "-lc")  # `bash -lc LINE`: the line is the command
 
 
 def tool_in_text(text: str) -> str | None:
@@ -41,17 +42,33 @@ def tool_in_message(message: dict[str, Any]) -> str | None:
 
 
 def command_word_in_arguments(arguments: Any) -> str | None:
-    """The first word of the command line a tool call's JSON arguments carry, if any."""
-    if not isinstance(arguments, str) or not any(f'"{key}"' in arguments for key in COMMAND_ARGUMENTS):
+    """The first word of the command line a tool call's arguments carry (JSON text, or an object as
+    Anthropic's `tool_use` input is), if any."""
+    if isinstance(arguments, dict):
+        parsed = arguments
+    elif not isinstance(arguments, str) or not any(f'"{key}"' in arguments for key in COMMAND_ARGUMENTS):
         return None  # most arguments carry none: no parse
-    try:
-        parsed = json.loads(arguments)
-    except ValueError:
-        return None
+    else:
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            return None
     if not isinstance(parsed, dict):
         return None
-    line = next((parsed[key] for key in COMMAND_ARGUMENTS if isinstance(parsed.get(key), str)), None)
+    line = next((command_line(parsed[key]) for key in COMMAND_ARGUMENTS if key in parsed), None)
     return command_word(COMMAND_LINE.match(line)) if line else None
+
+
+def command_line(command: Any) -> str | None:
+    """A command as text: itself, or an argv (Codex CLI's `shell` tool sends `["bash", "-lc", "…"]`: the
+    line the shell runs)."""
+    if isinstance(command, str):
+        return command
+    if not isinstance(command, list) or not command or not all(isinstance(arg, str) for arg in command):
+        return None
+    if len(command) == 3 and command[1] in SHELL_FLAGS:
+        return command[2]
+    return " ".join(command)
 
 
 def uncached_prompt_tokens(usage: dict[str, Any]) -> int:

@@ -21,7 +21,10 @@ from thunderctl.gateway.identity import Turn
 from thunderctl.gateway.requests import PromptShape, chat_shape
 from thunderctl.jsonapi import BadRequest, error, shown
 
-Usage = dict[str, Any]  # chat's: prompt_tokens, completion_tokens, prompt_tokens_details.cached_tokens
+Usage = dict[str, Any]
+MISSING = (
+    object()
+)  # a required field the body left out  # chat's: prompt_tokens, completion_tokens, prompt_tokens_details.cached_tokens
 
 
 @dataclass(frozen=True)
@@ -120,8 +123,11 @@ def field_error(model: type[BaseModel], body: dict[str, Any], loc: tuple[int | s
             break
         field = current.model_fields[str(step)]
         path.append(str(step))
-        value, description = value[step], field.description or ""
+        value, description = (
+            value.get(step, MISSING) if isinstance(value, dict) else value[step],
+            field.description or "",
+        )
         nested = (a for a in get_args(field.annotation) if isinstance(a, type) and issubclass(a, BaseModel))
         current = next(nested, None)
-    sent = "an empty array" if value == [] else ("missing" if loc and str(loc[0]) not in body else shown(value))
+    sent = "an empty array" if value == [] else "missing" if value is MISSING else shown(value)
     return f"{'.'.join(path)} must be {description}, not {sent}"
