@@ -15,8 +15,9 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from thunderctl.gateway.admin import WeightSync, admin_routes
-from thunderctl.gateway.apis import CHAT, GENERATION_ROUTES, MESSAGES, Api
+from thunderctl.gateway.apis import CHAT, GENERATION_ROUTES, MESSAGES, Answer, Api
 from thunderctl.gateway.auth import GatewayAuth, RequireApiKey
+from thunderctl.gateway.chains import not_found
 from thunderctl.gateway.disconnects import CountDisconnects
 from thunderctl.gateway.gateway import Gateway, WorkerError
 from thunderctl.gateway.metrics import render_metrics
@@ -87,11 +88,23 @@ def build_app(
         try:
             docker_ids = pop_docker_ids(body)
             api.check(body)
-            turn = api.turn(body)
-            shape = api.shape(body, turn)
         except BadRequest as exc:
             return api.error(exc.status, str(exc))
-        program_id, group = named.program_id, named.group
+        program_id, group, on_answer = named.program_id, named.group, None
+        if api.chained:
+            previous = body.pop("previous_response_id", None)
+            own_input = api.own_input(body)
+            if previous is not None:
+                kept = gateway.chains.get(previous)
+                if kept is None:
+                    return not_found(previous)
+                # The worker gets the whole chain: whichever worker served its turns, this one has it all.
+                body["input"], sent = [*gateway.chains.items(previous), *own_input], None
+                program_id = program_id or kept.program_id
+            if body.get("store") is not False:
+                on_answer = keeper(previous, own_input, program_id)
+        turn = api.turn(body)
+        shape = api.shape(body, turn)
         claim = gateway.derived.claim(turn) if program_id is None else None
         if claim is not None:
             program_id, group = claim.program_id, group or claim.group
@@ -100,7 +113,7 @@ def build_app(
         try:
             relayed = await gateway.relay(
                 api, request.url.path, body, program_id, shape, claim, group, sent, named.parent,
-                forwarded_headers(request.headers, keyed),
+                forwarded_headers(request.headers, keyed), on_answer,
             )  # fmt: skip
         except (WorkerError, httpx.HTTPError) as exc:
             return api.error(502, str(exc), "backend_error")
@@ -109,6 +122,24 @@ def build_app(
         if isinstance(relayed.body, bytes):
             return Response(relayed.body, relayed.status, headers=headers, media_type=relayed.media_type)
         return RelayedStream(relayed.body, relayed.status, media_type=relayed.media_type, headers=headers)
+
+    def keeper(previous: str | None, own_input: list[Any], program_id: str | None) -> Callable[[Answer], None]:
+        def keep(answer: Answer) -> None:
+            if answer.whole is not None:
+                gateway.chains.keep(program_id, previous, own_input, answer.whole)
+
+        return keep
+
+    async def stored_response(request: Request) -> Response:
+        """`GET /v1/responses/{id}`: the gateway's copy; `POST …/cancel`: as vLLM answers for a response
+        that is over (the gateway runs no background responses)."""
+        response_id = request.path_params["response_id"]
+        kept = gateway.chains.get(response_id)
+        if kept is None:
+            return not_found(response_id)
+        if request.method == "POST":
+            return error(400, "Cannot cancel a synchronous response.")
+        return JSONResponse(kept.response)
 
     def relayed(api: Api) -> Callable[[Request], Awaitable[Response]]:
         """An engine route the gateway does not schedule, relayed to a worker (errors in `api`'s shape)."""
@@ -170,6 +201,8 @@ def build_app(
         routes=[
             *(Route(path, generation(api), methods=["POST"]) for path, api in GENERATION_ROUTES.items()),
             *(Route(r.path, relayed(r.api), methods=[r.method]) for r in RELAYED_ROUTES),
+            Route("/v1/responses/{response_id}", stored_response, methods=["GET"]),
+            Route("/v1/responses/{response_id}/cancel", stored_response, methods=["POST"]),
             *(Route(path, control, methods=["GET", "POST", "PUT", "DELETE"]) for path in CONTROL_PATHS),
             Route("/programs/release", release, methods=["POST"]),
             Route("/programs", programs, methods=["GET"]),

@@ -20,7 +20,8 @@ import httpx
 from thunderctl.engines.vllm import EngineMetrics, engine_paused, fetch_metrics, is_healthy
 from thunderctl.gateway.answers import uncached_prompt_tokens
 from thunderctl.gateway.apis import Api
-from thunderctl.gateway.apis.base import StreamedAnswer
+from thunderctl.gateway.apis.base import Answer, StreamedAnswer
+from thunderctl.gateway.chains import ResponseChains
 from thunderctl.gateway.derived import DerivedPrograms
 from thunderctl.gateway.identity import Claim, IdentityConfig
 from thunderctl.gateway.links import WorkerLink, WorkerState
@@ -106,6 +107,8 @@ class Gateway:
         self.recorder = recorder
         # Programs of requests that name none, found from their conversation.
         self.derived = DerivedPrograms(identity or IdentityConfig())
+        # Responses kept for `previous_response_id` chains across workers.
+        self.chains = ResponseChains()
         self.timings = GatewayTimings()
         self.resumed_priority = resumed_priority  # sent with a request that waited for its resume
         self.metrics_interval_s = metrics_interval_s
@@ -287,8 +290,10 @@ class Gateway:
 
     def _on_program_event(self, event: ProgramEvent) -> None:
         self.derived.on_program_event(event)
-        if self.recorder is not None and event.kind in (EventKind.RELEASED, EventKind.EXPIRED):
-            self.recorder.on_end(event.program.id)
+        if event.kind in (EventKind.RELEASED, EventKind.EXPIRED):
+            self.chains.forget_program(event.program.id)
+            if self.recorder is not None:
+                self.recorder.on_end(event.program.id)
         if event.kind in WAKING_EVENTS:
             waiter = self._resumed.pop(event.program.id, None)
             if waiter is not None:
@@ -343,12 +348,14 @@ class Gateway:
         sent: bytes | None = None,
         parent: str | None = None,
         client_headers: Sequence[tuple[str, str]] = (),
+        on_answer: Callable[[Answer], None] | None = None,
     ) -> Relayed:
         """Send the request to its worker; account the engine's usage when it ends. `claim`: the
         request's derived program, whose conversation its answer extends; `group`: the program's
         group (groups.py), named or derived; `sent`: the body's bytes as the client sent them, when
         the worker can have them so (requests.as_sent); `parent`: the program it was started from;
-        `client_headers`: the client's headers that go on to the worker (requests.forwarded_headers).
+        `client_headers`: the client's headers that go on to the worker (requests.forwarded_headers);
+        `on_answer`: called with a whole answer (not one cut short).
 
         A request that fails before any byte reached the client (its worker died or stalled) is tried
         once more on another worker.
@@ -383,10 +390,9 @@ class Gateway:
                     )
                     response = await self._transport.handle_async_request(request)
                     if response.status_code == 200 and stream:
-                        relay = StreamRelay(
-                            answer if program_id is not None else None, client_wants_usage, self._clock, api.usage_of
-                        )
-                        lines = self._relay_stream(response, link, program_id, shape, relay, answer, claim)
+                        followed = program_id is not None or on_answer is not None
+                        relay = StreamRelay(answer if followed else None, client_wants_usage, self._clock, api.usage_of)
+                        lines = self._relay_stream(response, link, program_id, shape, relay, answer, claim, on_answer)
                         return Relayed(200, response.headers.get("content-type", "text/event-stream"), lines)
                     content = await response.aread()
                 break
@@ -405,7 +411,7 @@ class Gateway:
             with contextlib.suppress(ValueError, AttributeError):
                 answered = api.answered(json.loads(content))
                 usage, tool = answered.usage, answered.tool
-                self.derived.remember(claim, answered)
+                self._answered(claim, answered, on_answer)
         self._finish(link, program_id, shape, usage, tool)
         media_type = response.headers.get("content-type", "application/json")
         return Relayed(response.status_code, media_type, content)
@@ -419,6 +425,7 @@ class Gateway:
         relay: StreamRelay,
         answer: StreamedAnswer,
         claim: Claim | None,
+        on_answer: Callable[[Answer], None] | None,
     ) -> AsyncGenerator[bytes, None]:
         try:
             async for data in reads(response):
@@ -427,13 +434,18 @@ class Gateway:
             if rest := relay.end():
                 yield rest
             # Only a whole answer: a client whose stream was cut does not echo it back.
-            self.derived.remember(claim, answer.answer())
+            self._answered(claim, answer.answer(), on_answer)
         finally:
             # Runs on normal end, worker error and client disconnect alike: the slot is freed.
             await response.aclose()
             relay.settle()
             whole = answer.answer() if program_id is not None else None
             self._finish(link, program_id, shape, relay.usage, whole.tool if whole else None, answer.ttft_s)
+
+    def _answered(self, claim: Claim | None, answer: Answer, on_answer: Callable[[Answer], None] | None) -> None:
+        self.derived.remember(claim, answer)
+        if on_answer is not None:
+            on_answer(answer)
 
     def _endpoint(self, link: WorkerLink, path: str) -> httpx.URL:
         url = self._endpoints.get((link.url, path))

@@ -83,5 +83,6 @@ CONTROL_PATHS = (
 
 def served_paths() -> list[str]:
     """Every path a client may call, for the 404 that lists them."""
-    own = ["/programs", "/programs/release", "/metrics", "/health", "/admin/pause", "/admin/resume"]
+    own = ["/v1/responses/{response_id}", "/v1/responses/{response_id}/cancel", "/programs", "/programs/release",
+           "/metrics", "/health", "/admin/pause", "/admin/resume"]  # fmt: skip
     return [*GENERATION_ROUTES, *(route.path.replace(":path}", "}") for route in RELAYED_ROUTES), *own]

@@ -35,6 +35,7 @@ class Answer:
     message: dict[str, Any] | None = None  # chat-like APIs: the answer in chat's form
     text: str | None = None  # completions: the text, and its token ids when the engine returned them
     token_ids: list[int] | None = None
+    whole: dict[str, Any] | None = None  # the API's own answer object, where the gateway keeps it (responses)
 
     @property
     def tool(self) -> str | None:
@@ -72,6 +73,8 @@ class Api(ABC):
     # streams always carry it ask nothing.
     asks_usage: ClassVar[bool] = False
     fields: ClassVar[type[BaseModel]]  # the fields the gateway acts on, with their types
+    # Its answers continue by reference (`previous_response_id`): the gateway keeps them (chains.py).
+    chained: ClassVar[bool] = False
 
     def check(self, body: dict[str, Any]) -> None:
         """A BadRequest naming the first field of `fields` the body gets wrong, and what it must be."""
@@ -96,6 +99,10 @@ class Api(ABC):
     @abstractmethod
     def answered(self, body: dict[str, Any]) -> Answer:
         """A whole (not streamed) answer's body, read."""
+
+    def own_input(self, body: dict[str, Any]) -> list[Any]:
+        """A chained API's: this turn's input, as the items the gateway keeps for the next turn."""
+        raise NotImplementedError(f"the {self.name} API does not chain its answers")
 
     @abstractmethod
     def streamed(self, sent_at: float) -> StreamedAnswer:

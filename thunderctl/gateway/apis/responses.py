@@ -73,7 +73,7 @@ def response_answer(response: dict[str, Any]) -> Answer:
     messages = as_messages(output) if isinstance(output, list) else []
     message = next((m for m in reversed(messages) if m.get("role") == "assistant"), None)
     usage = response.get("usage")
-    return Answer(chat_usage(usage) if isinstance(usage, dict) else None, message)
+    return Answer(chat_usage(usage) if isinstance(usage, dict) else None, message, whole=response)
 
 
 def chat_usage(usage: dict[str, Any]) -> Usage:
@@ -112,6 +112,7 @@ ENDING_EVENTS = frozenset({"response.completed", "response.incomplete", "respons
 class ResponsesApi(Api):
     name = "responses"
     fields = ResponsesFields
+    chained = True
 
     def program_hints(self, body: dict[str, Any]) -> list[tuple[str, Any]]:
         # Codex CLI's thread id; the OpenAI SDKs pass it through unchanged.
@@ -127,6 +128,11 @@ class ResponsesApi(Api):
 
     def answered(self, body: dict[str, Any]) -> Answer:
         return response_answer(body)
+
+    def own_input(self, body: dict[str, Any]) -> list[Any]:
+        """This turn's input as items (a string is the user's message)."""
+        items = body["input"]
+        return [{"type": "message", "role": "user", "content": items}] if isinstance(items, str) else items
 
     def streamed(self, sent_at: float) -> StreamedAnswer:
         return ResponseEvents(sent_at)
