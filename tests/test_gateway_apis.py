@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from thunderctl.gateway.apis import MESSAGES, RESPONSES, Api
+from thunderctl.gateway.apis import GENERATE, MESSAGES, RESPONSES, Api
 from thunderctl.gateway.identity import ConversationIndex
 from thunderctl.jsonapi import BadRequest
 
@@ -193,3 +193,13 @@ def test_claude_codes_session_in_metadata_names_the_program_in_either_form() -> 
     old = {"metadata": {"user_id": "user_abc_account__session_77aa-01"}}
     assert MESSAGES.program_hints(new)[0][1] == "9f1c" and MESSAGES.program_hints(old)[0][1] == "77aa-01"
     assert MESSAGES.program_hints({"metadata": {"user_id": "someone"}})[0][1] is None
+
+
+def test_token_in_generate_requests_continue_their_program_by_their_ids() -> None:
+    index = ConversationIndex(10)
+    first = index.claim(GENERATE.turn({"token_ids": [1, 2, 3]}))
+    assert first is not None
+    answer = GENERATE.answered({"choices": [{"index": 0, "token_ids": [7, 8]}], "usage": {"prompt_tokens": 3}})
+    index.answered_completion(first, answer.text or "", answer.token_ids)
+    follow = index.claim(GENERATE.turn({"token_ids": [1, 2, 3, 7, 8, 42]}))
+    assert follow is not None and follow.program_id == first.program_id
