@@ -11,27 +11,14 @@ from pathlib import Path
 import httpx
 import pytest
 
+from support import SMALL_SIM_BLOCK
 from thunderctl.engines.local import EngineHome, LocalEngine, LocalEngineConfig
 from thunderctl.engines.simulated.process import SimProcess
 from thunderctl.engines.vllm import parse_metrics
 from thunderctl.processes import pick_free_port
 
-BLOCK = 16
-SMALL = ("--preset", "cpu-tiny", "--kv-blocks", "64", "--block-size", str(BLOCK), "--max-model-len", "1024",
-         "--time-scale", "0.01")  # fmt: skip
 TOOL = {"type": "function", "name": "bash", "parameters": {"type": "object"}}
 ANTHROPIC_TOOL = {"name": "bash", "description": "run a command", "input_schema": {"type": "object"}}
-
-
-@pytest.fixture(scope="module")
-def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimProcess]:
-    """One small sim for the module; each test's text is its own, so no test hits another's blocks."""
-    process = SimProcess(SMALL, tmp_path_factory.mktemp("sim-apis") / "sim.log")
-    try:
-        process.wait_healthy()
-        yield process
-    finally:
-        process.stop()
 
 
 def post(url: str, path: str, body: dict) -> httpx.Response:
@@ -63,27 +50,27 @@ def prefix_hits(url: str) -> int:
 # --- the Responses API -------------------------------------------------------------------------
 
 
-def test_a_response_is_the_answer_with_the_prompts_usage(sim: SimProcess) -> None:
+def test_a_response_is_the_answer_with_the_prompts_usage(small_sim: SimProcess) -> None:
     body = {"model": "tiny", "instructions": "answer briefly", "input": "list the r1 files", "max_output_tokens": 6}
-    response = post(sim.url, "/v1/responses", body).json()
+    response = post(small_sim.url, "/v1/responses", body).json()
     assert response["id"].startswith("resp_") and response["object"] == "response"
     # The answer ran to max_output_tokens: vLLM's "incomplete".
     assert (response["status"], response["incomplete_details"]) == ("incomplete", {"reason": "max_output_tokens"})
     (item,) = response["output"]
     assert (item["type"], item["role"], item["status"]) == ("message", "assistant", "completed")
     assert item["id"].startswith("msg_") and len(item["content"][0]["text"].split()) == 6
-    prompt = chat_tokens(sim.url, [{"role": "system", "content": "answer briefly"},
+    prompt = chat_tokens(small_sim.url, [{"role": "system", "content": "answer briefly"},
                                    {"role": "user", "content": "list the r1 files"}])  # fmt: skip
     usage = response["usage"]
     assert (usage["input_tokens"], usage["output_tokens"], usage["total_tokens"]) == (prompt, 6, prompt + 6)
     assert usage["input_tokens_details"]["cached_tokens"] == 0
 
 
-def test_a_streamed_response_sends_vllms_events_in_order(sim: SimProcess) -> None:
+def test_a_streamed_response_sends_vllms_events_in_order(small_sim: SimProcess) -> None:
     body = {"model": "tiny", "input": [{"role": "user", "content": [{"type": "input_text", "text": "r2 go"}]}],
             "max_output_tokens": 5}  # fmt: skip
-    whole = post(sim.url, "/v1/responses", body).json()
-    stream = events(sim.url, "/v1/responses", body)
+    whole = post(small_sim.url, "/v1/responses", body).json()
+    stream = events(small_sim.url, "/v1/responses", body)
     types = [kind for kind, _ in stream]
     deltas = types.count("response.output_text.delta")
     assert types == [
@@ -101,16 +88,16 @@ def test_a_streamed_response_sends_vllms_events_in_order(sim: SimProcess) -> Non
     assert completed["output"][0]["id"] == stream[2][1]["item"]["id"]  # the streamed item, not another
 
 
-def test_a_response_offered_tools_calls_one_whole_and_streamed(sim: SimProcess) -> None:
+def test_a_response_offered_tools_calls_one_whole_and_streamed(small_sim: SimProcess) -> None:
     body = {"model": "tiny", "input": "r3 run the tests", "max_output_tokens": 4,
             "tools": [TOOL, {**TOOL, "name": "edit"}], "tool_choice": {"type": "function", "name": "edit"}}  # fmt: skip
-    response = post(sim.url, "/v1/responses", body).json()
+    response = post(small_sim.url, "/v1/responses", body).json()
     (call,) = response["output"]
     assert (call["type"], call["name"], call["status"], response["status"]) == (
         "function_call", "edit", "completed", "completed")  # fmt: skip
     assert call["id"].startswith("fc_") and call["call_id"]
     assert len(json.loads(call["arguments"])["input"].split()) == 4
-    stream = events(sim.url, "/v1/responses", body)
+    stream = events(small_sim.url, "/v1/responses", body)
     types = [kind for kind, _ in stream]
     assert types[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
     assert types[-3:] == ["response.function_call_arguments.done", "response.output_item.done", "response.completed"]
@@ -120,32 +107,39 @@ def test_a_response_offered_tools_calls_one_whole_and_streamed(sim: SimProcess) 
     assert stream[-1][1]["response"]["output"][0]["name"] == "edit"
 
 
-def test_a_responses_conversations_next_turn_has_the_last_prompt_and_answer_cached(sim: SimProcess) -> None:
+def test_a_responses_conversations_next_turn_has_the_last_prompt_and_answer_cached(small_sim: SimProcess) -> None:
     history = [{"role": "user", "content": " ".join(f"r4w{i}" for i in range(60))}]
-    first = post(sim.url, "/v1/responses", {"input": history, "tools": [TOOL], "max_output_tokens": 20}).json()
+    first = post(small_sim.url, "/v1/responses", {"input": history, "tools": [TOOL], "max_output_tokens": 20}).json()
     (call,) = first["output"]
     history += [call, {"type": "function_call_output", "call_id": call["call_id"], "output": "ok done"}]
-    second = post(sim.url, "/v1/responses", {"input": history, "tools": [TOOL], "max_output_tokens": 3}).json()
+    second = post(small_sim.url, "/v1/responses", {"input": history, "tools": [TOOL], "max_output_tokens": 3}).json()
     prompt = first["usage"]["input_tokens"]
     # Every full block of the first turn's prompt and answer (its last token is never computed).
-    assert second["usage"]["input_tokens_details"]["cached_tokens"] == (prompt + 20 - 1) // BLOCK * BLOCK
+    assert (
+        second["usage"]["input_tokens_details"]["cached_tokens"]
+        == (prompt + 20 - 1) // SMALL_SIM_BLOCK * SMALL_SIM_BLOCK
+    )
     assert second["usage"]["input_tokens"] > prompt + 20
 
 
-def test_the_responses_api_refuses_as_vllm_does(sim: SimProcess) -> None:
-    missing = post(sim.url, "/v1/responses", {"model": "tiny", "input": "hi", "previous_response_id": "resp_gone"})
+def test_the_responses_api_refuses_as_vllm_does(small_sim: SimProcess) -> None:
+    missing = post(
+        small_sim.url, "/v1/responses", {"model": "tiny", "input": "hi", "previous_response_id": "resp_gone"}
+    )
     assert missing.status_code == 404  # vLLM stores no response without VLLM_ENABLE_RESPONSES_API_STORE
     assert missing.json()["error"] == {"message": "Response with id 'resp_gone' not found.",
                                        "type": "invalid_request_error", "param": "response_id", "code": 404}  # fmt: skip
-    background = post(sim.url, "/v1/responses", {"input": "hi", "background": True})
-    assert background.status_code == 400 and "VLLM_ENABLE_RESPONSES_API_STORE=1" in background.json()["error"]["message"]
-    stored = post(sim.url, "/v1/responses", {"input": "r5 hi", "store": True, "max_output_tokens": 1})
+    background = post(small_sim.url, "/v1/responses", {"input": "hi", "background": True})
+    assert (
+        background.status_code == 400 and "VLLM_ENABLE_RESPONSES_API_STORE=1" in background.json()["error"]["message"]
+    )
+    stored = post(small_sim.url, "/v1/responses", {"input": "r5 hi", "store": True, "max_output_tokens": 1})
     assert stored.status_code == 200  # store is ignored, as vLLM ignores it
-    no_input = post(sim.url, "/v1/responses", {"model": "tiny"}).json()["error"]
+    no_input = post(small_sim.url, "/v1/responses", {"model": "tiny"}).json()["error"]
     assert (no_input["type"], no_input["param"]) == ("Bad Request", "body.input")
-    unknown = post(sim.url, "/v1/responses", {"input": [{"type": "web_search_call"}]}).json()["error"]
+    unknown = post(small_sim.url, "/v1/responses", {"input": [{"type": "web_search_call"}]}).json()["error"]
     assert unknown["message"] == "Unsupported input item type: web_search_call"
-    full = post(sim.url, "/v1/responses", {"input": " ".join(["w"] * 1019)})  # and 5 of the template: 1,024
+    full = post(small_sim.url, "/v1/responses", {"input": " ".join(["w"] * 1019)})  # and 5 of the template: 1,024
     assert full.status_code == 400 and full.json()["error"]["message"] == (
         "The engine prompt length 1024 exceeds the max_model_len 1024. Please reduce prompt.")  # fmt: skip
 
@@ -153,25 +147,31 @@ def test_the_responses_api_refuses_as_vllm_does(sim: SimProcess) -> None:
 # --- the Anthropic Messages API -----------------------------------------------------------------
 
 
-def test_a_message_is_the_answer_with_the_prompts_usage(sim: SimProcess) -> None:
+def test_a_message_is_the_answer_with_the_prompts_usage(small_sim: SimProcess) -> None:
     body = {"model": "tiny", "max_tokens": 5, "system": [{"type": "text", "text": "be brief"}],
             "messages": [{"role": "user", "content": "m1 hello"}], "metadata": {"user_id": "u"}}  # fmt: skip
-    message = httpx.post(f"{sim.url}/v1/messages?beta=true", json=body).json()
+    message = httpx.post(f"{small_sim.url}/v1/messages?beta=true", json=body).json()
     assert message["id"].startswith("chatcmpl-")  # vLLM's message is its chat completion, with that id
     assert (message["type"], message["role"], message["model"], message["stop_reason"]) == (
         "message", "assistant", "tiny", "max_tokens")  # fmt: skip
     (block,) = message["content"]
     assert block["type"] == "text" and len(block["text"].split()) == 5
-    prompt = chat_tokens(sim.url, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "m1 hello"}])
+    prompt = chat_tokens(
+        small_sim.url, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "m1 hello"}]
+    )
     assert message["usage"] == {"input_tokens": prompt, "output_tokens": 5}
-    counted = post(sim.url, "/v1/messages/count_tokens", {k: v for k, v in body.items() if k != "max_tokens"})
+    counted = post(small_sim.url, "/v1/messages/count_tokens", {k: v for k, v in body.items() if k != "max_tokens"})
     assert counted.json() == {"input_tokens": prompt, "context_management": {"original_input_tokens": prompt}}
 
 
-def test_a_streamed_message_sends_anthropics_events_in_order(sim: SimProcess) -> None:
-    body = {"model": "tiny", "max_tokens": 6, "messages": [{"role": "user", "content": [{"type": "text", "text": "m2"}]}]}
-    whole = post(sim.url, "/v1/messages", body).json()
-    stream = events(sim.url, "/v1/messages", body)
+def test_a_streamed_message_sends_anthropics_events_in_order(small_sim: SimProcess) -> None:
+    body = {
+        "model": "tiny",
+        "max_tokens": 6,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "m2"}]}],
+    }
+    whole = post(small_sim.url, "/v1/messages", body).json()
+    stream = events(small_sim.url, "/v1/messages", body)
     types = [kind for kind, _ in stream]
     deltas = types.count("content_block_delta")
     assert deltas >= 1 and types == ["message_start", "content_block_start", *["content_block_delta"] * deltas,
@@ -187,58 +187,58 @@ def test_a_streamed_message_sends_anthropics_events_in_order(sim: SimProcess) ->
     assert stream[-2][1]["usage"] == whole["usage"]
 
 
-def test_a_message_offered_tools_uses_one_whole_and_streamed(sim: SimProcess) -> None:
+def test_a_message_offered_tools_uses_one_whole_and_streamed(small_sim: SimProcess) -> None:
     body = {"model": "tiny", "max_tokens": 4, "tools": [ANTHROPIC_TOOL], "tool_choice": {"type": "any"},
             "messages": [{"role": "user", "content": "m3 run it"}]}  # fmt: skip
-    message = post(sim.url, "/v1/messages", body).json()
+    message = post(small_sim.url, "/v1/messages", body).json()
     (use,) = message["content"]
     assert (use["type"], use["name"], message["stop_reason"]) == ("tool_use", "bash", "tool_use")
     assert use["id"] and len(use["input"]["input"].split()) == 4
-    stream = events(sim.url, "/v1/messages", body)
+    stream = events(small_sim.url, "/v1/messages", body)
     start = stream[1][1]["content_block"]
     assert (start["type"], start["name"], start["input"]) == ("tool_use", "bash", {})
     partial = "".join(d["delta"]["partial_json"] for kind, d in stream if kind == "content_block_delta")
     assert json.loads(partial) == use["input"]
     assert {d["delta"]["type"] for kind, d in stream if kind == "content_block_delta"} == {"input_json_delta"}
     assert stream[-2][1]["delta"]["stop_reason"] == "tool_use"
-    none = post(sim.url, "/v1/messages", {**body, "tool_choice": {"type": "none"}}).json()
+    none = post(small_sim.url, "/v1/messages", {**body, "tool_choice": {"type": "none"}}).json()
     assert none["content"][0]["type"] == "text"
 
 
-def test_a_messages_conversations_next_turn_hits_the_last_prompt_and_answer(sim: SimProcess) -> None:
+def test_a_messages_conversations_next_turn_hits_the_last_prompt_and_answer(small_sim: SimProcess) -> None:
     system, task = " ".join(f"m4w{i}" for i in range(50)), "fix the m4 bug"
     body = {"model": "tiny", "max_tokens": 20, "system": system, "tools": [ANTHROPIC_TOOL],
             "messages": [{"role": "user", "content": task}]}  # fmt: skip
-    first = post(sim.url, "/v1/messages", body).json()
-    before = prefix_hits(sim.url)
+    first = post(small_sim.url, "/v1/messages", body).json()
+    before = prefix_hits(small_sim.url)
     use = first["content"][0]
     body["messages"] += [
         {"role": "assistant", "content": [{"type": "thinking", "thinking": "", "signature": "s"}, use]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "ok"},
                                      {"type": "text", "text": "go on"}]},
     ]  # fmt: skip
-    second = post(sim.url, "/v1/messages", {**body, "max_tokens": 2}).json()
+    second = post(small_sim.url, "/v1/messages", {**body, "max_tokens": 2}).json()
     prompt = first["usage"]["input_tokens"]
-    assert prefix_hits(sim.url) - before == (prompt + 20 - 1) // BLOCK * BLOCK
+    assert prefix_hits(small_sim.url) - before == (prompt + 20 - 1) // SMALL_SIM_BLOCK * SMALL_SIM_BLOCK
     assert second["usage"]["input_tokens"] > prompt + 20
 
 
-def test_the_messages_api_refuses_as_vllm_does(sim: SimProcess) -> None:
+def test_the_messages_api_refuses_as_vllm_does(small_sim: SimProcess) -> None:
     messages = [{"role": "user", "content": "hi"}]
-    no_length = post(sim.url, "/v1/messages", {"model": "tiny", "messages": messages})
+    no_length = post(small_sim.url, "/v1/messages", {"model": "tiny", "messages": messages})
     # A body the request model refuses gets FastAPI's error in vLLM's usual shape, not Anthropic's.
     assert no_length.status_code == 400
     assert (no_length.json()["error"]["type"], no_length.json()["error"]["param"]) == ("Bad Request", "body.max_tokens")
-    unknown = post(sim.url, "/v1/messages", {"model": "claude-x", "max_tokens": 1, "messages": messages})
+    unknown = post(small_sim.url, "/v1/messages", {"model": "claude-x", "max_tokens": 1, "messages": messages})
     assert unknown.status_code == 404
     assert unknown.json() == {"type": "error", "error": {
         "type": "NotFoundError", "message": "The model `claude-x` does not exist. Valid aliases: tiny."}}  # fmt: skip
-    long = post(sim.url, "/v1/messages", {"model": "tiny", "max_tokens": 1,
+    long = post(small_sim.url, "/v1/messages", {"model": "tiny", "max_tokens": 1,
                                           "messages": [{"role": "user", "content": "w " * 1100}]})  # fmt: skip
     assert long.status_code == 400 and long.json()["type"] == "error"
     assert long.json()["error"]["type"] == "BadRequestError"
     assert "maximum context length is 1024 tokens" in long.json()["error"]["message"]
-    bad_block = post(sim.url, "/v1/messages", {"model": "tiny", "max_tokens": 1,
+    bad_block = post(small_sim.url, "/v1/messages", {"model": "tiny", "max_tokens": 1,
                                                "messages": [{"role": "user", "content": [{"type": "video"}]}]})  # fmt: skip
     assert bad_block.status_code == 400 and bad_block.json()["error"]["param"] == "body.messages.0.content"
 
@@ -275,11 +275,13 @@ COMPARED = [
 
 
 @pytest.mark.parametrize(("path", "body"), COMPARED, ids=["responses", "messages"])
-def test_the_simulated_shapes_are_the_real_engines(real_vllm: LocalEngine, sim: SimProcess, path: str, body: dict):
-    real, simulated = post(real_vllm.url, path, body), post(sim.url, path, body)
+def test_the_simulated_shapes_are_the_real_engines(
+    real_vllm: LocalEngine, small_sim: SimProcess, path: str, body: dict
+):
+    real, simulated = post(real_vllm.url, path, body), post(small_sim.url, path, body)
     assert real.status_code == simulated.status_code == 200
     assert keys(simulated.json()) == keys(real.json())
-    real_stream, sim_stream = events(real_vllm.url, path, body), events(sim.url, path, body)
+    real_stream, sim_stream = events(real_vllm.url, path, body), events(small_sim.url, path, body)
 
     def squeezed(stream: list[tuple[str, dict]]) -> list[str]:  # the deltas' count is the step pacing's
         kinds = [kind for kind, _ in stream]

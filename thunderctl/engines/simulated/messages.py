@@ -44,7 +44,9 @@ BILLING_HEADER = "x-anthropic-billing-header"
 def blocks(content: Any, where: str) -> list[dict[str, Any]]:
     """A message's content blocks, each of a type the request model knows."""
     if not isinstance(content, list) or not all(isinstance(b, dict) and b.get("type") in BLOCK_TYPES for b in content):
-        raise invalid_body(where, f"Input should be a string or a list of content blocks of types {sorted(BLOCK_TYPES)}")
+        raise invalid_body(
+            where, f"Input should be a string or a list of content blocks of types {sorted(BLOCK_TYPES)}"
+        )
     return content
 
 
@@ -58,7 +60,9 @@ def system_text(content: Any) -> str:
 
 def tool_result_text(content: Any) -> str:
     if isinstance(content, list):
-        return "\n".join(item.get("text", "") for item in content if isinstance(item, dict) and item.get("type") == "text")
+        return "\n".join(
+            item.get("text", "") for item in content if isinstance(item, dict) and item.get("type") == "text"
+        )
     return content if isinstance(content, str) else ""
 
 
@@ -216,7 +220,11 @@ class MessagesReply:
                 start = self.block("{}") if self.tool else self.block("")
                 yield sse_event({"type": "content_block_start", "content_block": start, "index": 0})
                 started = True
-            delta = {"type": "input_json_delta", "partial_json": text} if self.tool else {"type": "text_delta", "text": text}
+            delta = (
+                {"type": "input_json_delta", "partial_json": text}
+                if self.tool
+                else {"type": "text_delta", "text": text}
+            )
             yield sse_event({"type": "content_block_delta", "delta": delta, "index": 0})
         if started:
             yield sse_event({"type": "content_block_stop", "index": 0})

@@ -123,9 +123,7 @@ def answer_length(api: Api, asked: Asked, max_model_len: int) -> int:
     """The length the request asks for, or its API's default, clamped to the room max_model_len leaves."""
     length = api.default_tokens if asked.max_tokens is None else asked.max_tokens
     if isinstance(length, bool) or not isinstance(length, int):
-        raise VllmError(
-            f"{api.length_param} must be an integer, not {json.dumps(length)[:40]}", param=api.length_param
-        )
+        raise VllmError(f"{api.length_param} must be an integer, not {json.dumps(length)[:40]}", param=api.length_param)
     room = min(length, max_model_len - len(asked.prompt))
     if room < 1:
         raise api.no_room(len(asked.prompt), max_model_len, room)
