@@ -96,7 +96,7 @@ class Reply(Protocol):
 class Api(ABC):
     """One of vLLM's generation routes: what a request asks, and how its answer and errors are sent."""
 
-    default_tokens: ClassVar[int]  # an answer's length when the request gives none
+    default_tokens: int  # an answer's length when the request gives none
     length_param: ClassVar[str] = "max_tokens"
 
     @abstractmethod

@@ -209,7 +209,7 @@ class MessagesReply:
     async def stream(self, generation: Generation) -> AsyncIterator[bytes]:
         """message_start (with the prompt's usage), the block's start, deltas and stop,
         message_delta (stop_reason, usage), message_stop."""
-        message = {"id": f"chatcmpl-{self.id}", "type": "message", "role": "assistant", "content": [],
+        message: dict[str, Any] = {"id": f"chatcmpl-{self.id}", "type": "message", "role": "assistant", "content": [],
                    "model": self.model, "stop_reason": None, "stop_sequence": None, "usage": self.usage(0)}  # fmt: skip
         yield sse_event({"type": "message_start", "message": message})
         started = False

@@ -45,6 +45,12 @@ def hex_id() -> str:
     return secrets.token_hex(8)  # vLLM's random_uuid: 16 hex digits
 
 
+def first_text(parts: Any) -> str | None:
+    """The text of the first part, as vLLM takes an item's text (`content[0].text`)."""
+    first = parts[0] if isinstance(parts, list) and parts else None
+    return first.get("text") if isinstance(first, dict) else None
+
+
 def item_message(item: dict[str, Any], previous: dict[str, Any] | None) -> dict[str, Any] | None:
     """One input item as a chat message, or None when it joined `previous` (an assistant message:
     a function call, reasoning or text following it in the same turn), as vLLM's
@@ -61,16 +67,16 @@ def item_message(item: dict[str, Any], previous: dict[str, Any] | None) -> dict[
     if kind == "reasoning":
         if item.get("encrypted_content"):
             raise VllmError("Encrypted content is not supported.", param="input")
-        parts = item.get("content") or item.get("summary") or [{}]
+        reasoning = first_text(item.get("content") or item.get("summary"))
         if assistant is not None and "reasoning" not in assistant:
-            assistant["reasoning"] = parts[0].get("text", "")
+            assistant["reasoning"] = reasoning
             return None
-        return {"role": "assistant", "reasoning": parts[0].get("text", "")}
+        return {"role": "assistant", "reasoning": reasoning}
     if kind in ("function_call_output", "custom_tool_call_output"):
         return {"role": "tool", "content": item.get("output"), "tool_call_id": item.get("call_id")}
     if item.get("role") == "assistant":
         content = item.get("content")
-        text = content if isinstance(content, str) else (content[0] or {}).get("text") if content else None
+        text = content if isinstance(content, str) else first_text(content) if content else None
         if assistant is not None and assistant.get("content") is None:
             assistant["content"] = text
             return None

@@ -3,10 +3,10 @@ gateway, `bench` and agent clients use, in real time.
 
 Routes: `/v1/chat/completions` and `/v1/completions` (streamed or not, `max_tokens`, `ignore_eos`,
 `stream_options.include_usage`), `/v1/responses` (the OpenAI Responses API), `/v1/messages` and
-`/v1/messages/count_tokens` (the Anthropic Messages API), `/v1/models`, `/tokenize`, `/health`, `/metrics` (vLLM's names),
-`/pause?mode=keep|wait`, `/resume`, `/is_paused` and `/reset_prefix_cache` as vLLM serves them in dev
-mode (a weight update; `abort` is not simulated), and `/sim/stall` (no vLLM has it): POST stops the
-engine stepping, DELETE starts it again.
+`/v1/messages/count_tokens` (the Anthropic Messages API), `/v1/models`, `/tokenize`, `/health`,
+`/metrics` (vLLM's names), `/pause?mode=keep|wait`, `/resume`, `/is_paused` and
+`/reset_prefix_cache` as vLLM serves them in dev mode (a weight update; `abort` is not simulated),
+and `/sim/stall` (no vLLM has it): POST stops the engine stepping, DELETE starts it again.
 An answer is always `max_tokens` long, clamped to what fits `max_model_len` as vLLM clamps it:
 the model has no end-of-sequence token, so `ignore_eos` changes nothing.
 """
