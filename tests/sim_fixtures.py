@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from support import SMALL_SIM
 from thunderctl.engines.simulated.process import SimProcess
 
 
@@ -27,4 +28,16 @@ def start_sim(tmp_path: Path) -> Iterator[Callable[..., SimProcess]]:
 
     yield start
     for sim in started:
+        sim.stop()
+
+
+@pytest.fixture(scope="module")
+def small_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimProcess]:
+    """One SMALL_SIM per test module, for tests that read no counter another test moves (a test that
+    reads its own cache hits sends text of its own)."""
+    sim = SimProcess(SMALL_SIM, tmp_path_factory.mktemp("small-sim") / "sim.log")
+    try:
+        sim.wait_healthy()
+        yield sim
+    finally:
         sim.stop()

@@ -25,6 +25,11 @@ from thunderctl.processes import pick_free_port, pick_free_ports, pid_alive, por
 from thunderctl.processes.poll import poll_until
 from thunderctl.profile import DEFAULT_PROFILE, PROFILES_DIR
 
+# A simulated worker: cpu-tiny with a small cache of 16-token blocks, stepping 100× faster than the model says.
+SMALL_SIM_BLOCK = 16
+SMALL_SIM = ("--preset", "cpu-tiny", "--kv-blocks", "64", "--block-size", str(SMALL_SIM_BLOCK),
+             "--max-model-len", "1024", "--time-scale", "0.01")  # fmt: skip
+
 
 def mini_swe_agent_overrides(steps: int) -> list[str]:
     """On top of a mini-swe-agent config, for the tiny model: short, deterministic answers, the first

@@ -3,6 +3,8 @@ and the engine's count of a request's sampled tokens, which the server streams f
 
 from __future__ import annotations
 
+import json
+
 from thunderctl.engines.simulated.tokens import BlockIds, ContentStream, answer_words, render_chat, token_ids
 from thunderctl.sim.cost import EngineShape, LinearStepCost
 from thunderctl.sim.engine import Engine, Request
@@ -45,6 +47,17 @@ def test_an_answer_sent_back_as_history_tokenizes_to_what_was_sampled() -> None:
     generated = prompt + token_ids(" ".join(answer))
     history = [system, task, {"role": "assistant", "content": " ".join(answer)}, {"role": "user", "content": "ok"}]
     assert token_ids(render_chat(history))[: len(generated)] == generated
+
+
+def test_a_tool_call_sent_back_as_history_tokenizes_to_the_words_that_were_sampled() -> None:
+    task = {"role": "user", "content": "fix the bug"}
+    prompt = token_ids(render_chat([task]))
+    answer = " ".join(answer_words(prompt, 12))
+    call = {"id": "c1", "type": "function", "function": {"name": "bash", "arguments": json.dumps({"input": answer})}}
+    history = [task, {"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "content": "ok"}]
+    assert token_ids(render_chat(history))[: len(prompt) + 12] == prompt + token_ids(answer)
+    other = {**call, "function": {"name": "bash", "arguments": '{"command": "ls -la", "timeout": 5}'}}
+    assert render_chat([{"role": "assistant", "tool_calls": [other]}]).split()[2:5] == ["ls", "-la", "5"]
 
 
 def test_words_are_tokens_and_text_parts_count() -> None:

@@ -9,41 +9,17 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
 
+from support import SMALL_SIM
 from thunderctl.engines.simulated.process import SIM_MODULE, SimProcess
 from thunderctl.engines.vllm import EngineMetrics, parse_metrics
 from thunderctl.processes import poll_until
 from thunderctl.sim.presets import CPU_TINY_COST
 
-# cpu-tiny with a small cache of 16-token blocks, stepping 100× faster than the model says.
-SMALL = (
-    "--preset",
-    "cpu-tiny",
-    "--kv-blocks",
-    "64",
-    "--block-size",
-    "16",
-    "--max-model-len",
-    "1024",
-    "--time-scale",
-    "0.01",
-)
 WORDS = [f"w{i}" for i in range(400)]
-
-
-@pytest.fixture(scope="module")
-def small_sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimProcess]:
-    """One SMALL sim shared by the tests that read none of the counters or cache it keeps."""
-    sim = SimProcess(SMALL, tmp_path_factory.mktemp("small-sim") / "sim.log")
-    try:
-        sim.wait_healthy()
-        yield sim
-    finally:
-        sim.stop()
 
 
 def metrics(url: str) -> EngineMetrics:
@@ -87,7 +63,7 @@ def stream_chat(url: str, messages: list[dict], max_tokens: int, include_usage: 
 
 
 def test_the_gateway_reads_the_cache_shape_and_counters_as_from_vllm(start_sim) -> None:
-    sim = start_sim(*SMALL)
+    sim = start_sim(*SMALL_SIM)
     before = metrics(sim.url)
     assert before.kv_capacity_tokens == 64 * 16
     assert (before.requests_running, before.requests_waiting, before.preemptions) == (0, 0, 0)
@@ -97,7 +73,7 @@ def test_the_gateway_reads_the_cache_shape_and_counters_as_from_vllm(start_sim) 
 
 
 def test_the_same_text_prefix_hits_the_same_cached_blocks(start_sim) -> None:
-    sim = start_sim(*SMALL)
+    sim = start_sim(*SMALL_SIM)
     assert complete(sim.url, " ".join(WORDS[:200])).status_code == 200  # 12 full blocks computed and cached
     first = metrics(sim.url)
     assert (first.prefix_cache_queries, first.prefix_cache_hits) == (200, 0)
@@ -110,7 +86,7 @@ def test_the_same_text_prefix_hits_the_same_cached_blocks(start_sim) -> None:
 
 
 def test_an_agents_next_turn_hits_its_previous_prompt_and_answer(start_sim) -> None:
-    sim = start_sim(*SMALL)
+    sim = start_sim(*SMALL_SIM)
     history = [{"role": "system", "content": " ".join(WORDS[:100])}, {"role": "user", "content": "fix the bug"}]
     turn = chat(sim.url, history, max_tokens=30).json()
     answer, prompt_tokens = turn["choices"][0]["message"]["content"], turn["usage"]["prompt_tokens"]

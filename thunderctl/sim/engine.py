@@ -349,6 +349,8 @@ class Engine:
         request.num_blocks = hits + host_blocks
         request.registered_blocks = hits
         request.computed_tokens = computed
+        if request.cached_tokens is None:  # as vLLM, the first admission's hits: a preemption's are not counted
+            request.cached_tokens = computed
         self._count_lookup(request, hits * size)
         if host_blocks:
             tokens = host_blocks * size

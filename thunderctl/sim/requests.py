@@ -74,6 +74,7 @@ class Request:
     tool_call: bool = False  # its answer ends in a tool call: the program sends again after the tool
     priority: float = 0.0  # lower first, under an EngineMode that orders the queue
     scheduled_s: float | None = None  # first admitted to the running queue
+    cached_tokens: int | None = None  # prompt tokens its first admission found cached (vLLM's num_cached_tokens)
 
     @property
     def num_tokens(self) -> int:

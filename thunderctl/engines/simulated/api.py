@@ -1,22 +1,24 @@
-"""vLLM 0.32's OpenAI response shapes, as the simulated engine sends them: whole answers, stream
-chunks, the final usage chunk, and errors (read from `vllm/entrypoints/openai/*/protocol.py` and
-`serving.py`, `vllm/renderers/params.py` for the length errors)."""
+"""What the simulated engine's generation APIs share: `Api` (how a route reads a request and sends
+its answer), `Asked`, the tool-call rule, the answer's text as it streams, and vLLM 0.32's errors
+(read from `vllm/entrypoints/serve/`, `vllm/renderers/params.py` for the length errors). Each API's
+shapes are in its own module: `completions.py` (chat and completions), `responses.py` (the
+Responses API), `messages.py` (the Anthropic Messages API).
+"""
 
 from __future__ import annotations
 
 import json
-import secrets
-import time
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from enum import StrEnum
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
 
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
-# Every answer is exactly max_tokens long (there is no EOS to stop at): vLLM's reason for that.
-FINISH_REASON = "length"
-DONE_LINE = b"data: [DONE]\n\n"
+from thunderctl.engines.simulated.runner import Generation
+
+# vLLM's error type for a body its request model refuses (FastAPI validates it before any route runs).
+VALIDATION = "Bad Request"
 
 
 class VllmError(Exception):
@@ -31,6 +33,11 @@ class VllmError(Exception):
     def response(self) -> JSONResponse:
         error = {"message": str(self), "type": self.kind, "param": self.param, "code": self.status}
         return JSONResponse({"error": error}, self.status)
+
+
+def invalid_body(param: str, problem: str) -> VllmError:
+    """A body vLLM's request model refuses: `param` is where (`body.max_tokens`), `problem` what is wrong."""
+    return VllmError(f"1 validation error:\n  {param}: {problem}", kind=VALIDATION, param=param)
 
 
 def unknown_model(asked: str, served: str) -> VllmError:
@@ -58,142 +65,68 @@ def tool_arguments(text: str) -> str:
     return TOOL_ARGUMENTS_OPEN + text + TOOL_ARGUMENTS_CLOSE
 
 
-def called_tool(body: dict[str, Any]) -> str | None:
-    """The function a chat request's answer calls: the one `tool_choice` names, else the first of
-    `tools` unless tool_choice is "none"."""
-    tools = body.get("tools")
-    choice = body.get("tool_choice")
-    if not isinstance(tools, list) or not tools or choice == "none":
+def called_tool(names: list[str], named: str | None, refused: bool) -> str | None:
+    """The function an answer calls when the request offers tools (`names`), in every API: the one
+    tool_choice names, else the first, unless tool_choice refuses tools ("none")."""
+    if not names or refused:
         return None
-    if isinstance(choice, dict):
-        return (choice.get("function") or {}).get("name")
-    first = tools[0] if isinstance(tools[0], dict) else {}
-    return (first.get("function") or {}).get("name")
+    return named or names[0]
 
 
-class Kind(StrEnum):
-    CHAT = "chat"
-    TEXT = "text"
+@dataclass(frozen=True)
+class Asked:
+    """What a request asks of the engine, whichever API it came through."""
+
+    body: dict[str, Any]
+    model: str | None  # the model it names, if any
+    prompt: list[int]
+    max_tokens: Any  # the answer's length as the client sent it (None: the API's default), checked later
+    stream: bool
+    tool: str | None  # the function its answer calls
 
 
-@dataclass
-class Answer:
-    """What one response says about its request, whichever way it is sent."""
+class Reply(Protocol):
+    """One answer in its API's shape."""
 
-    kind: Kind
-    model: str
-    prompt_tokens: int
-    completion_tokens: int
-    tool: str | None = None  # the function it calls (the request offered tools): its words are the arguments
-    id: str = field(default_factory=lambda: secrets.token_hex(16))
-    created: int = field(default_factory=lambda: int(time.time()))
+    def whole(self, generation: Generation) -> dict[str, Any]: ...
 
-    @property
-    def response_id(self) -> str:
-        return f"{'chatcmpl' if self.kind is Kind.CHAT else 'cmpl'}-{self.id}"
+    def stream(self, generation: Generation) -> AsyncIterator[bytes]: ...
 
-    @property
-    def object(self) -> str:
-        return "chat.completion" if self.kind is Kind.CHAT else "text_completion"
 
-    def usage(self) -> dict[str, Any]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "completion_tokens": self.completion_tokens,
-        }
+class Api(ABC):
+    """One of vLLM's generation routes: what a request asks, and how its answer and errors are sent."""
 
-    def whole(self, text: str) -> dict[str, Any]:
-        """The non-streamed response."""
-        if self.kind is Kind.CHAT:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {
-                    "role": "assistant",
-                    "content": None if self.tool else text,
-                    "tool_calls": [self._call(tool_arguments(text))] if self.tool else [],
-                    "refusal": None,
-                    "annotations": None,
-                    "audio": None,
-                    "function_call": None,
-                    "reasoning": None,
-                },
-                "logprobs": None,
-                "finish_reason": "tool_calls" if self.tool else FINISH_REASON,
-                "stop_reason": None,
-                "token_ids": None,
-            }
-        else:
-            choice = {
-                "index": 0,
-                "text": text,
-                "logprobs": None,
-                "finish_reason": FINISH_REASON,
-                "stop_reason": None,
-                "token_ids": None,
-                "prompt_logprobs": None,
-            }
-        return {
-            "id": self.response_id,
-            "object": self.object,
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-            "service_tier": None,
-            "system_fingerprint": None,
-            "usage": {**self.usage(), "prompt_tokens_details": None},
-            "kv_transfer_params": None,
-        }
+    default_tokens: int  # an answer's length when the request gives none
+    length_param: ClassVar[str] = "max_tokens"
 
-    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
-        chunk = {
-            "id": self.response_id,
-            "object": f"{self.object}.chunk" if self.kind is Kind.CHAT else self.object,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            **extra,
-        }
-        return f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n".encode()
+    @abstractmethod
+    def read(self, body: dict[str, Any]) -> Asked:
+        """The request, or a VllmError saying what is wrong with it."""
 
-    def _call(self, arguments: str, first: bool = True) -> dict[str, Any]:
-        """A tool call, or (not `first`) a stream's later piece of its arguments."""
-        if not first:
-            return {"index": 0, "function": {"arguments": arguments}}
-        return {"index": 0, "id": f"chatcmpl-tool-{self.id}", "type": "function",
-                "function": {"name": self.tool, "arguments": arguments}}  # fmt: skip
+    @abstractmethod
+    def reply(self, asked: Asked, model: str, max_tokens: int) -> Reply: ...
 
-    def _delta(self, text: str, final: bool, first: bool = False) -> dict[str, Any]:
-        if self.kind is Kind.CHAT:
-            delta = {"tool_calls": [self._call(text, first)]} if self.tool else {"content": text}
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None}
-            return (
-                {**choice, "finish_reason": "tool_calls" if self.tool else FINISH_REASON, "stop_reason": None}
-                if final
-                else {**choice, "finish_reason": None}
-            )
-        return {
-            "index": 0,
-            "text": text,
-            "logprobs": None,
-            "finish_reason": FINISH_REASON if final else None,
-            "stop_reason": None,
-        }
+    def refuse(self, error: VllmError) -> Response:
+        return error.response()
 
-    async def stream(self, pieces: AsyncIterator[tuple[list[str], bool]], include_usage: bool) -> AsyncIterator[bytes]:
-        """The SSE stream: (for chat) the role, then the answer as it is sampled, the usage, [DONE]."""
-        if self.kind is Kind.CHAT:
-            yield self._chunk(
-                [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
-            )
-        first, opened = True, False
-        async for words, final in pieces:
-            text = " ".join(words)
-            text = text if first or not words else f" {text}"
-            if self.tool:  # the words are the arguments' one string: '{"input": "' before, '"}' after
-                text = ("" if opened else TOOL_ARGUMENTS_OPEN) + text + (TOOL_ARGUMENTS_CLOSE if final else "")
-            yield self._chunk([self._delta(text, final, not opened)])
-            first, opened = first and not words, True
-        if include_usage:
-            yield self._chunk([], usage=self.usage())
-        yield DONE_LINE
+    def no_room(self, prompt_tokens: int, max_model_len: int, length: int) -> VllmError:
+        """The error for a prompt that fits max_model_len but leaves no room for an answer."""
+        return no_room_to_answer(length)
+
+
+async def answer_texts(generation: Generation, tool: bool) -> AsyncIterator[tuple[str, bool]]:
+    """The answer's text as the engine's steps sample it, each piece with whether it ends the answer:
+    words joined by spaces, or (a tool call) the arguments' JSON those words are the one string of."""
+    first, opened = True, False
+    async for words, final in generation.pieces():
+        text = " ".join(words)
+        text = text if first or not words else f" {text}"
+        if tool:  # '{"input": "' before, '"}' after
+            text = ("" if opened else TOOL_ARGUMENTS_OPEN) + text + (TOOL_ARGUMENTS_CLOSE if final else "")
+        yield text, final
+        first, opened = first and not words, True
+
+
+def sse_event(event: dict[str, Any]) -> bytes:
+    """A typed SSE event, framed as vLLM's Responses and Anthropic routes send them."""
+    return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n".encode()

@@ -24,6 +24,7 @@ class Generation:
 
     request: Request
     words: list[str]
+    block_size: int
     _progress: asyncio.Event = field(default_factory=asyncio.Event)
     _finished: bool = False
     _sampled: int = 0
@@ -35,6 +36,20 @@ class Generation:
     @property
     def completion_tokens(self) -> int:
         return len(self.words)
+
+    @property
+    def text(self) -> str:
+        return " ".join(self.words)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the prefix cache held when the engine first took it (0 before that)."""
+        return self.request.cached_tokens or 0
+
+    @property
+    def cache_write_tokens(self) -> int:
+        """Prompt tokens it wrote to the prefix cache: the full blocks of its prompt the cache did not hold."""
+        return max(0, self.prompt_tokens // self.block_size * self.block_size - self.cached_tokens)
 
     def advance(self, sampled: int) -> None:
         if sampled > self._sampled:
@@ -94,7 +109,7 @@ class RealTimeEngine:
         request = Request(
             content, prompt_tokens=len(prompt), max_tokens=max_tokens, arrival_s=asyncio.get_running_loop().time()
         )
-        generation = Generation(request, words)
+        generation = Generation(request, words, self.engine.block_size)
         request.on_finish = lambda _: self._finished(generation)
         if stream:
             self._streaming.add(generation)

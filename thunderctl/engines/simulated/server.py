@@ -2,10 +2,11 @@
 gateway, `bench` and agent clients use, in real time.
 
 Routes: `/v1/chat/completions` and `/v1/completions` (streamed or not, `max_tokens`, `ignore_eos`,
-`stream_options.include_usage`), `/v1/models`, `/tokenize`, `/health`, `/metrics` (vLLM's names),
-`/pause?mode=keep|wait`, `/resume`, `/is_paused` and `/reset_prefix_cache` as vLLM serves them in dev
-mode (a weight update; `abort` is not simulated), and `/sim/stall` (no vLLM has it): POST stops the
-engine stepping, DELETE starts it again.
+`stream_options.include_usage`), `/v1/responses` (the OpenAI Responses API), `/v1/messages` and
+`/v1/messages/count_tokens` (the Anthropic Messages API), `/v1/models`, `/tokenize`, `/health`,
+`/metrics` (vLLM's names), `/pause?mode=keep|wait`, `/resume`, `/is_paused` and
+`/reset_prefix_cache` as vLLM serves them in dev mode (a weight update; `abort` is not simulated),
+and `/sim/stall` (no vLLM has it): POST stops the engine stepping, DELETE starts it again.
 An answer is always `max_tokens` long, clamped to what fits `max_model_len` as vLLM clamps it:
 the model has no end-of-sequence token, so `ignore_eos` changes nothing.
 """
@@ -16,7 +17,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -27,18 +28,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from thunderctl.engines.simulated.api import (
-    Answer,
-    Kind,
-    VllmError,
-    called_tool,
-    no_room_to_answer,
-    prompt_too_long,
-    unknown_model,
-)
+from thunderctl.engines.simulated.api import Api, Asked, VllmError, invalid_body, prompt_too_long, unknown_model
+from thunderctl.engines.simulated.completions import CompletionsApi, Kind, chat_prompt, text_prompt
+from thunderctl.engines.simulated.messages import MessagesApi, anthropic_prompt, token_count
 from thunderctl.engines.simulated.metrics import metrics_registry
+from thunderctl.engines.simulated.responses import ResponsesApi
 from thunderctl.engines.simulated.runner import Generation, RealTimeEngine
-from thunderctl.engines.simulated.tokens import render_chat, token_ids
 from thunderctl.sim.cost import EngineShape, Preset
 from thunderctl.sim.engine import Engine
 from thunderctl.sim.presets import UnknownPreset, get_preset, preset_names
@@ -46,10 +41,6 @@ from thunderctl.sim.presets import UnknownPreset, get_preset, preset_names
 log = logging.getLogger(__name__)
 
 DEFAULT_PRESET = "h100-tp4-32b"
-# vLLM's default for /v1/completions; a chat without max_tokens would run to its end-of-sequence
-# token, which the model has not got, so it gets as many tokens as an agent's turn often has.
-DEFAULT_TEXT_ANSWER_TOKENS = 16
-DEFAULT_CHAT_ANSWER_TOKENS = 256
 # Like vLLM's periodic "Engine 000: ..." line, while there is traffic.
 LOG_INTERVAL_S = 10.0
 SIM_VERSION = "0.32.0-sim"  # the vLLM whose behaviour the engine model follows
@@ -106,9 +97,9 @@ async def json_body(request: Request) -> dict[str, Any]:
     try:
         body = json.loads(await request.body())
     except ValueError as exc:
-        raise VllmError(f"the request body is not valid JSON: {exc}") from None
+        raise invalid_body("body", f"the request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
-        raise VllmError("the request body must be a JSON object")
+        raise invalid_body("body", "the request body must be a JSON object")
     return body
 
 
@@ -128,40 +119,15 @@ async def disconnected(request: Request) -> None:
         pass
 
 
-def answer_length(body: dict[str, Any], kind: Kind, prompt_tokens: int, max_model_len: int) -> int:
-    """max_tokens (or max_completion_tokens), its default, clamped to the room max_model_len leaves."""
-    asked = body.get("max_completion_tokens") if kind is Kind.CHAT else None
-    asked = asked if asked is not None else body.get("max_tokens")
-    if asked is None:
-        asked = DEFAULT_CHAT_ANSWER_TOKENS if kind is Kind.CHAT else DEFAULT_TEXT_ANSWER_TOKENS
-    if isinstance(asked, bool) or not isinstance(asked, int):
-        raise VllmError(f"max_tokens must be an integer, not {json.dumps(asked)[:40]}", param="max_tokens")
-    length = min(asked, max_model_len - prompt_tokens)
-    if length < 1:
-        raise no_room_to_answer(length)
-    return length
-
-
-def text_prompt(body: dict[str, Any]) -> list[int]:
-    """A completion's prompt: text, or token ids, alone or as a batch of one."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return token_ids(prompt)
-    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return prompt
-    raise VllmError(
-        "prompt must be a string or a list of token ids (the simulated engine answers one prompt per request)",
-        param="prompt",
-    )
-
-
-def chat_prompt(body: dict[str, Any]) -> list[int]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-        raise VllmError("messages must be a list of {role, content} objects", param="messages")
-    return token_ids(render_chat(messages))
+def answer_length(api: Api, asked: Asked, max_model_len: int) -> int:
+    """The length the request asks for, or its API's default, clamped to the room max_model_len leaves."""
+    length = api.default_tokens if asked.max_tokens is None else asked.max_tokens
+    if isinstance(length, bool) or not isinstance(length, int):
+        raise VllmError(f"{api.length_param} must be an integer, not {json.dumps(length)[:40]}", param=api.length_param)
+    room = min(length, max_model_len - len(asked.prompt))
+    if room < 1:
+        raise api.no_room(len(asked.prompt), max_model_len, room)
+    return room
 
 
 class SimServer:
@@ -186,37 +152,29 @@ class SimServer:
             f"max_model_len {shape.max_model_len:,}, serving {self.config.served_model_name!r}"
         )
 
-    async def generate(
-        self, request: Request, kind: Kind, prompt_of: Callable[[dict[str, Any]], list[int]]
-    ) -> Response:
+    async def generate(self, request: Request, api: Api) -> Response:
+        """Every generation route: read the request as its API puts it, run it, answer in its API's shape."""
         try:
-            body = await json_body(request)
-            model = body.get("model")
-            if model and model != self.config.served_model_name:
-                raise unknown_model(model, self.config.served_model_name)
-            if body.get("n", 1) not in (1, None):
-                raise VllmError("the simulated engine answers with n=1 only", param="n")
-            prompt = prompt_of(body)
-            if not prompt:
+            asked = api.read(await json_body(request))
+            if asked.model and asked.model != self.config.served_model_name:
+                raise unknown_model(asked.model, self.config.served_model_name)
+            if not asked.prompt:
                 raise VllmError("The decoder prompt cannot be empty")
-            if len(prompt) > self.shape.max_model_len:
-                raise prompt_too_long(len(prompt), self.shape.max_model_len)
-            max_tokens = answer_length(body, kind, len(prompt), self.shape.max_model_len)
+            if len(asked.prompt) > self.shape.max_model_len:
+                raise prompt_too_long(len(asked.prompt), self.shape.max_model_len)
+            max_tokens = answer_length(api, asked, self.shape.max_model_len)
         except VllmError as exc:
-            return exc.response()
-        stream = bool(body.get("stream"))
+            return api.refuse(exc)
         await self.admitting.wait()
-        generation = self.runner.submit(prompt, max_tokens, stream=stream)
-        tool = called_tool(body) if kind is Kind.CHAT else None
-        answer = Answer(kind, self.config.served_model_name, len(prompt), max_tokens, tool)
-        if stream:
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            chunks = answer.stream(generation.pieces(), include_usage)
+        generation = self.runner.submit(asked.prompt, max_tokens, stream=asked.stream)
+        reply = api.reply(asked, self.config.served_model_name, max_tokens)
+        if asked.stream:
+            chunks = reply.stream(generation)
             return StreamingResponse(self._aborted_if_gone(chunks, generation), media_type="text/event-stream")
         if not await finished_before_disconnect(generation, request):
             self.runner.abort(generation)
             return Response(status_code=499)  # nobody reads it: the client is gone
-        return JSONResponse(answer.whole(" ".join(generation.words)))
+        return JSONResponse(reply.whole(generation))
 
     async def _aborted_if_gone(self, chunks: AsyncIterator[bytes], generation: Generation) -> AsyncIterator[bytes]:
         """The stream; a client gone mid-answer cancels it (Starlette) and the request is aborted."""
@@ -227,10 +185,25 @@ class SimServer:
             self.runner.abort(generation)
 
     async def chat(self, request: Request) -> Response:
-        return await self.generate(request, Kind.CHAT, chat_prompt)
+        return await self.generate(request, CompletionsApi(Kind.CHAT))
 
     async def completions(self, request: Request) -> Response:
-        return await self.generate(request, Kind.TEXT, text_prompt)
+        return await self.generate(request, CompletionsApi(Kind.TEXT))
+
+    async def responses(self, request: Request) -> Response:
+        return await self.generate(request, ResponsesApi())
+
+    async def messages(self, request: Request) -> Response:
+        return await self.generate(request, MessagesApi())
+
+    async def count_tokens(self, request: Request) -> Response:
+        """Anthropic's messages.count_tokens, as vLLM serves it: the prompt's tokens."""
+        api = MessagesApi()
+        try:
+            count = len(anthropic_prompt(await json_body(request)))
+        except VllmError as exc:
+            return api.refuse(exc)
+        return JSONResponse(token_count(count))
 
     async def tokenize(self, request: Request) -> Response:
         try:
@@ -309,6 +282,9 @@ class SimServer:
             routes=[
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/responses", self.responses, methods=["POST"]),
+                Route("/v1/messages", self.messages, methods=["POST"]),
+                Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/tokenize", self.tokenize, methods=["POST"]),
                 Route("/health", self.health, methods=["GET"]),

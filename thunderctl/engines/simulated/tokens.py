@@ -9,6 +9,7 @@ fixed list, picked from the prompt's last token, so an answer sent back in the n
 
 from __future__ import annotations
 
+import json
 import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -41,10 +42,30 @@ def content_text(content: Any) -> str:
     return ""
 
 
+def call_text(arguments: Any) -> str:
+    """A tool call's arguments as prompt text: the string values of its JSON object (a simulated
+    call carries its answer's words as its one string), else the arguments as they are."""
+    try:
+        parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+        return str(arguments)
+    if isinstance(parsed, dict):
+        return " ".join(value if isinstance(value, str) else json.dumps(value) for value in parsed.values())
+    return arguments if isinstance(arguments, str) else json.dumps(parsed)
+
+
+def message_text(message: dict[str, Any]) -> str:
+    """A message's text in the prompt: its content, then its tool calls' arguments."""
+    calls = message.get("tool_calls")
+    calls = calls if isinstance(calls, list) else []
+    arguments = (((call.get("function") or {}) if isinstance(call, dict) else {}).get("arguments") for call in calls)
+    return " ".join([content_text(message.get("content")), *(call_text(a) for a in arguments if a is not None)])
+
+
 def render_chat(messages: Sequence[dict[str, Any]]) -> str:
     """The chat template: every marker is a word of its own, so that a turn's tokens are the same
-    whether it is being generated or sent back as history."""
-    turns = [f"{CHAT_START} {m.get('role', '')} {content_text(m.get('content'))} {CHAT_END}" for m in messages]
+    whether it is being generated or sent back as history (a tool call as its arguments' text)."""
+    turns = [f"{CHAT_START} {m.get('role', '')} {message_text(m)} {CHAT_END}" for m in messages]
     return " ".join([*turns, f"{CHAT_START} assistant"])
 
 
