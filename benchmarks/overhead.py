@@ -15,6 +15,8 @@ what finding an unnamed request's program from its conversation costs.
    remembered; (b) end to end, unnamed chat requests carrying 64k-token histories sent one by one,
    interleaved, straight to the worker, through a gateway with derivation off (the baseline: served
    unscheduled) and through one with it on (each request continues its conversation's program).
+   `--api responses` or `--api messages` sends the same conversations through the OpenAI Responses
+   or the Anthropic Messages API instead (`--api all`: each in turn, for a comparison in one run).
 4. The gateway's CPU per streamed step (`--only stream-cpu`): agents' conversations at 8k- and
    32k-token histories, each step a streamed chat request carrying the history and the answer
    read before it, answered by a worker that writes one SSE chunk per token, each once the client
@@ -70,12 +72,30 @@ METRICS = (
 
 
 def fast_backend() -> Starlette:
+    """A worker that answers every generation API at once, in that API's shape."""
+
     async def chat(request: Request) -> JSONResponse:
         await request.body()
         return JSONResponse({
             "id": "x", "object": "chat.completion", "model": "m",
             "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
             "usage": {"prompt_tokens": 12, "completion_tokens": 1, "total_tokens": 13},
+        })  # fmt: skip
+
+    async def responses(request: Request) -> JSONResponse:
+        await request.body()
+        return JSONResponse({
+            "id": f"resp_{time.perf_counter_ns()}", "object": "response", "status": "completed", "model": "m",
+            "output": [{"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+                        "content": [{"type": "output_text", "text": "ok", "annotations": []}]}],
+            "usage": {"input_tokens": 12, "output_tokens": 1, "total_tokens": 13},
+        })  # fmt: skip
+
+    async def messages(request: Request) -> JSONResponse:
+        await request.body()
+        return JSONResponse({
+            "id": "msg_1", "type": "message", "role": "assistant", "model": "m", "stop_reason": "end_turn",
+            "content": [{"type": "text", "text": "ok"}], "usage": {"input_tokens": 12, "output_tokens": 1},
         })  # fmt: skip
 
     async def ok(_: Request) -> PlainTextResponse:
@@ -86,8 +106,39 @@ def fast_backend() -> Starlette:
 
     return Starlette(routes=[
         Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/messages", messages, methods=["POST"]),
         Route("/health", ok), Route("/metrics", metrics),
     ])  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ApiShape:
+    """How a chat-form conversation is sent through one API, and how its answer joins it."""
+
+    path: str
+    body: Callable[[list[dict[str, Any]]], dict[str, Any]]
+    answer: Callable[[dict[str, Any]], list[dict[str, Any]]]  # the answer as the turns the client sends back
+
+
+API_SHAPES = {
+    "chat": ApiShape(
+        "/v1/chat/completions",
+        lambda messages: {"model": "m", "messages": messages, "max_tokens": 1},
+        lambda answer: [answer["choices"][0]["message"]],
+    ),
+    "responses": ApiShape(
+        "/v1/responses",
+        lambda messages: {"model": "m", "instructions": messages[0]["content"], "input": messages[1:],
+                          "max_output_tokens": 1, "store": False},
+        lambda answer: answer["output"],
+    ),  # fmt: skip
+    "messages": ApiShape(
+        "/v1/messages",
+        lambda messages: {"model": "m", "system": messages[0]["content"], "messages": messages[1:], "max_tokens": 1},
+        lambda answer: [{"role": "assistant", "content": answer["content"]}],
+    ),
+}
 
 
 def serve_in_thread(app: Starlette, port: int) -> uvicorn.Server:
@@ -241,9 +292,10 @@ def index_cost(rounds: int = 30) -> dict[str, float]:
     return report
 
 
-def derivation_latency(requests: int, conversations: int = 8) -> dict[str, float]:
-    """Unnamed 64k-token chats sent one by one, interleaved: direct, a gateway without derivation,
-    one with it. Returns the p50 of each and what derivation adds to the gateway's own."""
+def derivation_latency(requests: int, conversations: int = 8, api: str = "chat") -> dict[str, Any]:
+    """Unnamed 64k-token conversations sent one by one through `api`, interleaved: direct, a gateway
+    without derivation, one with it. Returns the p50 of each and what derivation adds to the gateway's own."""
+    shape = API_SHAPES[api]
     backend_port = pick_free_port()
     worker = serve_in_thread(fast_backend(), backend_port)
     backend_url = f"http://127.0.0.1:{backend_port}"
@@ -265,12 +317,12 @@ def derivation_latency(requests: int, conversations: int = 8) -> dict[str, float
             for i in range(requests):
                 for arm, url in urls.items():
                     messages = chats[arm][i % conversations]
-                    body = json.dumps({"model": "m", "messages": messages, "max_tokens": 1})
+                    body = json.dumps(shape.body(messages))
                     started = time.perf_counter()
-                    response = client.post(f"{url}/v1/chat/completions", content=body)
+                    response = client.post(f"{url}{shape.path}", content=body)
                     times[arm].append(time.perf_counter() - started)
                     response.raise_for_status()
-                    messages += [response.json()["choices"][0]["message"], {"role": "user", "content": f"obs {i}"}]
+                    messages += [*shape.answer(response.json()), {"role": "user", "content": f"obs {i}"}]
             programs = httpx.get(f"{gateways['on']}/programs", headers=bearer_headers(env_api_key())).json()
     finally:
         for process in processes:
@@ -279,6 +331,7 @@ def derivation_latency(requests: int, conversations: int = 8) -> dict[str, float
         worker.should_exit = True
     p50 = {arm: percentile(values, 50) * 1e3 for arm, values in times.items()}
     return {
+        "api": api,
         "requests_per_arm": requests,
         "body_bytes": len(json.dumps(chats["on"][0])),
         "derived_programs": len(programs["programs"]),
@@ -525,6 +578,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--history-requests", type=int, default=200, help="64k-token requests per arm")
     parser.add_argument("--only", choices=PARTS, help="run one part")
+    parser.add_argument("--api", choices=[*API_SHAPES, "all"], default="chat", help="the API of part 3b")
     parser.add_argument("--stream-steps", type=int, default=60, help="streamed steps per arm (part 4)")
     parser.add_argument("--stream-histories", type=lambda s: [int(t) for t in s.split(",")], default=[8192, 32768],
                         help="history sizes in tokens, comma-separated (part 4)")  # fmt: skip
@@ -540,7 +594,10 @@ def main() -> None:
         "gateway": lambda: gateway_latency(args.requests),
         "tick": tick_cost,
         "derivation-index": index_cost,
-        "derivation-gateway": lambda: derivation_latency(args.history_requests),
+        "derivation-gateway": lambda: [
+            derivation_latency(args.history_requests, api=api)
+            for api in (API_SHAPES if args.api == "all" else [args.api])
+        ],
         "stream-cpu": lambda: stream_cpu(args),
     }
     report: dict[str, Any] = {name: run() for name, run in parts.items() if args.only in (None, name)}

@@ -31,16 +31,18 @@ SMALL_SIM = ("--preset", "cpu-tiny", "--kv-blocks", "64", "--block-size", str(SM
              "--max-model-len", "1024", "--time-scale", "0.01")  # fmt: skip
 
 
-def mini_swe_agent_overrides(steps: int) -> list[str]:
+def mini_swe_agent_overrides(steps: int, parsed: bool = True) -> list[str]:
     """On top of a mini-swe-agent config, for the tiny model: short, deterministic answers, the first
-    word of each taken as the command (every answer is a step), and an end after `steps` LLM calls."""
-    return [
+    word of each taken as the command (every answer is a step; not `parsed`: the config's own format,
+    which the tiny model's gibberish never meets, so every answer is a format error), and an end
+    after `steps` LLM calls."""
+    overrides = [
         f"agent.step_limit={steps}",
         "agent.max_consecutive_format_errors=0",
         "model.model_kwargs.max_tokens=12",
         "model.model_kwargs.temperature=0",
-        r"model.action_regex=\A\W*(\w+)",
     ]
+    return [*overrides, r"model.action_regex=\A\W*(\w+)"] if parsed else overrides
 
 
 SHAPE = AgentShape(

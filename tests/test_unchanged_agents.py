@@ -44,8 +44,17 @@ def engine(engine_home, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lo
         started.stop()
 
 
+@pytest.mark.parametrize(
+    ("spec", "parsed"),
+    [
+        ("swebench_backticks.yaml", True),
+        # Its answers never parse: each is dropped from the history and a correction appended, so each
+        # request extends the last request, not request and answer.
+        ("mini_textbased.yaml", False),
+    ],
+)
 def test_four_mini_swe_agents_as_shipped_are_four_programs_of_six_steps(
-    minisweagent: ModuleType, engine: LocalEngine, start_gateway, tmp_path: Path
+    minisweagent: ModuleType, engine: LocalEngine, start_gateway, tmp_path: Path, spec: str, parsed: bool
 ) -> None:
     from minisweagent.agents.default import DefaultAgent
     from minisweagent.config import get_config_from_spec
@@ -55,7 +64,7 @@ def test_four_mini_swe_agents_as_shipped_are_four_programs_of_six_steps(
 
     gateway = start_gateway([engine.url])
     config = recursive_merge(
-        *(get_config_from_spec(s) for s in ["swebench_backticks.yaml", *mini_swe_agent_overrides(STEPS)])
+        *(get_config_from_spec(s) for s in [spec, *mini_swe_agent_overrides(STEPS, parsed)])
     )
     model_config = recursive_merge(
         {"model_class": "litellm_textbased", "cost_tracking": "ignore_errors"},
