@@ -93,7 +93,7 @@ class Daemon:
             limits=limits,
             weight_sync=self.weights,
         )
-        control_app = build_control_app(self)
+        control_app = build_control_app(self, limits)
 
         async def by_socket(scope: Scope, receive: Receive, send: Send) -> None:
             # One server, two sockets: a Unix-socket connection has no port, so only the
