@@ -8,7 +8,9 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
+import httpx
 import pytest
+from starlette.applications import Starlette
 
 from fake_docker import Command, FakeEngine, fake_hosts
 from support import eventually
@@ -21,6 +23,7 @@ from thunderctl.sandbox import (
     SandboxFailed,
     SandboxNotFound,
     SandboxPool,
+    sandbox_routes,
 )
 from thunderctl.sandbox.metrics import render_sandbox_metrics
 from thunderctl.sim.clock import VirtualClock
@@ -374,6 +377,37 @@ async def test_a_program_that_first_speaks_by_adopting_owns_nothing_older(start_
     clock.run_until(clock.now + 1)
     with pytest.raises(AdoptionRefused, match="before program 'new' began"):
         await pool.adopt("new", [older.id])
+
+
+@pytest.mark.parametrize("adopt", ["recent", "any"])
+async def test_a_program_cannot_adopt_another_programs_live_sandbox(start_pool, engines, clock, adopt) -> None:
+    engine = engines[LOCAL]
+    pool = await start_pool(adopt=adopt, warm=1)
+    agents_own = started_by_the_agent(engine, clock, pool, "a")
+    [adopted] = await pool.adopt("a", [agents_own.id])
+    prepared = await ready(pool, "a")
+    await eventually(lambda: pool.stats()["warm"] == 1, what="a warm sandbox")
+    [warm] = set(sandbox_containers(engine)) - {prepared.container_id}
+    pool.program_began("b")
+    clock.run_until(clock.now + 1)  # b is newer than every container here: `recent` alone would let it
+
+    app = Starlette(routes=sandbox_routes(pool))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://sb") as client:
+        for sandbox in (adopted, prepared):
+            for docker_id in (sandbox.container_id, sandbox.container_id[:12]):
+                answer = await client.post("/v1/sandboxes/adopt", json={"program_id": "b", "docker_ids": [docker_id]})
+                assert answer.status_code == 403, answer.text
+                assert (
+                    "of program 'a': a program cannot adopt another program's sandbox"
+                    in answer.json()["error"]["message"]
+                )
+        answer = await client.post("/v1/sandboxes/adopt", json={"program_id": "b", "docker_ids": [warm]})
+        assert answer.status_code == 403 and "warm pool" in answer.json()["error"]["message"]
+        assert (await client.get("/v1/sandboxes", params={"program_id": "b"})).json() == {"sandboxes": []}
+
+    await pool.program_ended("b")
+    assert all(engine.exists(c) for c in (adopted.container_id, prepared.container_id, warm))
+    assert await pool.adopt("a", [adopted.container_id, prepared.container_id]) == [adopted, prepared]  # its own
 
 
 async def test_adopt_any_takes_an_older_container_and_off_takes_none(start_pool, engines, clock) -> None:
