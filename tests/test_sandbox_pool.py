@@ -451,6 +451,36 @@ async def test_restart_collects_containers_adopted_before_a_crash(start_pool, en
     assert second.stats()["reaped"] == 1
 
 
+async def test_what_docker_did_not_remove_at_shutdown_is_named_by_the_sweep_and_removed_once_it_answers(
+    start_pool, engines, clock, tmp_path
+) -> None:
+    engine = engines[LOCAL]
+    state_path = tmp_path / "sandboxes.json"
+    pool = await start_pool(state_path=state_path)
+    prepared = await ready(pool, "p1")
+    agents_own = started_by_the_agent(engine, clock, pool, "p1")
+    await pool.adopt("p1", [agents_own.id])
+    engine.answering = False
+    await pool.maintain()  # the pool sees Docker gone
+    await pool.shutdown()  # the daemon's at `down`: it cannot remove either container
+    assert engine.exists(prepared.container_id) and engine.exists(agents_own.id)
+
+    def sweeper() -> SandboxPool:  # `down`'s, once the daemon has exited: a pool that is never started
+        config = SandboxConfig(image=IMAGE, hosts=[LOCAL])
+        return SandboxPool(config, CLUSTER, state_path, host_factory=fake_hosts(engines), clock=clock, wall_clock=clock)
+
+    silent = await sweeper().sweep()
+    assert silent.removed == 0
+    assert silent.left == [
+        f"no Docker engine answers at {LOCAL}: connection refused",
+        f"container {agents_own.id[:12]} adopted on {LOCAL}",  # no label of ours: only the state file knows it
+    ]
+    engine.answering = True
+    answered = await sweeper().sweep()
+    assert (answered.removed, answered.left) == (2, [])
+    assert not engine.exists(prepared.container_id) and not engine.exists(agents_own.id)
+
+
 async def test_unavailable_hosts_are_named_and_the_other_host_serves(start_pool, engines) -> None:
     engines[OTHER].answering = False
     alone = await start_pool(hosts=[OTHER], warm=2)

@@ -30,7 +30,7 @@ from thunderctl.sandbox.lease import (
     SandboxState,
 )
 from thunderctl.sandbox.preparation import Preparation
-from thunderctl.sandbox.reclaim import Reclaimer
+from thunderctl.sandbox.reclaim import Reclaimer, Sweep
 from thunderctl.sandbox.state import AdoptedContainer, PoolState
 from thunderctl.sandbox.stats import PoolCounters, pool_stats
 
@@ -101,6 +101,21 @@ class SandboxPool:
         for host in self.hosts:
             host.close()
         self._calls.close()
+
+    async def sweep(self) -> Sweep:
+        """`down`, once the daemon is gone, in place of `start`: remove what the cluster's pools
+        left on these hosts (its sandboxes by their labels, the containers its programs adopted
+        by the state file), and name what could not be removed: kept in the state file for the next."""
+        await self._check_hosts()
+        await self._reclaimer.collect_previous_adoptions()
+        left = await self._reclaimer.reap()
+        recorded = self._state.hosts_to_sweep()
+        left += [f"{h.reason or h.url}" for h in self.hosts if not h.available and h.url in recorded]
+        left += [f"container {a.container_id[:12]} adopted on {a.host}" for a in self._state.adopted]
+        for host in self.hosts:
+            host.close()
+        self._calls.close()
+        return Sweep(self._counters.reaped, left)
 
     # ---- what agents ask for ---------------------------------------------------------------
 
