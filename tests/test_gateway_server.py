@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
-from pathlib import Path
 
 import pytest
 import uvicorn
 from starlette.applications import Starlette
 
+from support import accept_queue, connect_unaccepted
 from thunderctl.gateway.server import AGENT_BACKLOG, server_config
 from thunderctl.processes import pick_free_port
 from thunderctl.profile import GatewaySpec
-
-TCP_LISTEN = "0A"  # the st column of /proc/net/tcp
 
 
 @pytest.fixture(scope="module")
@@ -23,27 +20,11 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-def accept_queue(port: int) -> int:
-    """How many connections wait to be accepted on the listening socket on 127.0.0.1:`port`:
-    its rx_queue in /proc/net/tcp (the kernel's own count; no tool needed)."""
-    local = f"0100007F:{port:04X}"
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        if fields[1] == local and fields[3] == TCP_LISTEN:
-            return int(fields[4].split(":")[1], 16)
-    raise AssertionError(f"nothing listens on 127.0.0.1:{port}")
-
-
 def fill_without_accepting(port: int, connections: int, backlog: int) -> int:
     """Connect `connections` times while the server's event loop is held (this function never
     yields to it), and return how many the kernel queued: a full queue takes no more."""
-    sockets = []
+    sockets = connect_unaccepted(port, connections)
     try:
-        for _ in range(connections):
-            client = socket.socket()
-            client.setblocking(False)
-            client.connect_ex(("127.0.0.1", port))
-            sockets.append(client)
         # Loopback handshakes complete at once; wait out any the kernel has yet to finish.
         deadline = time.monotonic() + 10
         while accept_queue(port) < backlog + 1 and time.monotonic() < deadline:
