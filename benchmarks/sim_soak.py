@@ -99,6 +99,7 @@ def summary(result: SoakResult) -> str:
             f"(wall {result.wall_s:.0f} s)",
             f"requests: {result.steps_ok:,} ok, {result.steps_failed} failed, {result.steps_cancelled} cut off at the end; "
             f"{result.steps_per_min:,.0f} steps/min; hit rate {hit}; preemptions {result.preemptions}",
+            f"sent again (no byte of an answer came; requests and releases): {result.resent:,}",
             *groups("failed", result.failures),
             *groups("sent again", result.resends),
             f"programs: {result.programs_started:,} started, {result.programs_completed:,} completed, "

@@ -139,7 +139,8 @@ class SoakResult:
     steps_failed: int
     steps_cancelled: int  # in flight at the deadline: cut off, not failed
     failures: list[ErrorGroup]
-    resends: list[ErrorGroup]  # requests and releases sent again (no byte of an answer came), by error
+    resent: int  # requests and releases sent again because no byte of an answer came (the load generator's count)
+    resends: list[ErrorGroup]  # the same sends again, by error
     programs_started: int
     programs_completed: int
     release_failures: int
@@ -359,6 +360,7 @@ def run_soak(spec: SoakSpec, workdir: Path, series_path: Path | None = None) -> 
         failures=error_groups(
             [(r.error or f"HTTP {r.status}", r.start_s) for result in results for r in result.records if not r.ok]
         ),
+        resent=sum(r.unanswered_retries for r in results),
         resends=error_groups([(e.error, e.t_s) for result in results for e in result.resends]),
         programs_started=sum(r.programs_started for r in results),
         programs_completed=sum(r.programs_completed for r in results),

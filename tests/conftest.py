@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 
 import httpx
@@ -33,6 +34,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         for fixture, marker in SERVICE_MARKERS.items():
             if fixture in getattr(item, "fixturenames", ()):
                 item.add_marker(marker)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Generator[None, pytest.TestReport, None]:
+    """In CI (`CI=true`, as .ci/run sets it) a skipped test is a failure: every test there has what
+    it needs, and a skip would count as a pass. Deselected tests (`-m`) are not run, so not skipped."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and os.environ.get("CI") == "true":
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"skipped in CI, where every test must run: {reason}"
 
 
 class GatewayProcess(ServeProcess):

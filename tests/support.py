@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -29,6 +30,9 @@ from thunderctl.profile import DEFAULT_PROFILE, PROFILES_DIR
 SMALL_SIM_BLOCK = 16
 SMALL_SIM = ("--preset", "cpu-tiny", "--kv-blocks", "64", "--block-size", str(SMALL_SIM_BLOCK),
              "--max-model-len", "1024", "--time-scale", "0.01")  # fmt: skip
+
+TCP_LISTEN = "0A"  # the st column of /proc/net/tcp
+
 
 
 def mini_swe_agent_overrides(steps: int, parsed: bool = True) -> list[str]:
@@ -161,6 +165,29 @@ def live_group_members(pgid: int) -> dict[int, str]:
         if int(pgrp) == pgid and state != "Z":
             members[int(stat_file.parent.name)] = name
     return members
+
+
+def accept_queue(port: int) -> int:
+    """How many connections wait to be accepted on the listening socket on 127.0.0.1:`port`:
+    its rx_queue in /proc/net/tcp (the kernel's own count; no tool needed)."""
+    local = f"0100007F:{port:04X}"
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[1] == local and fields[3] == TCP_LISTEN:
+            return int(fields[4].split(":")[1], 16)
+    raise AssertionError(f"nothing listens on 127.0.0.1:{port}")
+
+
+def connect_unaccepted(port: int, count: int) -> list[socket.socket]:
+    """`count` non-blocking connects to 127.0.0.1:`port`, left in whatever state the kernel gets
+    them to (queued for accept, or waiting on a SYN a full queue dropped); the caller closes them."""
+    sockets = []
+    for _ in range(count):
+        client = socket.socket()
+        client.setblocking(False)
+        client.connect_ex(("127.0.0.1", port))
+        sockets.append(client)
+    return sockets
 
 
 def wait_for(condition: Callable[[], object], timeout: float = 10.0, what: str = "the condition") -> None:

@@ -19,6 +19,8 @@ from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
 from thunderctl.daemon.control import build_control_app
+from thunderctl.gateway.apis import GENERATION_ROUTES
+from thunderctl.gateway.routes import RELAYED_ROUTES
 from thunderctl.jsonapi import MAX_PROGRAM_ID_CHARS, BodyLimits, nesting_depth
 from thunderctl.sandbox import sandbox_routes
 
@@ -207,6 +209,70 @@ async def test_control_numbers_are_checked_before_anything_is_drained(daemon_of)
         assert not any(u.draining for u in daemon.gateway.links.values())
     finally:
         await daemon.gateway.stop()
+
+
+STREAMED_BYTES = 64 * 1024 * 1024
+CHUNK_BYTES = 64 * 1024
+GATEWAY_SERVER = ("127.0.0.1", 8300)  # the daemon's app serves its control API where a socket has no port
+CONTROL_SERVER = None
+
+
+async def bytes_read_before_the_answer(app, server: tuple[str, int] | None, path: str) -> tuple[int, int]:
+    """POSTs 64 MiB to `path`, chunked (no Content-Length), straight into the ASGI app, one
+    chunk object handed out again and again (the test holds 64 KiB, not 64 MiB); returns the
+    answer's status and how many bytes the app had taken from the stream when it answered."""
+    taken, answered = 0, []
+    chunk = b" " * CHUNK_BYTES
+
+    async def receive() -> dict:
+        nonlocal taken
+        if taken >= STREAMED_BYTES:
+            return {"type": "http.disconnect"}
+        taken += CHUNK_BYTES
+        return {"type": "http.request", "body": chunk, "more_body": taken < STREAMED_BYTES}
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            answered.append((message["status"], taken))
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+        "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"transfer-encoding", b"chunked")],
+        "client": ("127.0.0.1", 50000), "server": server,
+    }  # fmt: skip
+    await app(scope, receive, send)
+    return answered[0]
+
+
+# Every route that reads a body: the generation APIs, the engines' routes relayed with theirs, and
+# the gateway's and the control socket's own.
+BODY_ROUTES = [
+    *((GATEWAY_SERVER, path) for path in GENERATION_ROUTES),
+    *((GATEWAY_SERVER, route.path) for route in RELAYED_ROUTES if route.method == "POST"),
+    (GATEWAY_SERVER, "/programs/release"), (GATEWAY_SERVER, "/admin/pause"), (GATEWAY_SERVER, "/admin/resume"),
+    (CONTROL_SERVER, "/drain"), (CONTROL_SERVER, "/undrain"), (CONTROL_SERVER, "/workers/stop"),
+    (CONTROL_SERVER, "/shutdown"),
+]  # fmt: skip
+SANDBOX_BODY_ROUTES = ["/v1/sandboxes", "/v1/sandboxes/adopt", "/v1/sandboxes/sb-1/exec"]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("server", "path"), BODY_ROUTES, ids=[path for _, path in BODY_ROUTES])
+async def test_every_daemon_route_stops_reading_a_body_at_the_bound(daemon_of, server, path) -> None:
+    daemon = daemon_of(max_body_bytes=SMALL_LIMIT)
+    status, taken = await bytes_read_before_the_answer(daemon.app, server, path)
+    assert status == 413
+    assert taken <= SMALL_LIMIT + CHUNK_BYTES  # not the 64 MiB sent
+    assert not daemon.stopping and not any(link.draining for link in daemon.gateway.links.values())
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("path", SANDBOX_BODY_ROUTES)
+async def test_every_sandbox_route_stops_reading_a_body_at_the_bound(unreached_pool, path) -> None:
+    app = Starlette(routes=sandbox_routes(unreached_pool, BodyLimits(max_bytes=SMALL_LIMIT)))
+    status, taken = await bytes_read_before_the_answer(app, GATEWAY_SERVER, path)
+    assert status == 413 and taken <= SMALL_LIMIT + CHUNK_BYTES
 
 
 # ---- generated malformed requests ---------------------------------------------------------

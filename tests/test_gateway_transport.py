@@ -8,17 +8,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
 
+from support import accept_queue, connect_unaccepted, wait_for
 from thunderctl.gateway import Gateway, WorkerLink, build_app
 from thunderctl.gateway.identity import IdentityConfig
 from thunderctl.gateway.transport import AiohttpTransport
 from thunderctl.gateway.views import programs_view
 from thunderctl.processes import pick_free_port
+from thunderctl.scheduler.placement import home
 
 pytestmark = pytest.mark.anyio
 
@@ -109,6 +112,54 @@ async def test_a_connect_timed_out_by_a_blocked_event_loop_goes_again_and_kills_
         assert gateway.links["w0"].healthy and gateway.worker_state(gateway.links["w0"]) == "ready"
     finally:
         del loop.create_connection
+        await client.aclose()
+        await gateway.stop()
+
+
+@contextlib.contextmanager
+def accept_queue_full(port: int) -> Iterator[None]:
+    """A worker whose accept queue is full on `port`: a socket listening with a backlog of 0 that
+    never accepts, the one place in its queue taken; the kernel drops every further connect's SYN."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen(0)
+    fillers = connect_unaccepted(port, 2)
+    try:
+        wait_for(lambda: accept_queue(port) == 1, 10, "the filler in the accept queue")
+        yield
+    finally:
+        for filler in fillers:
+            filler.close()
+        listener.close()
+
+
+# A program whose hash home is the worker listed first: a new program goes to its home, as an
+# unscheduled request goes to the first listed of equally loaded workers.
+HOMED_FIRST = next(f"p{i}" for i in range(100) if home(f"p{i}", ["full", "other"]) == "full")
+
+
+@pytest.mark.parametrize("program_id", [HOMED_FIRST, None], ids=["scheduled", "unscheduled"])
+async def test_a_connect_to_a_worker_with_a_full_accept_queue_times_out_and_the_other_worker_serves(
+    start_sim, caplog, program_id
+) -> None:
+    full, other = (start_sim("--time-scale", "0", "--served-model-name", MODEL) for _ in range(2))
+    identity = IdentityConfig(derive_programs=program_id is not None)
+    links = [WorkerLink("full", full.url), WorkerLink("other", other.url)]
+    gateway = Gateway(links, transport=AiohttpTransport(keepalive_s=0), connect_timeout_s=0.3, identity=identity)
+    client = await gateway_client(gateway)
+    full.stop()  # healthy when the gateway started; now its port is a listener that never accepts
+    try:
+        with accept_queue_full(int(full.url.rsplit(":", 1)[1])):
+            response = await client.post("/v1/chat/completions", json=chat(program_id=program_id))
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 12
+        again = [r.getMessage() for r in caplog.records if "the request goes again" in r.getMessage()]
+        assert len(again) == 1 and again[0].startswith("worker full failed (ConnectTimeout"), again
+        if program_id is not None:
+            assert gateway.scheduler.programs[program_id].worker == "other"
+        # No verdict on the worker from a connect timeout: its health polls decide.
+        assert gateway.links["full"].healthy and all(u.in_flight == 0 for u in gateway.links.values())
+    finally:
         await client.aclose()
         await gateway.stop()
 

@@ -8,7 +8,9 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
+import httpx
 import pytest
+from starlette.applications import Starlette
 
 from fake_docker import Command, FakeEngine, fake_hosts
 from support import eventually
@@ -21,6 +23,7 @@ from thunderctl.sandbox import (
     SandboxFailed,
     SandboxNotFound,
     SandboxPool,
+    sandbox_routes,
 )
 from thunderctl.sandbox.metrics import render_sandbox_metrics
 from thunderctl.sim.clock import VirtualClock
@@ -376,6 +379,37 @@ async def test_a_program_that_first_speaks_by_adopting_owns_nothing_older(start_
         await pool.adopt("new", [older.id])
 
 
+@pytest.mark.parametrize("adopt", ["recent", "any"])
+async def test_a_program_cannot_adopt_another_programs_live_sandbox(start_pool, engines, clock, adopt) -> None:
+    engine = engines[LOCAL]
+    pool = await start_pool(adopt=adopt, warm=1)
+    agents_own = started_by_the_agent(engine, clock, pool, "a")
+    [adopted] = await pool.adopt("a", [agents_own.id])
+    prepared = await ready(pool, "a")
+    await eventually(lambda: pool.stats()["warm"] == 1, what="a warm sandbox")
+    [warm] = set(sandbox_containers(engine)) - {prepared.container_id}
+    pool.program_began("b")
+    clock.run_until(clock.now + 1)  # b is newer than every container here: `recent` alone would let it
+
+    app = Starlette(routes=sandbox_routes(pool))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://sb") as client:
+        for sandbox in (adopted, prepared):
+            for docker_id in (sandbox.container_id, sandbox.container_id[:12]):
+                answer = await client.post("/v1/sandboxes/adopt", json={"program_id": "b", "docker_ids": [docker_id]})
+                assert answer.status_code == 403, answer.text
+                assert (
+                    "of program 'a': a program cannot adopt another program's sandbox"
+                    in answer.json()["error"]["message"]
+                )
+        answer = await client.post("/v1/sandboxes/adopt", json={"program_id": "b", "docker_ids": [warm]})
+        assert answer.status_code == 403 and "warm pool" in answer.json()["error"]["message"]
+        assert (await client.get("/v1/sandboxes", params={"program_id": "b"})).json() == {"sandboxes": []}
+
+    await pool.program_ended("b")
+    assert all(engine.exists(c) for c in (adopted.container_id, prepared.container_id, warm))
+    assert await pool.adopt("a", [adopted.container_id, prepared.container_id]) == [adopted, prepared]  # its own
+
+
 async def test_adopt_any_takes_an_older_container_and_off_takes_none(start_pool, engines, clock) -> None:
     engine = engines[LOCAL]
     bystander = engine.run(IMAGE, {})
@@ -415,6 +449,36 @@ async def test_restart_collects_containers_adopted_before_a_crash(start_pool, en
     second = await start_pool(state_path=state_path)
     assert not engine.exists(agents_own.id)
     assert second.stats()["reaped"] == 1
+
+
+async def test_what_docker_did_not_remove_at_shutdown_is_named_by_the_sweep_and_removed_once_it_answers(
+    start_pool, engines, clock, tmp_path
+) -> None:
+    engine = engines[LOCAL]
+    state_path = tmp_path / "sandboxes.json"
+    pool = await start_pool(state_path=state_path)
+    prepared = await ready(pool, "p1")
+    agents_own = started_by_the_agent(engine, clock, pool, "p1")
+    await pool.adopt("p1", [agents_own.id])
+    engine.answering = False
+    await pool.maintain()  # the pool sees Docker gone
+    await pool.shutdown()  # the daemon's at `down`: it cannot remove either container
+    assert engine.exists(prepared.container_id) and engine.exists(agents_own.id)
+
+    def sweeper() -> SandboxPool:  # `down`'s, once the daemon has exited: a pool that is never started
+        config = SandboxConfig(image=IMAGE, hosts=[LOCAL])
+        return SandboxPool(config, CLUSTER, state_path, host_factory=fake_hosts(engines), clock=clock, wall_clock=clock)
+
+    silent = await sweeper().sweep()
+    assert silent.removed == 0
+    assert silent.left == [
+        f"no Docker engine answers at {LOCAL}: connection refused",
+        f"container {agents_own.id[:12]} adopted on {LOCAL}",  # no label of ours: only the state file knows it
+    ]
+    engine.answering = True
+    answered = await sweeper().sweep()
+    assert (answered.removed, answered.left) == (2, [])
+    assert not engine.exists(prepared.container_id) and not engine.exists(agents_own.id)
 
 
 async def test_unavailable_hosts_are_named_and_the_other_host_serves(start_pool, engines) -> None:

@@ -595,6 +595,20 @@ def test_requeued_program_resumes_on_a_healthy_backend_first_in_line() -> None:
     assert program.phase is Phase.REASONING
 
 
+def test_a_requeue_avoids_the_worker_that_failed_it_while_another_can_take_it() -> None:
+    sched, _, _ = make({"a": 2000, "b": 1000})
+    place_on(sched, "a", "slow", 300)  # a has the most room: without `avoid`, it would go back there
+    sched.on_request("slow", 350)
+    sched.requeue("slow", avoid="a")  # a did not take the connection in time: no verdict on it
+    assert sched.programs["slow"].worker == "b" and sched.workers["a"].schedulable
+
+    alone, _, _ = make({"a": 1000})
+    place_on(alone, "a", "slow", 300)
+    alone.on_request("slow", 350)
+    alone.requeue("slow", avoid="a")  # no other worker: the same one again
+    assert alone.programs["slow"].status is Status.ACTIVE and alone.programs["slow"].worker == "a"
+
+
 def test_idle_engine_with_waiting_requests_admits_more_programs() -> None:
     sched, clock, _ = make()
     run_step(sched, "holder", 800)  # ACTING, holding most of the cache

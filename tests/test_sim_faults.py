@@ -169,7 +169,8 @@ def test_a_killed_workers_programs_resume_on_the_others_with_no_failed_request(c
     result = load.result()
     resumed_s = load.first_answer_after(killed_at, moved)
     print(f"\nFAULT kill: {len(moved)} programs on {victim.id}; first answered elsewhere {resumed_s:.2f} s after "
-          f"the kill; {result.steps_ok} requests ok, {result.steps_failed} failed; load {os.getloadavg()[0]:.1f}")  # fmt: skip
+          f"the kill; {result.steps_ok} requests ok, {result.steps_failed} failed, {result.unanswered_retries} sent "
+          f"again; load {os.getloadavg()[0]:.1f}")  # fmt: skip
     assert result.steps_failed == 0 and result.steps_ok > PROGRAMS
     assert all(worker != victim.id for worker in cluster.programs_on().values())
 
@@ -261,7 +262,8 @@ def test_a_stalled_worker_is_taken_out_within_the_bound_and_its_programs_resume(
     resumed_s = STEP_MARGIN_S + load.first_answer_after(stalled_at + STEP_MARGIN_S, moved)
     print(f"\nFAULT stall: detected {detected_s:.2f} s after the stall (bound {STALL_TIMEOUT_S:g} s, polls every "
           f"{METRICS_POLL_S:g} s); first of its {len(moved)} programs answered elsewhere {resumed_s:.2f} s after it; "
-          f"{result.steps_ok} ok, {result.steps_failed} failed; load {os.getloadavg()[0]:.1f}")  # fmt: skip
+          f"{result.steps_ok} ok, {result.steps_failed} failed, {result.unanswered_retries} sent again; "
+          f"load {os.getloadavg()[0]:.1f}")  # fmt: skip
     assert result.steps_failed == 0 and result.steps_ok > PROGRAMS
     assert all(worker != victim.id for worker in sim.programs_on().values())
     row = next(line for line in sim.cli("status").stdout.splitlines() if victim.id in line)

@@ -31,4 +31,6 @@ def test_hundreds_of_programs_fail_nothing_and_leave_nothing(tmp_path: Path) -> 
     assert result["tick_p99_s"] is not None and result["admission_wait_p99_s"] is not None
     assert result["daemon_loop_lag_p99_s"] is not None and result["load_loop_lag_p99_s"] is not None
     assert result["failures"] == [] and result["release_errors"] == {} and result["left_why"] == {}
+    # No fault is injected: "0 failed" must not lean on the agents' clients sending requests again.
+    assert result["resent"] == 0 and result["resends"] == [], result["resends"]
     assert result["daemon_rss_end_mib"] > 0

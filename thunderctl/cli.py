@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import time
@@ -23,7 +22,6 @@ from thunderctl.cluster.state import ClusterNotFound, ClusterState, find_cluster
 from thunderctl.cluster.transport import TransportError
 from thunderctl.cluster.workers import LaunchError, any_worker_alive, follow_lines
 from thunderctl.daemon.client import control_client, daemon_answers, fetch_status
-from thunderctl.daemon.service import collect_orphaned_sandboxes
 from thunderctl.daemon.status import ClusterStatus
 from thunderctl.engines.cli import engine_app
 from thunderctl.gateway.command import SCHEDULER_HELP, serve
@@ -158,7 +156,9 @@ def up(
             return
         if state is not None:
             out.print(f"cleaning up what a crashed cluster {state.cluster} left behind")
-            tear_down(state, drain_timeout=0, transports=transports)
+            cleanup = tear_down(state, drain_timeout=0, transports=transports)
+            if cleanup.left:  # the new daemon's pool takes the sandbox record over; the rest is named here
+                out.print(f"[yellow]{escape(cleanup.note(state))}[/]")
         if not skip_preflight:
             with out.status("preflight: checking the controller and the nodes"):
                 checks = preflight(profile, plans, transports)
@@ -274,25 +274,23 @@ def down(
     except ClusterNotFound as exc:
         out.print(f"nothing to do: {exc}")
         return
-    orphans = 0
     with Transports() as transports, out.status(f"stopping cluster {state.cluster}"):
-        if not daemon_answers(state):
-            orphans = asyncio.run(collect_orphaned_sandboxes(state))
-        report, stops = tear_down(state, timeout, transports)
+        teardown = tear_down(state, timeout, transports)
+    report, removed = teardown.report, teardown.sandboxes.removed
     if report is None:
-        out.print(f"the daemon was not running; cleaned up from the state file ({orphans} sandbox(es) removed)")
+        out.print(f"the daemon was not running; cleaned up from the state file ({removed} sandbox(es) removed)")
     else:
-        out.print(
-            f"released {report['released']} program(s); " + ("drained" if report["drained"] else "drain timed out")
-        )
+        drained = "drained" if report["drained"] else "drain timed out"
+        after = f"; {removed} sandbox(es) it left removed" if removed else ""
+        out.print(f"released {report['released']} program(s); {drained}{after}")
     nodes: dict[str, list[str]] = {}
-    for stop_report in stops:
+    for stop_report in teardown.stops:
         mark = "" if stop_report.ok else "[red]FAIL[/] "
         nodes.setdefault(stop_report.node, []).append(f"{mark}{stop_report.worker_id} {stop_report.outcome}")
     for node, outcomes in nodes.items():
         out.print(f"  node {node}: " + "; ".join(outcomes))
-    if not all(s.ok for s in stops):
-        raise fail(f"some workers could not be stopped; state kept in {state.dir}; `thunderctl down` retries")
+    if teardown.left:
+        raise fail(teardown.note(state))
     out.print(f"cluster [bold]{state.cluster}[/] is down")
 
 

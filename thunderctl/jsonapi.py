@@ -106,10 +106,22 @@ async def read_json_object(request: Request, limits: BodyLimits = BodyLimits()) 
     return (await read_json_body(request, limits))[1]
 
 
+async def read_json_options(request: Request, limits: BodyLimits = BodyLimits()) -> dict:
+    """A body of optional fields (`/admin/pause`, `/shutdown`): an empty body is `{}`, any other
+    is read as `read_json_object` reads it, within `limits` as it arrives."""
+    raw = await read_body(request, limits.max_bytes)
+    return parse_json_object(raw, limits) if raw else {}
+
+
 async def read_json_body(request: Request, limits: BodyLimits = BodyLimits()) -> tuple[bytes, dict]:
     """The body as sent, and parsed (a JSON object within `limits`, else a BadRequest)."""
-    too_deep = f"request body nests arrays/objects deeper than {limits.max_depth} levels"
     raw = await read_body(request, limits.max_bytes)
+    return raw, parse_json_object(raw, limits)
+
+
+def parse_json_object(raw: bytes, limits: BodyLimits) -> dict:
+    """`raw` parsed: a JSON object nested no deeper than `limits.max_depth`, else a BadRequest."""
+    too_deep = f"request body nests arrays/objects deeper than {limits.max_depth} levels"
     try:
         body = json.loads(raw)
     except RecursionError:
@@ -120,7 +132,7 @@ async def read_json_body(request: Request, limits: BodyLimits = BodyLimits()) ->
         raise BadRequest(f"request body must be a JSON object, not {json_type(body)}")
     if nesting_depth(body) > limits.max_depth:
         raise BadRequest(too_deep)
-    return raw, body
+    return body
 
 
 def valid_program_id(value: Any, where: str = "program_id") -> str:

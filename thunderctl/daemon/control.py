@@ -32,7 +32,7 @@ from thunderctl.gateway import Gateway
 from thunderctl.gateway.admin import NotNow, WeightSync
 from thunderctl.gateway.auth import GatewayAuth
 from thunderctl.gateway.views import groups_view
-from thunderctl.jsonapi import BadRequest, bad_request, error, read_json_object, shown
+from thunderctl.jsonapi import BadRequest, BodyLimits, bad_request, error, read_json_object, read_json_options, shown
 from thunderctl.scheduler import Phase, Status
 
 
@@ -143,11 +143,12 @@ def status_view(daemon: Daemon) -> ClusterStatus:
     )
 
 
-def build_control_app(daemon: Daemon) -> Starlette:
+def build_control_app(daemon: Daemon, limits: BodyLimits = BodyLimits()) -> Starlette:
+    """The control routes; their bodies are bounded by `limits` as the gateway's are."""
     gateway = daemon.gateway
 
     async def targets_of(request: Request) -> list[str]:
-        body = await read_json_object(request)
+        body = await read_json_object(request, limits)
         target = body.get("target")
         if not isinstance(target, str) or not target:
             raise BadRequest('expected {"target": "<worker id or node name>"}')
@@ -195,7 +196,7 @@ def build_control_app(daemon: Daemon) -> Starlette:
     async def shutdown(request: Request) -> JSONResponse:
         """Drain everything (bounded), release every program, then exit after answering."""
         try:
-            timeout = shutdown_timeout(await read_json_object(request) if await request.body() else {})
+            timeout = shutdown_timeout(await read_json_options(request, limits))
         except BadRequest as exc:
             return bad_request(exc)
         daemon.stopping = True

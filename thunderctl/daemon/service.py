@@ -29,7 +29,15 @@ from thunderctl.gateway.server import server_config
 from thunderctl.jsonapi import BodyLimits
 from thunderctl.processes import process_alive
 from thunderctl.profile import ProfileError, load_profile
-from thunderctl.sandbox import SandboxError, SandboxPool, render_sandbox_metrics, sandbox_routes
+from thunderctl.sandbox import (
+    SandboxConfig,
+    SandboxError,
+    SandboxPool,
+    Sweep,
+    render_sandbox_metrics,
+    sandbox_routes,
+)
+from thunderctl.sandbox.state import PoolState
 from thunderctl.scheduler import EventKind, ProgramEvent
 
 log = logging.getLogger(__name__)
@@ -93,7 +101,7 @@ class Daemon:
             limits=limits,
             weight_sync=self.weights,
         )
-        control_app = build_control_app(self)
+        control_app = build_control_app(self, limits)
 
         async def by_socket(scope: Scope, receive: Receive, send: Send) -> None:
             # One server, two sockets: a Unix-socket connection has no port, so only the
@@ -236,20 +244,22 @@ def main(state_dir: Path) -> None:
     log.info("daemon of cluster %s stopped", state.cluster)
 
 
-async def collect_orphaned_sandboxes(state: ClusterState) -> int:
-    """`down` of a cluster whose daemon is dead: remove its sandboxes, which the daemon's pool
-    would have reaped at its next start. Returns how many were removed."""
+async def collect_orphaned_sandboxes(state: ClusterState) -> Sweep:
+    """`down`, once the daemon has exited: remove the cluster's sandboxes it left (a daemon that
+    died, or Docker that did not answer its shutdown), as its pool would at its next start, on
+    the profile's hosts and every host the state file records (the profile may be gone)."""
+    recorded = PoolState.load(state.dir / "sandboxes.json").hosts_to_sweep()
     try:
-        config = load_profile(Path(state.profile_path)).sandboxes
+        config: SandboxConfig | None = load_profile(Path(state.profile_path)).sandboxes
     except ProfileError:
-        return 0  # the profile is gone; nothing says which Docker hosts to clean
-    if config is None or not config.enabled:
-        return 0
+        config = None  # gone or broken: the recorded hosts are still known
+    configured = config.hosts if config is not None and config.enabled else []
+    hosts = list(dict.fromkeys([*configured, *recorded]))
+    if not hosts:
+        return Sweep(0, [])
     pool = SandboxPool(
-        config.model_copy(update={"warm": 0, "warm_images": {}}),
+        (config or SandboxConfig()).model_copy(update={"enabled": True, "hosts": hosts, "warm": 0, "warm_images": {}}),
         cluster=state.cluster,
         state_path=state.dir / "sandboxes.json",
     )
-    await pool.start()  # its reaper removes this cluster's sandbox containers, never its workers
-    await pool.shutdown()
-    return pool.stats().get("reaped", 0)
+    return await pool.sweep()  # its reaper removes this cluster's sandbox containers, never its workers

@@ -21,7 +21,7 @@ from starlette.routing import BaseRoute, Route
 from thunderctl.engines.vllm import pause_engine, reset_prefix_cache, resume_engine
 from thunderctl.gateway.gateway import Gateway
 from thunderctl.gateway.links import WorkerLink
-from thunderctl.jsonapi import BadRequest, BodyLimits, bad_request, error, read_json_object, shown
+from thunderctl.jsonapi import BadRequest, BodyLimits, bad_request, error, read_json_options, shown
 from thunderctl.scheduler.pause import AdminConfig, ClusterPause, PauseEnd, PauseMode
 
 log = logging.getLogger(__name__)
@@ -169,7 +169,7 @@ def admin_routes(sync: WeightSync, limits: BodyLimits = BodyLimits()) -> list[Ba
         request: Request, parse: Callable[[dict[str, Any]], Any], act: Callable[[Any], Awaitable]
     ) -> Response:
         try:
-            value = parse(await read_json_object(request, limits) if await request.body() else {})
+            value = parse(await read_json_options(request, limits))
         except BadRequest as exc:
             return bad_request(exc)
         try:

@@ -300,13 +300,19 @@ class Gateway:
                 waiter.set()
 
     async def admit(
-        self, program_id: str | None, shape: PromptShape, group: str | None = None, parent: str | None = None
+        self,
+        program_id: str | None,
+        shape: PromptShape,
+        group: str | None = None,
+        parent: str | None = None,
+        avoid: WorkerLink | None = None,
     ) -> tuple[WorkerLink, bool]:
         """Where this request (of a program of `group`, under `parent`, when named) goes, and whether it
-        waited here for its program's resume."""
+        waited here for its program's resume. An unscheduled one goes elsewhere than `avoid` (the
+        worker that just failed it) while another worker is usable; a program's requeue did the same."""
         await self.admitting.wait()
         if program_id is None:
-            return self.least_loaded(), False
+            return self.least_loaded(avoid), False
         with self.timings.admission_wait.time():
             return await self._admit_program(program_id, shape, group, parent)
 
@@ -330,8 +336,9 @@ class Gateway:
             if placement is not None:
                 return (self.links[placement.worker] if placement.worker else self.least_loaded()), True
 
-    def least_loaded(self) -> WorkerLink:
-        candidates = [u for u in self.links.values() if u.usable] or list(self.links.values())
+    def least_loaded(self, avoid: WorkerLink | None = None) -> WorkerLink:
+        usable = [u for u in self.links.values() if u.usable]
+        candidates = [u for u in usable if u is not avoid] or usable or list(self.links.values())
         return min(candidates, key=lambda u: u.in_flight)
 
     # ---- relaying -------------------------------------------------------------------------
@@ -371,8 +378,9 @@ class Gateway:
             self.recorder.on_request(program_id)
         payload = relayed_payload(body, sent, ask_usage)
         headers = self._worker_headers(client_headers)
+        failed: WorkerLink | None = None
         for attempt in (1, 2):
-            link, waited = await self.admit(program_id, shape, group, parent)
+            link, waited = await self.admit(program_id, shape, group, parent, avoid=failed)
             if waited and self.resumed_priority is not None:
                 # Resumed programs first inside the engine, as Dynamo's resume boost does.
                 payload = json.dumps({**body, "priority": self.resumed_priority}).encode()
@@ -400,6 +408,7 @@ class Gateway:
                 link.add_in_flight(-1, self._clock())
                 if attempt == 1 and self._fail_over(link, program_id, exc):
                     log.warning("worker %s failed (%r); the request goes again", link.id, exc)
+                    failed = link
                     continue
                 self._finish_failed(program_id)
                 raise WorkerError(f"backend {link.id} ({link.url}) failed: {exc!r}") from exc
@@ -455,14 +464,15 @@ class Gateway:
 
     def _fail_over(self, link: WorkerLink, program_id: str | None, exc: Exception) -> bool:
         """Take a worker that refused a connection out of scheduling (a stalled one is out already);
-        the request goes back to the queue. Is there a worker to try it on?"""
+        the request goes back to the queue, to go again elsewhere. Is there a worker to try it on?"""
         # A connect timeout is no verdict: on a starved event loop the timer fires before the loop
-        # sees the connection the worker made at once. The request goes again, perhaps to the same
-        # worker, and the health poll decides whether it is dead.
+        # sees the connection the worker made at once. The worker stays in service and the health
+        # poll decides whether it is dead; the request goes to another worker if one is usable (a
+        # worker whose accept queue is full drops connects until it catches up), else to the same.
         if not isinstance(exc, WorkerStalled | httpx.ConnectTimeout):
             self.mark_unhealthy(link)
         if program_id is not None:
-            self.scheduler.requeue(program_id)
+            self.scheduler.requeue(program_id, avoid=link.id)
         return any(u.usable for u in self.links.values())
 
     def _finish(

@@ -4,6 +4,7 @@ and asks to shut down."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import sys
@@ -31,6 +32,7 @@ from thunderctl.cluster.workers import (
     wait_workers_healthy,
 )
 from thunderctl.daemon.client import control_client, daemon_answers, fetch_status
+from thunderctl.daemon.service import collect_orphaned_sandboxes
 from thunderctl.gateway.links import WorkerState
 from thunderctl.processes import (
     ProcessIdentity,
@@ -42,6 +44,7 @@ from thunderctl.processes import (
     tail_of_file,
 )
 from thunderctl.profile import Profile, state_root
+from thunderctl.sandbox import Sweep
 
 # A daemon that dies is seen at once (its process ended); this bounds only one that neither dies nor
 # answers. On a 2-core machine at a load average of 35, its imports alone took over 30 s.
@@ -97,15 +100,44 @@ def stop_daemon(state: ClusterState, drain_timeout: float) -> dict | None:
     return report
 
 
-def tear_down(
-    state: ClusterState, drain_timeout: float, transports: Transports
-) -> tuple[dict | None, list[StopReport]]:
-    """Daemon first (it drains and releases), then the workers, then the state itself."""
+@dataclass(frozen=True)
+class Teardown:
+    """What `down` (or a failed `up` undoing itself) did, and what it could not remove."""
+
+    report: dict | None  # the daemon's own shutdown report; None when it did not answer
+    daemon_left: str | None  # why the daemon is still there, if it is
+    sandboxes: Sweep
+    stops: list[StopReport]
+
+    @property
+    def left(self) -> list[str]:
+        """Everything still there, each naming where and why."""
+        workers = [f"{s.worker_id}: {s.outcome}" for s in self.stops if not s.ok]
+        return [*([self.daemon_left] if self.daemon_left else []), *workers, *self.sandboxes.left]
+
+    def note(self, state: ClusterState) -> str:
+        """What is left and how to finish, for a teardown that is not complete."""
+        return (
+            f"not everything could be removed; the state is kept in {state.dir}, the only record of these:\n"
+            + "\n".join(f"  {line}" for line in self.left)
+            + "\n`thunderctl down` again, once Docker answers (and the processes named can be stopped), finishes it"
+        )
+
+
+def tear_down(state: ClusterState, drain_timeout: float, transports: Transports) -> Teardown:
+    """Daemon first (it drains and releases), then what its sandbox pool left, then the workers;
+    then the state itself, unless something of the cluster is left: it is the record of where."""
     report = stop_daemon(state, drain_timeout)
-    stops = stop_workers(state, transports)
-    if all(s.ok for s in stops):
+    daemon_left = None
+    sandboxes = Sweep(0, [])
+    if process_alive(state.daemon_process):  # its pool may still be making containers: no sweep under it
+        daemon_left = f"the daemon (pid {state.daemon_pid}) did not stop; its log: {state.daemon_log}"
+    else:
+        sandboxes = asyncio.run(collect_orphaned_sandboxes(state))
+    teardown = Teardown(report, daemon_left, sandboxes, stop_workers(state, transports))
+    if not teardown.left:
         shutil.rmtree(state.dir, ignore_errors=True)
-    return report, stops
+    return teardown
 
 
 def existing_state(profile: Profile) -> ClusterState | None:
@@ -195,16 +227,9 @@ def launch(
         wait_workers_healthy(state, timeout, report, transports)
         start_daemon(state)
     except BaseException as error:
-        _, stops = tear_down(state, drain_timeout=0, transports=transports)
+        teardown = tear_down(state, drain_timeout=0, transports=transports)
         if not isinstance(error, LaunchError | TransportError):
             raise
-        raise LaunchError(f"{error}\n{rollback_note(stops, state)}") from error
+        note = teardown.note(state) if teardown.left else "everything this `up` started has been stopped"
+        raise LaunchError(f"{error}\n{note}") from error
     return state
-
-
-def rollback_note(stops: list[StopReport], state: ClusterState) -> str:
-    left = [s for s in stops if not s.ok]
-    if not left:
-        return "everything this `up` started has been stopped"
-    reasons = "\n".join(f"  {s.worker_id}: {s.outcome}" for s in left)
-    return f"these could not be stopped (state kept in {state.dir}; `thunderctl down` retries):\n{reasons}"

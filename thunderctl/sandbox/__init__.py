@@ -17,6 +17,7 @@ from thunderctl.sandbox.lease import (
 )
 from thunderctl.sandbox.metrics import render_sandbox_metrics
 from thunderctl.sandbox.pool import SandboxPool
+from thunderctl.sandbox.reclaim import Sweep
 from thunderctl.sandbox.routes import sandbox_routes
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "SandboxNotFound",
     "SandboxPool",
     "SandboxState",
+    "Sweep",
     "render_sandbox_metrics",
     "sandbox_routes",
 ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 from thunderctl.docker_labels import LABEL_CLUSTER, LABEL_ROLE, ROLE_WORKER
 from thunderctl.sandbox.config import AdoptPolicy
 from thunderctl.sandbox.host import ContainerInfo
+from thunderctl.sandbox.lease import Sandbox
 
 ANY_RISK = "`any` takes any container, at the risk of removing what is not the program's"
 
@@ -15,7 +16,7 @@ def adoption_refusal(
     info: ContainerInfo, cluster: str, policy: AdoptPolicy, program_id: str, began_at: float
 ) -> str | None:
     """Why `program_id` (first heard of at `began_at`, Unix time) may not adopt this container, or None.
-    The caller has already handed back a container one of its live sandboxes holds."""
+    For a container none of the pool's sandboxes holds (those are `holder_refusal`'s)."""
     short = info.id[:12]
     owner, role = info.labels.get(LABEL_CLUSTER), info.labels.get(LABEL_ROLE)
     if policy is AdoptPolicy.OFF:
@@ -39,3 +40,20 @@ def adoption_refusal(
             f"(sandboxes.adopt: recent; {ANY_RISK})"
         )
     return None
+
+
+def holder_refusal(sandbox: Sandbox, program_id: str) -> str | None:
+    """Why `program_id` may not adopt the container one of the pool's sandboxes holds, or None
+    (the sandbox is its own: handed back as it is). Whatever `sandboxes.adopt` says: another
+    program's release would remove it."""
+    if sandbox.program_id == program_id:
+        return None
+    short = (sandbox.container_id or "")[:12]
+    if sandbox.is_warm:
+        return (
+            f"container {short} is in this cluster's warm pool: POST /v1/sandboxes for a sandbox of the program's own"
+        )
+    return (
+        f"container {short} is sandbox {sandbox.id} of program {sandbox.program_id!r}: a program cannot adopt "
+        "another program's sandbox"
+    )

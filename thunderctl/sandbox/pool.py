@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from string import hexdigits
 
-from thunderctl.sandbox.adoption import adoption_refusal
+from thunderctl.sandbox.adoption import adoption_refusal, holder_refusal
 from thunderctl.sandbox.calls import HostCalls
 from thunderctl.sandbox.config import SandboxConfig
 from thunderctl.sandbox.docker_host import DOCKER_ERRORS, DockerHost
@@ -30,7 +30,7 @@ from thunderctl.sandbox.lease import (
     SandboxState,
 )
 from thunderctl.sandbox.preparation import Preparation
-from thunderctl.sandbox.reclaim import Reclaimer
+from thunderctl.sandbox.reclaim import Reclaimer, Sweep
 from thunderctl.sandbox.state import AdoptedContainer, PoolState
 from thunderctl.sandbox.stats import PoolCounters, pool_stats
 
@@ -102,6 +102,21 @@ class SandboxPool:
             host.close()
         self._calls.close()
 
+    async def sweep(self) -> Sweep:
+        """`down`, once the daemon is gone, in place of `start`: remove what the cluster's pools
+        left on these hosts (its sandboxes by their labels, the containers its programs adopted
+        by the state file), and name what could not be removed: kept in the state file for the next."""
+        await self._check_hosts()
+        await self._reclaimer.collect_previous_adoptions()
+        left = await self._reclaimer.reap()
+        recorded = self._state.hosts_to_sweep()
+        left += [f"{h.reason or h.url}" for h in self.hosts if not h.available and h.url in recorded]
+        left += [f"container {a.container_id[:12]} adopted on {a.host}" for a in self._state.adopted]
+        for host in self.hosts:
+            host.close()
+        self._calls.close()
+        return Sweep(self._counters.reaped, left)
+
     # ---- what agents ask for ---------------------------------------------------------------
 
     async def acquire(
@@ -139,17 +154,9 @@ class SandboxPool:
         self.program_began(program_id)  # when an adoption is its first word, older containers are not its own
         taken: dict[str, Sandbox | tuple[SandboxHost, ContainerInfo]] = {}
         for docker_id in docker_ids:
-            sandbox = self._by_container(docker_id)
-            if sandbox is not None:
-                taken[sandbox.container_id or docker_id] = sandbox
-                continue
-            host, info = await self._find_container(docker_id)
-            sandbox = self._by_container(info.id)
-            if sandbox is None:
-                refusal = adoption_refusal(info, self.cluster, self.config.adopt, program_id, self._began[program_id])
-                if refusal is not None:
-                    raise AdoptionRefused(refusal)
-            taken.setdefault(info.id, sandbox or (host, info))
+            found = await self._adoptable(program_id, docker_id)
+            container_id = found.container_id if isinstance(found, Sandbox) else found[1].id
+            taken.setdefault(container_id or docker_id, found)
         return [
             found if isinstance(found, Sandbox) else self._adopt_container(program_id, *found)
             for found in taken.values()
@@ -312,6 +319,23 @@ class SandboxPool:
         if not available:
             self._require_available()
         return min(available, key=lambda h: sum(1 for sb in self._sandboxes.values() if sb.host is h))
+
+    async def _adoptable(self, program_id: str, docker_id: str) -> Sandbox | tuple[SandboxHost, ContainerInfo]:
+        """What `docker_id` names, if the program may adopt it (else `AdoptionRefused`): a sandbox
+        of its own, handed back, or a container no sandbox of the pool holds, and where it is."""
+        sandbox = self._by_container(docker_id)
+        if sandbox is None:  # a container name, or one the pool does not hold: Docker knows
+            host, info = await self._find_container(docker_id)
+            sandbox = self._by_container(info.id)
+            if sandbox is None:
+                refusal = adoption_refusal(info, self.cluster, self.config.adopt, program_id, self._began[program_id])
+                if refusal is not None:
+                    raise AdoptionRefused(refusal)
+                return host, info
+        refusal = holder_refusal(sandbox, program_id)
+        if refusal is not None:
+            raise AdoptionRefused(refusal)
+        return sandbox
 
     async def _find_container(self, docker_id: str) -> tuple[SandboxHost, ContainerInfo]:
         for host in (h for h in self.hosts if h.available):

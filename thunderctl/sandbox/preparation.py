@@ -30,7 +30,7 @@ class Preparation:
         save_state: Callable[[], None],
         counters: PoolCounters,
         clock: Callable[[], float],
-        remove_container: Callable[[Sandbox], Awaitable[None]],
+        remove_container: Callable[[Sandbox], Awaitable[object]],
         on_failed: Callable[[Sandbox], None],
     ) -> None:
         self.config = config
@@ -116,6 +116,9 @@ class Preparation:
             self._save_state()
         elif sandbox.image in self._state.pulled.get(host.url, {}):
             self._state.pulled[host.url][sandbox.image] = time.time()
+        if host.url not in self._state.used_hosts:
+            self._state.used_hosts.append(host.url)
+            self._save_state()
         sandbox.container_id = await self._calls.run(host.create, sandbox.image, sandbox.id, sandbox.program_id)
 
     async def _run_setup(self, sandbox: Sandbox, command: str) -> None:

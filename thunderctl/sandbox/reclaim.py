@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from thunderctl.docker_labels import LABEL_LEASE
 from thunderctl.sandbox.calls import HostCalls
@@ -20,6 +21,14 @@ from thunderctl.sandbox.state import PoolState
 from thunderctl.sandbox.stats import PoolCounters
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """What `down`'s sweep of a cluster's sandbox hosts did."""
+
+    removed: int
+    left: list[str]  # what could not be removed, each naming its host and why
 
 
 class Reclaimer:
@@ -49,30 +58,40 @@ class Reclaimer:
         """Mark the sandbox released and remove its container (if a preparation holds it, it will)."""
         sandbox.state = SandboxState.RELEASED
         sandbox.settled.set()
-        if sandbox.adopted:
+        # An adopted container is forgotten once it is gone: until then, the state file is the
+        # only record of it (it carries no label of ours for the reaper to find).
+        if await self.remove_container(sandbox) and sandbox.adopted:
             self._state.adopted = [a for a in self._state.adopted if a.container_id != sandbox.container_id]
             self._save_state()
-        await self.remove_container(sandbox)
 
-    async def remove_container(self, sandbox: Sandbox) -> None:
-        if sandbox.container_id is None or not sandbox.host.available:
-            return  # the reaper removes it once the host answers again
+    async def remove_container(self, sandbox: Sandbox) -> bool:
+        """Whether the sandbox's container is gone (or was never made)."""
+        if sandbox.container_id is None:
+            return True
+        if not sandbox.host.available:
+            return False  # the reaper (or the next start, for an adopted one) removes it once the host answers
         try:
             await self._calls.run(sandbox.host.remove, sandbox.container_id)
         except DOCKER_ERRORS as exc:
             log.warning("removing container %s of sandbox %s: %s", sandbox.container_id, sandbox.id, exc)
+            return False
+        return True
 
-    async def reap(self) -> None:
-        """Remove this cluster's sandbox containers that no live sandbox owns; forget dead warm ones."""
+    async def reap(self) -> list[str]:
+        """Remove this cluster's sandbox containers that no live sandbox owns; forget dead warm ones.
+        Returns what could not be listed or removed (also logged)."""
+        failed: list[str] = []
         for host in (h for h in self.hosts if h.available):
             try:
                 containers = await self._calls.run(host.sandbox_containers)
             except DOCKER_ERRORS as exc:
                 log.warning("listing containers on %s: %s", host.url, exc)
+                failed.append(f"the sandboxes on {host.url}: listing them failed: {exc}")
                 continue
             by_lease = {c.labels.get(LABEL_LEASE): c for c in containers}
             orphans = [c for lease, c in by_lease.items() if lease not in self._sandboxes]
-            await asyncio.gather(*(self._reap_container(host, c.id) for c in orphans))
+            reaped = await asyncio.gather(*(self._reap_container(host, c.id) for c in orphans))
+            failed += [f"sandbox container {c.id[:12]} on {host.url}" for c, ok in zip(orphans, reaped) if not ok]
             dead_warm = [
                 self._sandboxes.pop(sb.id)
                 for sb in list(self._sandboxes.values())
@@ -82,13 +101,16 @@ class Reclaimer:
                 and not getattr(by_lease.get(sb.id), "running", False)
             ]
             await asyncio.gather(*(self.discard(sb) for sb in dead_warm))
+        return failed
 
-    async def _reap_container(self, host: SandboxHost, container_id: str) -> None:
+    async def _reap_container(self, host: SandboxHost, container_id: str) -> bool:
         try:
             await self._calls.run(host.remove, container_id)
-            self._counters.reaped += 1
         except DOCKER_ERRORS as exc:
             log.warning("reaping container %s on %s: %s", container_id, host.url, exc)
+            return False
+        self._counters.reaped += 1
+        return True
 
     async def collect_previous_adoptions(self) -> None:
         """Containers adopted by programs of a daemon that died: those programs are gone."""
@@ -96,10 +118,8 @@ class Reclaimer:
         kept = []
         for adopted in self._state.adopted:
             host = hosts.get(adopted.host)
-            if host is None:
-                kept.append(adopted)  # its host does not answer now; try at the next start
-                continue
-            await self._reap_container(host, adopted.container_id)
+            if host is None or not await self._reap_container(host, adopted.container_id):
+                kept.append(adopted)  # not removed now: tried again at the next start, or `down`
         self._state.adopted = kept
         self._save_state()
 

@@ -21,6 +21,13 @@ class AdoptedContainer(BaseModel):
 class PoolState(BaseModel):
     adopted: list[AdoptedContainer] = Field(default_factory=list)
     pulled: dict[str, dict[str, float]] = Field(default_factory=dict)  # host -> image -> last used
+    # Hosts the pool created containers on (written before the first is made): where `down`
+    # must reach Docker before it forgets the cluster, with or without the profile.
+    used_hosts: list[str] = Field(default_factory=list)
+
+    def hosts_to_sweep(self) -> list[str]:
+        """Every host that may hold a container of the cluster: those it made some on, those of its adoptions."""
+        return list(dict.fromkeys([*self.used_hosts, *(a.host for a in self.adopted)]))
 
     @classmethod
     def load(cls, path: Path | None) -> PoolState:

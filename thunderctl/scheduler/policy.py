@@ -81,9 +81,11 @@ class Scheduler:
                 program.pause_at_boundary = True
         self._resume_waiting()
 
-    def requeue(self, program_id: str) -> None:
-        """The program's request could not be served where it was placed (the worker died):
-        it waits at the head of the queue to resume elsewhere."""
+    def requeue(self, program_id: str, avoid: str | None = None) -> None:
+        """The program's request could not be served where it was placed (the worker died, or
+        did not take the connection in time): it waits at the head of the queue to resume
+        elsewhere. The pass it resumes in leaves out `avoid`, the worker that just failed it,
+        while another worker is schedulable (one that is not dead is not drained for it)."""
         program = self.programs.get(program_id)
         if program is None or program.status is not Status.ACTIVE:
             return
@@ -91,7 +93,19 @@ class Scheduler:
         program.phase = Phase.REASONING
         assert program.paused_at is not None, "_pause stamps it"
         self._waiting.add(program, program.paused_at)
-        self._resume_waiting()
+        held = self.workers.get(avoid) if avoid is not None else None
+        if (
+            held is None
+            or not held.schedulable
+            or not any(w.schedulable for w in self.workers.values() if w is not held)
+        ):
+            self._resume_waiting()
+            return
+        held.schedulable = False
+        try:
+            self._resume_waiting()
+        finally:
+            held.schedulable = True
 
     def forget_cached_contexts(self) -> int:
         """New weights: no worker holds any program's context any more (each cached block is stale).
