@@ -129,8 +129,13 @@ API_SHAPES = {
     ),
     "responses": ApiShape(
         "/v1/responses",
-        lambda messages: {"model": "m", "instructions": messages[0]["content"], "input": messages[1:],
-                          "max_output_tokens": 1, "store": False},
+        lambda messages: {
+            "model": "m",
+            "instructions": messages[0]["content"],
+            "input": messages[1:],
+            "max_output_tokens": 1,
+            "store": False,
+        },
         lambda answer: answer["output"],
     ),  # fmt: skip
     "messages": ApiShape(

@@ -34,7 +34,6 @@ SMALL_SIM = ("--preset", "cpu-tiny", "--kv-blocks", "64", "--block-size", str(SM
 TCP_LISTEN = "0A"  # the st column of /proc/net/tcp
 
 
-
 def mini_swe_agent_overrides(steps: int, parsed: bool = True) -> list[str]:
     """On top of a mini-swe-agent config, for the tiny model: short, deterministic answers, the first
     word of each taken as the command (every answer is a step; not `parsed`: the config's own format,

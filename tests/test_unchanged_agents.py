@@ -63,9 +63,7 @@ def test_four_mini_swe_agents_as_shipped_are_four_programs_of_six_steps(
     from minisweagent.utils.serialize import recursive_merge
 
     gateway = start_gateway([engine.url])
-    config = recursive_merge(
-        *(get_config_from_spec(s) for s in [spec, *mini_swe_agent_overrides(STEPS, parsed)])
-    )
+    config = recursive_merge(*(get_config_from_spec(s) for s in [spec, *mini_swe_agent_overrides(STEPS, parsed)]))
     model_config = recursive_merge(
         {"model_class": "litellm_textbased", "cost_tracking": "ignore_errors"},
         config["model"],

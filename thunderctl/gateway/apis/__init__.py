@@ -7,7 +7,13 @@ from thunderctl.gateway.apis.generate import GenerateApi
 from thunderctl.gateway.apis.messages import MessagesApi
 from thunderctl.gateway.apis.responses import ResponsesApi
 
-CHAT, COMPLETIONS, RESPONSES, MESSAGES, GENERATE = ChatApi(), CompletionsApi(), ResponsesApi(), MessagesApi(), GenerateApi()
+CHAT, COMPLETIONS, RESPONSES, MESSAGES, GENERATE = (
+    ChatApi(),
+    CompletionsApi(),
+    ResponsesApi(),
+    MessagesApi(),
+    GenerateApi(),
+)
 GENERATION_ROUTES: dict[str, Api] = {
     "/v1/chat/completions": CHAT,
     "/v1/completions": COMPLETIONS,
@@ -16,4 +22,14 @@ GENERATION_ROUTES: dict[str, Api] = {
     "/inference/v1/generate": GENERATE,
 }
 
-__all__ = ["Answer", "Api", "StreamedAnswer", "GENERATION_ROUTES", "CHAT", "COMPLETIONS", "RESPONSES", "MESSAGES", "GENERATE"]
+__all__ = [
+    "Answer",
+    "Api",
+    "StreamedAnswer",
+    "GENERATION_ROUTES",
+    "CHAT",
+    "COMPLETIONS",
+    "RESPONSES",
+    "MESSAGES",
+    "GENERATE",
+]
