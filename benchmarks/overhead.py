@@ -16,7 +16,7 @@ what finding an unnamed request's program from its conversation costs.
    interleaved, straight to the worker, through a gateway with derivation off (the baseline: served
    unscheduled) and through one with it on (each request continues its conversation's program).
    `--api responses` or `--api messages` sends the same conversations through the OpenAI Responses
-   or the Anthropic Messages API instead (`--api all`: each in turn, for a comparison in one run).
+   or the Anthropic Messages API instead (`--api all`: all three, interleaved request by request, for a comparison in one run).
 4. The gateway's CPU per streamed step (`--only stream-cpu`): agents' conversations at 8k- and
    32k-token histories, each step a streamed chat request carrying the history and the answer
    read before it, answered by a worker that writes one SSE chunk per token, each once the client
@@ -297,10 +297,10 @@ def index_cost(rounds: int = 30) -> dict[str, float]:
     return report
 
 
-def derivation_latency(requests: int, conversations: int = 8, api: str = "chat") -> dict[str, Any]:
-    """Unnamed 64k-token conversations sent one by one through `api`, interleaved: direct, a gateway
-    without derivation, one with it. Returns the p50 of each and what derivation adds to the gateway's own."""
-    shape = API_SHAPES[api]
+def derivation_latency(requests: int, apis: list[str], conversations: int = 8) -> list[dict[str, Any]]:
+    """Unnamed 64k-token conversations sent one by one through each of `apis`, interleaved request by
+    request (API by API, arm by arm): direct, a gateway without derivation, one with it. Returns, per
+    API, the p50 of each arm and what derivation adds to the gateway's own."""
     backend_port = pick_free_port()
     worker = serve_in_thread(fast_backend(), backend_port)
     backend_url = f"http://127.0.0.1:{backend_port}"
@@ -312,40 +312,46 @@ def derivation_latency(requests: int, conversations: int = 8, api: str = "chat")
         processes.append(subprocess.Popen([*command, *options], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         gateways[arm] = f"http://127.0.0.1:{port}"
     rng = random.Random(1)
-    chats = {arm: [history(rng) for _ in range(conversations)] for arm in ("direct", "off", "on")}
-    times: dict[str, list[float]] = {arm: [] for arm in chats}
+    arms = ("direct", "off", "on")
+    chats = {(api, arm): [history(rng) for _ in range(conversations)] for api in apis for arm in arms}
+    times: dict[tuple[str, str], list[float]] = {key: [] for key in chats}
     try:
         for url in gateways.values():
             wait_up(url)
         urls = {"direct": backend_url, **gateways}
         with httpx.Client(timeout=30, headers=bearer_headers(env_api_key())) as client:
             for i in range(requests):
-                for arm, url in urls.items():
-                    messages = chats[arm][i % conversations]
-                    body = json.dumps(shape.body(messages))
-                    started = time.perf_counter()
-                    response = client.post(f"{url}{shape.path}", content=body)
-                    times[arm].append(time.perf_counter() - started)
-                    response.raise_for_status()
-                    messages += [*shape.answer(response.json()), {"role": "user", "content": f"obs {i}"}]
+                for api in apis:
+                    shape = API_SHAPES[api]
+                    for arm, url in urls.items():
+                        messages = chats[api, arm][i % conversations]
+                        body = json.dumps(shape.body(messages))
+                        started = time.perf_counter()
+                        response = client.post(f"{url}{shape.path}", content=body)
+                        times[api, arm].append(time.perf_counter() - started)
+                        response.raise_for_status()
+                        messages += [*shape.answer(response.json()), {"role": "user", "content": f"obs {i}"}]
             programs = httpx.get(f"{gateways['on']}/programs", headers=bearer_headers(env_api_key())).json()
     finally:
         for process in processes:
             process.terminate()
             process.wait(timeout=10)
         worker.should_exit = True
-    p50 = {arm: percentile(values, 50) * 1e3 for arm, values in times.items()}
-    return {
-        "api": api,
-        "requests_per_arm": requests,
-        "body_bytes": len(json.dumps(chats["on"][0])),
-        "derived_programs": len(programs["programs"]),
-        "direct_p50_ms": p50["direct"],
-        "gateway_off_p50_ms": p50["off"],
-        "gateway_on_p50_ms": p50["on"],
-        "gateway_off_added_p50_ms": p50["off"] - p50["direct"],
-        "derivation_added_p50_ms": p50["on"] - p50["off"],
-    }
+    reports = []
+    for api in apis:
+        p50 = {arm: percentile(times[api, arm], 50) * 1e3 for arm in arms}
+        reports.append({
+            "api": api,
+            "requests_per_arm": requests,
+            "body_bytes": len(json.dumps(API_SHAPES[api].body(chats[api, "on"][0]))),
+            "direct_p50_ms": p50["direct"],
+            "gateway_off_p50_ms": p50["off"],
+            "gateway_on_p50_ms": p50["on"],
+            "gateway_off_added_p50_ms": p50["off"] - p50["direct"],
+            "derivation_added_p50_ms": p50["on"] - p50["off"],
+        })  # fmt: skip
+    reports[0]["derived_programs"] = len(programs["programs"])  # of every API
+    return reports
 
 
 ANSWER = ["THOUGHT:", *[f" word{i}" for i in range(200)], "\n```bash\n", "ls", " -la", "\n```"]
@@ -599,10 +605,9 @@ def main() -> None:
         "gateway": lambda: gateway_latency(args.requests),
         "tick": tick_cost,
         "derivation-index": index_cost,
-        "derivation-gateway": lambda: [
-            derivation_latency(args.history_requests, api=api)
-            for api in (API_SHAPES if args.api == "all" else [args.api])
-        ],
+        "derivation-gateway": lambda: derivation_latency(
+            args.history_requests, list(API_SHAPES) if args.api == "all" else [args.api]
+        ),
         "stream-cpu": lambda: stream_cpu(args),
     }
     report: dict[str, Any] = {name: run() for name, run in parts.items() if args.only in (None, name)}
