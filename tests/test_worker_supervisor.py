@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from thunderctl.daemon.supervisor import RestartPlanner
+from thunderctl.daemon.restarts import RestartPlanner
 from thunderctl.profile import RestartPolicy
 
 POLICY = RestartPolicy(initial_backoff_s=5.0, max_backoff_s=30.0)

@@ -21,12 +21,20 @@ from thunderctl.cluster.preflight import Check, preflight
 from thunderctl.cluster.state import ClusterNotFound, ClusterState, find_cluster
 from thunderctl.cluster.transport import TransportError
 from thunderctl.cluster.workers import LaunchError, any_worker_alive, follow_lines
-from thunderctl.daemon.client import control_client, daemon_answers, fetch_status
+from thunderctl.daemon.client import control_client, fetch_status
 from thunderctl.daemon.status import ClusterStatus
 from thunderctl.engines.cli import engine_app
 from thunderctl.gateway.command import SCHEDULER_HELP, serve
 from thunderctl.integrations.cli import agents_app
-from thunderctl.lifecycle.up_down import existing_state, launch, reconcile, recover, tear_down
+from thunderctl.lifecycle.up_down import (
+    daemon_trouble,
+    existing_state,
+    launch,
+    reconcile,
+    recover,
+    supervisor_running,
+    tear_down,
+)
 from thunderctl.profile import DEFAULT_PROFILE, Profile, ProfileError, load_profile, state_root
 from thunderctl.status_screen import status_renderable
 from thunderctl.terminal import err, fail, out
@@ -108,10 +116,11 @@ def up(
     skip_preflight: Annotated[bool, typer.Option(help="Start without the preflight checks.")] = False,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the workers' health.")] = 300.0,
 ) -> None:
-    """Start a cluster: workers, then the daemon (gateway, scheduler, control socket).
+    """Start a cluster: workers, then the daemon (gateway, scheduler, control socket) under a supervisor
+    that holds the gateway's port and starts the daemon again whenever it dies.
 
     Idempotent: on a running cluster it starts again any worker that died and changes nothing else;
-    a cluster whose daemon died gets a new one.
+    a cluster whose supervisor died gets a new one.
     """
 
     profile, path = load_profile_or_exit(file)
@@ -129,7 +138,7 @@ def up(
         raise fail(f"{exposure}; nothing was started")
     state = existing_state(profile)
     with Transports() as transports:
-        if state is not None and daemon_answers(state):
+        if state is not None and supervisor_running(state):
             with out.status("the cluster is up: checking its workers") as status:
                 try:
                     done = reconcile(state, plans, timeout, status.update, transports)
@@ -146,9 +155,9 @@ def up(
                 f"{exc}\ncannot tell whether the workers still run; `thunderctl down` stops what it can reach"
             ) from exc
         if state is not None and alive:
-            with out.status("the daemon had died: restarting it and any worker that died") as status:
+            with out.status("the daemon's supervisor had died: restarting it and any worker that died") as status:
                 try:
-                    revived = recover(state, plans, timeout, status.update, transports)
+                    revived = recover(state, profile.gateway, plans, timeout, status.update, transports)
                 except (LaunchError, TransportError) as exc:
                     raise fail(f"{exc}\n`thunderctl down` stops what is left") from exc
             again = f"; restarted {', '.join(revived)}" if revived else ""
@@ -179,10 +188,7 @@ def get_status(state: ClusterState) -> ClusterStatus:
     try:
         return fetch_status(state, timeout=10)
     except httpx.HTTPError as exc:
-        raise fail(
-            f"the daemon of {state.cluster} does not answer ({exc}); `thunderctl up` recovers it, "
-            "`thunderctl down` cleans up"
-        ) from exc
+        raise fail(f"{daemon_trouble(state)}\n`thunderctl down` stops the cluster") from exc
 
 
 @app.command()

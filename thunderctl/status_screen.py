@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import time
+
 from rich.console import Group
 from rich.table import Table
 
-from thunderctl.daemon.status import ClusterStatus, GatewayStatus, GroupCounts, PauseStatus, SandboxStatus
+from thunderctl.daemon.status import (
+    ClusterStatus,
+    DaemonStatus,
+    GatewayStatus,
+    GroupCounts,
+    PauseStatus,
+    SandboxStatus,
+)
 
 
 def status_renderable(view: ClusterStatus) -> Group:
@@ -54,6 +63,7 @@ def status_renderable(view: ClusterStatus) -> Group:
         f"sandboxes: {sandbox_line(view.sandboxes)}",
         *([pause_line(view.pause)] if view.pause and (view.pause.paused or view.pause.last_end) else []),
         gateway_key_line(view.gateway),
+        *([daemon_line(view.daemon_pid, view.daemon)] if view.daemon else []),
     )
 
 
@@ -87,3 +97,11 @@ def gateway_key_line(gateway: GatewayStatus) -> str:
     return "gateway key: set (clients send Authorization: Bearer KEY)" + (
         "; /metrics is public" if gateway.metrics_public else ""
     )
+
+
+def daemon_line(pid: int | None, daemon: DaemonStatus) -> str:
+    """The daemon's process and what its supervisor has seen: restarts, and its last end."""
+    line = f"daemon: pid {pid} · restarts {daemon.restarts:,}"
+    if daemon.last_exit is None or daemon.last_exit_at is None:
+        return line
+    return f"{line} · last exit: {daemon.last_exit}, {time.time() - daemon.last_exit_at:,.0f} s ago"

@@ -54,12 +54,13 @@ class ClusterState:
     endpoint: str
     created_at: float = field(default_factory=time.time)
     workers: list[WorkerRecord] = field(default_factory=list)
-    daemon_pid: int | None = None
-    daemon_start_ticks: int | None = None
+    # The daemon's supervisor (daemon/supervisor.py), leader of the group the daemon runs in.
+    supervisor_pid: int | None = None
+    supervisor_start_ticks: int | None = None
 
     @property
-    def daemon_process(self) -> ProcessIdentity | None:
-        return ProcessIdentity(self.daemon_pid, self.daemon_start_ticks) if self.daemon_pid else None
+    def supervisor_process(self) -> ProcessIdentity | None:
+        return ProcessIdentity(self.supervisor_pid, self.supervisor_start_ticks) if self.supervisor_pid else None
 
     @property
     def state_file(self) -> Path:
@@ -71,7 +72,12 @@ class ClusterState:
 
     @property
     def daemon_log(self) -> Path:
+        """The daemon's output and its supervisor's account of each start and exit."""
         return self.dir / "daemon.log"
+
+    @property
+    def daemon_record_file(self) -> Path:
+        return self.dir / "daemon.json"
 
     def worker_log(self, worker_id: str) -> Path:
         return self.dir / "logs" / f"{worker_id.replace('/', '-')}.log"
@@ -86,19 +92,56 @@ class ClusterState:
         raise KeyError(worker_id)
 
     def save(self) -> None:
-        """Atomic: a crash mid-write leaves the previous state, never half of one."""
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        data = asdict(self) | {"dir": str(self.dir)}
-        tmp = self.state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=2))
-        os.replace(tmp, self.state_file)
+        write_atomically(self.state_file, asdict(self) | {"dir": str(self.dir)})
 
     @classmethod
     def load(cls, directory: Path) -> ClusterState:
         data = json.loads((directory / "state.json").read_text())
         data["dir"] = Path(data["dir"])
+        # A state from before the supervisor names the daemon, which led its own group as the supervisor
+        # does now: stopping that group stops it.
+        if "daemon_pid" in data:
+            data["supervisor_pid"] = data.pop("daemon_pid")
+            data["supervisor_start_ticks"] = data.pop("daemon_start_ticks", None)
         data["workers"] = [WorkerRecord.from_dict(w) for w in data["workers"]]
         return cls(**data)
+
+
+@dataclass
+class DaemonRecord:
+    """The daemon as its supervisor last saw it, in the state directory for `status` and `up` to read;
+    the supervisor alone writes it. Times are wall-clock seconds (time.time())."""
+
+    pid: int | None = None
+    start_ticks: int | None = None
+    started_at: float | None = None
+    restarts: int = 0  # times the supervisor started the daemon again after it ended
+    last_exit: str | None = None  # "killed by SIGKILL", "exit code 1"
+    last_exit_at: float | None = None
+    next_start_at: float | None = None  # while the supervisor waits out a backoff before the next start
+
+    @property
+    def process(self) -> ProcessIdentity | None:
+        return ProcessIdentity(self.pid, self.start_ticks) if self.pid else None
+
+    def save(self, path: Path) -> None:
+        write_atomically(path, asdict(self))
+
+    @classmethod
+    def load(cls, path: Path) -> DaemonRecord:
+        """The record, or an empty one where there is none yet (a supervisor that has not started one)."""
+        try:
+            return cls(**json.loads(path.read_text()))
+        except FileNotFoundError:
+            return cls()
+
+
+def write_atomically(path: Path, data: dict) -> None:
+    """As JSON; a crash mid-write leaves the previous file, never half of one."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
 
 
 def known_clusters(root: Path) -> list[ClusterState]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections import Counter
 from typing import Any, Protocol
@@ -15,10 +16,12 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from thunderctl.cluster.nodes import Transports
-from thunderctl.cluster.state import ClusterState, WorkerRecord
+from thunderctl.cluster.state import ClusterState, DaemonRecord, WorkerRecord
 from thunderctl.cluster.workers import stop_worker
+from thunderctl.daemon.restarts import RestartPlanner
 from thunderctl.daemon.status import (
     ClusterStatus,
+    DaemonStatus,
     GatewayStatus,
     GroupCounts,
     PauseStatus,
@@ -27,7 +30,6 @@ from thunderctl.daemon.status import (
     SchedulerStatus,
     WorkerStatus,
 )
-from thunderctl.daemon.supervisor import RestartPlanner
 from thunderctl.gateway import Gateway
 from thunderctl.gateway.admin import NotNow, WeightSync
 from thunderctl.gateway.auth import GatewayAuth
@@ -116,11 +118,13 @@ def status_view(daemon: Daemon) -> ClusterStatus:
             )
         )
     counts = Counter("paused" if p.status is Status.PAUSED else p.phase.value for p in scheduler.programs.values())
+    record = DaemonRecord.load(daemon.state.daemon_record_file)
     return ClusterStatus(
         cluster=daemon.state.cluster,
         endpoint=daemon.state.endpoint,
         uptime_s=round(time.time() - daemon.started_at, 1),
-        daemon_pid=daemon.state.daemon_pid,
+        daemon_pid=os.getpid(),
+        daemon=DaemonStatus(restarts=record.restarts, last_exit=record.last_exit, last_exit_at=record.last_exit_at),
         gateway=GatewayStatus(api_key_set=daemon.auth.api_key is not None, metrics_public=daemon.auth.metrics_public),
         workers=workers,
         scheduler=SchedulerStatus(

@@ -21,7 +21,7 @@ from thunderctl.cluster.transport import TransportError
 from thunderctl.cluster.worker_key import read_worker_key
 from thunderctl.cluster.workers import revive_worker
 from thunderctl.daemon.control import build_control_app
-from thunderctl.daemon.supervisor import RestartPlanner
+from thunderctl.daemon.restarts import RestartPlanner
 from thunderctl.gateway import Gateway, WorkerLink, build_app
 from thunderctl.gateway.admin import WeightSync
 from thunderctl.gateway.answers import resume_priority
@@ -55,13 +55,6 @@ def bind_control_socket(path: Path) -> socket.socket:
     finally:
         os.umask(old_umask)
     os.chmod(path, 0o600)
-    return sock
-
-
-def bind_tcp(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
     return sock
 
 
@@ -212,16 +205,17 @@ class Daemon:
         if self.server is not None:
             self.server.should_exit = True
 
-    async def run(self) -> None:
+    async def run(self, listener: socket.socket) -> None:
+        """Serve the gateway on `listener` (bound and listening, held by the supervisor as well) and the
+        control API on the state directory's socket, until asked to exit."""
         for warning in await self.gateway.start():
             log.warning(warning)
         if self.sandboxes is not None:
             await self.sandboxes.start()  # reaps what a crashed daemon left
             self._spawn(self._follow_resume_queue())
         self._spawn(self._supervise_workers())
-        gateway = self.profile.gateway
-        sockets = [bind_tcp(gateway.host, gateway.port), bind_control_socket(self.state.socket_path)]
-        self.server = uvicorn.Server(server_config(self.app, backlog=gateway.backlog))
+        sockets = [listener, bind_control_socket(self.state.socket_path)]
+        self.server = uvicorn.Server(server_config(self.app, backlog=self.profile.gateway.backlog))
         try:
             await self.server.serve(sockets=sockets)
         finally:
@@ -235,12 +229,12 @@ class Daemon:
             self.state.socket_path.unlink(missing_ok=True)
 
 
-def main(state_dir: Path) -> None:
+def main(state_dir: Path, listen_fd: int) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     state = ClusterState.load(state_dir)
     log.info("daemon of cluster %s starting (pid %d)", state.cluster, os.getpid())
-    aio.run(Daemon(state).run())
+    aio.run(Daemon(state).run(socket.socket(fileno=listen_fd)))
     log.info("daemon of cluster %s stopped", state.cluster)
 
 

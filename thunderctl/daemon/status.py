@@ -92,11 +92,20 @@ class PauseStatus(StatusPart):
     last_duration_s: float | None
 
 
+class DaemonStatus(StatusPart):
+    """What the daemon's supervisor has seen of it: how often it was started again, and why it last ended."""
+
+    restarts: int
+    last_exit: str | None  # "killed by SIGKILL", "exit code 1"; None while it never ended
+    last_exit_at: float | None  # wall-clock seconds
+
+
 class ClusterStatus(StatusPart):
     cluster: str
     endpoint: str
     uptime_s: float
     daemon_pid: int | None
+    daemon: DaemonStatus | None = None  # None from a daemon older than its supervisor
     gateway: GatewayStatus
     workers: list[WorkerStatus]
     scheduler: SchedulerStatus

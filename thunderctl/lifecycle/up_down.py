@@ -1,6 +1,6 @@
 """Bringing a cluster up and down: its workers (cluster/workers.py), then the daemon that serves
-them, and the state that lets `down` clean up after a crash. This sits above the daemon it starts
-and asks to shut down."""
+them under its supervisor (daemon/supervisor.py), and the state that lets `down` clean up after a
+crash. This sits above the daemon it starts and asks to shut down."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import asyncio
 import os
 import shutil
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import httpx
 from thunderctl.cluster.install import install_step
 from thunderctl.cluster.nodes import Transports
 from thunderctl.cluster.plan import WorkerPlan
-from thunderctl.cluster.state import ClusterState
+from thunderctl.cluster.state import ClusterState, DaemonRecord
 from thunderctl.cluster.transport import TransportError
 from thunderctl.cluster.worker_key import create_worker_key, read_worker_key
 from thunderctl.cluster.workers import (
@@ -43,11 +44,11 @@ from thunderctl.processes import (
     stop_recorded_group,
     tail_of_file,
 )
-from thunderctl.profile import Profile, state_root
+from thunderctl.profile import GatewaySpec, Profile, state_root
 from thunderctl.sandbox import Sweep
 
-# A daemon that dies is seen at once (its process ended); this bounds only one that neither dies nor
-# answers. On a 2-core machine at a load average of 35, its imports alone took over 30 s.
+# A daemon that dies is seen at once (its supervisor records its end); this bounds only one that
+# neither dies nor answers. On a 2-core machine at a load average of 35, its imports alone took over 30 s.
 DAEMON_START_TIMEOUT_S = 120.0
 DAEMON_EXIT_TIMEOUT_S = 60.0
 # A worker that answers /health rejoins at the daemon's next metrics poll (seconds apart).
@@ -64,24 +65,65 @@ def new_state(profile: Profile, profile_path: Path) -> ClusterState:
     )
 
 
-def start_daemon(state: ClusterState) -> None:
-    process = spawn_detached(
-        [sys.executable, "-m", "thunderctl.daemon", str(state.dir)], dict(os.environ), state.daemon_log
-    )
-    daemon = ProcessIdentity.local(process.pid)
-    state.daemon_pid, state.daemon_start_ticks = daemon.pid, daemon.start_ticks
+def start_supervisor(state: ClusterState, gateway: GatewaySpec) -> None:
+    """Start the daemon's supervisor (daemon/supervisor.py) on the gateway's address, and wait for its
+    daemon to answer."""
+    since = time.time()
+    state.daemon_record_file.unlink(missing_ok=True)  # a dead supervisor's: this one keeps its own
+    command = [sys.executable, "-m", "thunderctl.daemon.supervisor", str(state.dir), gateway.host, str(gateway.port)]
+    process = spawn_detached([*command, str(gateway.backlog)], dict(os.environ), state.daemon_log)
+    supervisor = ProcessIdentity.local(process.pid)
+    state.supervisor_pid, state.supervisor_start_ticks = supervisor.pid, supervisor.start_ticks
     state.save()
-
-    def ended_or_answers() -> bool:
-        return process.poll() is not None or daemon_answers(state)
-
-    if not poll_until(ended_or_answers, DAEMON_START_TIMEOUT_S, 0.2) or process.poll() is not None:
-        raise LaunchError(f"the daemon did not start; log tail:\n{tail_of_file(state.daemon_log, LOG_TAIL_LINES)}")
+    wait_daemon_answers(state, since)
 
 
-def stop_daemon(state: ClusterState, drain_timeout: float) -> dict | None:
-    """Ask the daemon to drain and exit; kill it if it does not. Returns its shutdown report."""
-    report = None
+def supervisor_running(state: ClusterState) -> bool:
+    """Whether the cluster's supervisor runs: then the cluster does, its daemon started again when it dies."""
+    return process_alive(state.supervisor_process)
+
+
+def wait_daemon_answers(state: ClusterState, since: float) -> None:
+    """Until the daemon answers on its control socket. A LaunchError saying why, with the end of its
+    log, once it has ended at `since` or later, waits out a backoff, has no supervisor, or does not
+    answer within DAEMON_START_TIMEOUT_S."""
+
+    def settled() -> bool:
+        record = DaemonRecord.load(state.daemon_record_file)
+        ended = record.last_exit_at is not None and record.last_exit_at >= since
+        return daemon_answers(state) or ended or backoff_left_s(record) > 0 or not supervisor_running(state)
+
+    if not poll_until(settled, DAEMON_START_TIMEOUT_S, 0.2) or not daemon_answers(state):
+        raise LaunchError(daemon_trouble(state))
+
+
+def backoff_left_s(record: DaemonRecord) -> float:
+    """How long the supervisor still waits before it starts the daemon again (0: it is not waiting)."""
+    return max(0.0, (record.next_start_at or 0.0) - time.time())
+
+
+def daemon_trouble(state: ClusterState) -> str:
+    """Why the daemon does not answer, from what its supervisor recorded, and the end of its log."""
+    record = DaemonRecord.load(state.daemon_record_file)
+    if not supervisor_running(state):
+        why = "its supervisor is not running (`thunderctl up` starts a new one)"
+    elif record.last_exit is None:
+        why = f"it has not answered yet (pid {record.pid})"
+    else:
+        why = f"it ended ({record.last_exit})"
+        if record.restarts:
+            why += f" after {record.restarts} restart(s)"
+        if backoff_left_s(record) > 0:
+            why += f"; it keeps dying, and its supervisor starts it again in {backoff_left_s(record):.0f} s"
+    tail = tail_of_file(state.daemon_log, LOG_TAIL_LINES)
+    return f"the daemon of {state.cluster} does not answer: {why}; the end of its log, {state.daemon_log}:\n{tail}"
+
+
+def stop_daemon(state: ClusterState, drain_timeout: float) -> tuple[dict | None, str | None]:
+    """Ask the daemon to drain and exit, which ends its supervisor too; stop the supervisor's group (it
+    and the daemon it runs) if that does not. Returns the daemon's shutdown report, and what of the
+    group did not stop, if anything."""
+    report, left = None, None
     if daemon_answers(state):
         try:
             with control_client(state, timeout=drain_timeout + 30) as client:
@@ -90,14 +132,15 @@ def stop_daemon(state: ClusterState, drain_timeout: float) -> dict | None:
             report = None
     # An acknowledged shutdown ends with the sandbox pool removing its containers: let it finish.
     if report is not None:
-        poll_until(lambda: not process_alive(state.daemon_process), DAEMON_EXIT_TIMEOUT_S, HEALTH_POLL_S)
-    if process_alive(state.daemon_process):
+        poll_until(lambda: not supervisor_running(state), DAEMON_EXIT_TIMEOUT_S, HEALTH_POLL_S)
+    # Even with the supervisor dead, a daemon it ran may be left in its group.
+    if state.supervisor_process is not None:
         try:
-            stop_recorded_group(state.daemon_process, timeout=10)
-        except StopError:
-            pass
+            stop_recorded_group(state.supervisor_process, timeout=10)
+        except StopError as exc:
+            left = f"the daemon or its supervisor did not stop ({exc}); its log: {state.daemon_log}"
     state.socket_path.unlink(missing_ok=True)
-    return report
+    return report, left
 
 
 @dataclass(frozen=True)
@@ -127,12 +170,9 @@ class Teardown:
 def tear_down(state: ClusterState, drain_timeout: float, transports: Transports) -> Teardown:
     """Daemon first (it drains and releases), then what its sandbox pool left, then the workers;
     then the state itself, unless something of the cluster is left: it is the record of where."""
-    report = stop_daemon(state, drain_timeout)
-    daemon_left = None
+    report, daemon_left = stop_daemon(state, drain_timeout)
     sandboxes = Sweep(0, [])
-    if process_alive(state.daemon_process):  # its pool may still be making containers: no sweep under it
-        daemon_left = f"the daemon (pid {state.daemon_pid}) did not stop; its log: {state.daemon_log}"
-    else:
+    if daemon_left is None:  # a daemon left may still be making containers: no sweep under it
         sandboxes = asyncio.run(collect_orphaned_sandboxes(state))
     teardown = Teardown(report, daemon_left, sandboxes, stop_workers(state, transports))
     if not teardown.left:
@@ -146,15 +186,24 @@ def existing_state(profile: Profile) -> ClusterState | None:
 
 
 def recover(
-    state: ClusterState, plans: list[WorkerPlan], timeout: float, report: Report, transports: Transports
+    state: ClusterState,
+    gateway: GatewaySpec,
+    plans: list[WorkerPlan],
+    timeout: float,
+    report: Report,
+    transports: Transports,
 ) -> list[str]:
-    """A cluster whose daemon died: restart the workers that died with it (not those a drain
-    stopped on purpose) and their tunnels, then a new daemon. Returns the ids of the workers restarted."""
+    """A cluster whose supervisor died: stop a daemon it left, restart the workers that died (not those
+    a drain stopped on purpose) and their tunnels, then a new supervisor. Returns the ids of the
+    workers restarted."""
+    _, daemon_left = stop_daemon(state, drain_timeout=0)
+    if daemon_left is not None:
+        raise LaunchError(daemon_left)
     worker_key = read_worker_key(state.dir) or create_worker_key(state.dir)
     revived = revive_dead_workers(state, plans, transports, worker_key)
     state.save()
     wait_workers_healthy(state, timeout, report, transports)
-    start_daemon(state)
+    start_supervisor(state, gateway)
     return revived
 
 
@@ -180,8 +229,9 @@ class Reconciliation:
 def reconcile(
     state: ClusterState, plans: list[WorkerPlan], timeout: float, report: Report, transports: Transports
 ) -> Reconciliation:
-    """A running cluster: its daemon starts again, now, every worker that died (not those a drain
-    stopped), and `up` waits for them to be healthy."""
+    """A running cluster: once its daemon answers (it may be starting again), it starts again, now,
+    every worker that died (not those a drain stopped), and `up` waits for them to be healthy."""
+    wait_daemon_answers(state, since=time.time())
     with control_client(state) as client:
         restarted = client.post("/workers/revive").raise_for_status().json()["restarted"]
     if restarted:
@@ -225,7 +275,7 @@ def launch(
             install_engines(state, plans, step, transports, report)
         start_workers(state, plans, transports, worker_key)
         wait_workers_healthy(state, timeout, report, transports)
-        start_daemon(state)
+        start_supervisor(state, profile.gateway)
     except BaseException as error:
         teardown = tear_down(state, drain_timeout=0, transports=transports)
         if not isinstance(error, LaunchError | TransportError):

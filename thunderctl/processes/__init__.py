@@ -1,5 +1,6 @@
-"""Processes the controller starts and stops: their identity, groups, ports and logs."""
+"""Processes the controller starts and stops: their identity, groups, ports, logs and restart backoff."""
 
+from thunderctl.processes.backoff import backoff_s
 from thunderctl.processes.groups import (
     GroupStop,
     LocalProcessGroups,
@@ -17,14 +18,16 @@ from thunderctl.processes.identity import (
 )
 from thunderctl.processes.logs import tail_of_file
 from thunderctl.processes.poll import poll_until
-from thunderctl.processes.ports import pick_free_port, pick_free_ports, port_free
+from thunderctl.processes.ports import listening_socket, pick_free_port, pick_free_ports, port_free
 
 __all__ = [
+    "backoff_s",
     "GroupStop",
     "LocalProcessGroups",
     "ProcessGroups",
     "ProcessIdentity",
     "StopError",
+    "listening_socket",
     "local_start_ticks",
     "pick_free_port",
     "pick_free_ports",

@@ -31,3 +31,17 @@ def pick_free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for sock in sockets:
             sock.close()
+
+
+def listening_socket(host: str, port: int, backlog: int) -> socket.socket:
+    """A TCP socket bound to host:port and listening: connections queue in its backlog (up to
+    `backlog`) until a server accepts them. OSError when the address is taken."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise
+    return sock
