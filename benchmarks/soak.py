@@ -327,9 +327,10 @@ def run_soak(spec: SoakSpec, workdir: Path, series_path: Path | None = None) -> 
     cluster = Cluster(workdir, soak_profile(spec, f"soak-{secrets.token_hex(3)}"))
     cluster.cli("up", "-f", str(cluster.profile_path))
     started = cluster.state()
-    pids = [started["daemon_pid"], *(w["pid"] for w in started["workers"])]
+    daemon_pid = cluster.status().daemon_pid
+    pids = [started["supervisor_pid"], daemon_pid, *(w["pid"] for w in started["workers"])]
     try:
-        daemon = psutil.Process(started["daemon_pid"])
+        daemon = psutil.Process(daemon_pid)
         series = SeriesRecorder(cluster.gateway, daemon, series_path)
         rss_start = series.sample().rss_mib
         workers = [w["url"] for w in started["workers"]]

@@ -1,7 +1,7 @@
 """`thunderctl up / status / drain / down` end to end, through the real CLI, with real vLLM-CPU workers.
 
 Starting workers costs a minute, so one cluster serves the module and its tests run in the
-order of a cluster's life: up, use, drain, lose a worker, lose the daemon, down.
+order of a cluster's life: up, use, drain, lose a worker, lose the daemon with its supervisor, down.
 """
 
 from __future__ import annotations
@@ -137,14 +137,16 @@ def test_up_on_a_running_cluster_starts_again_the_worker_that_died(cluster) -> N
     assert httpx.get(f"{status.workers[1].url}/health", timeout=10).status_code == 200
 
 
-def test_daemon_killed_then_up_recovers_it_and_down_leaves_nothing(cluster, sandbox_image, docker_client) -> None:
+def test_supervisor_and_daemon_killed_then_up_recovers_them_and_down_leaves_nothing(
+    cluster, sandbox_image, docker_client
+) -> None:
     cli, profile, _ = cluster
     name = cli.status().cluster
     state_dir = Path(cli.env["THUNDERCTL_STATE_DIR"]) / name
     first_daemon = cli.status().daemon_pid
-    worker = json.loads((state_dir / "state.json").read_text())["workers"][1]
-    os.killpg(worker["pid"], signal.SIGKILL)  # a worker that dies with its daemon
-    os.kill(first_daemon, signal.SIGKILL)
+    state = json.loads((state_dir / "state.json").read_text())
+    os.killpg(state["workers"][1]["pid"], signal.SIGKILL)  # a worker that dies with them
+    os.killpg(state["supervisor_pid"], signal.SIGKILL)  # the supervisor's group: it and its daemon
     recovered = cli("up", "-f", str(profile))
     assert "recovered" in recovered.stdout and "restarted local/1" in recovered.stdout
     status = cli.status()
@@ -156,12 +158,12 @@ def test_daemon_killed_then_up_recovers_it_and_down_leaves_nothing(cluster, sand
     httpx.get(f"{gateway}/v1/sandboxes/{box.json()['id']}", params={"wait": "ready"}, timeout=60).raise_for_status()
 
     state = json.loads((state_dir / "state.json").read_text())
-    os.kill(state["daemon_pid"], signal.SIGKILL)  # and again: now down must clean up alone
+    os.killpg(state["supervisor_pid"], signal.SIGKILL)  # and again: now down must clean up alone
     down = cli("down")
     assert "cleaned up from the state file (1 sandbox(es) removed)" in down.stdout
     assert docker_client.containers.list(all=True, filters={"label": f"thunderctl.cluster={name}"}) == []
     assert not state_dir.exists()
-    for pid in [state["daemon_pid"], *(w["pid"] for w in state["workers"])]:
+    for pid in [state["supervisor_pid"], status.daemon_pid, *(w["pid"] for w in state["workers"])]:
         assert not pid_alive(pid)
     assert processes_mentioning(str(state_dir)) == []
     assert "nothing to do" in cli("down").stdout  # idempotent

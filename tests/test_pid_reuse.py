@@ -71,7 +71,7 @@ def test_a_worker_started_and_recorded_is_stopped_with_its_group(tmp_path: Path)
 
 
 def test_down_leaves_a_stranger_on_every_recorded_pid_alive(tmp_path: Path, stranger) -> None:
-    worker_pid, tunnel_pid, daemon_pid = stranger(), stranger(), stranger()
+    worker_pid, tunnel_pid, supervisor_pid = stranger(), stranger(), stranger()
     root = tmp_path / "state"
     worker = worker_at(worker_pid.pid, start_ticks_of(worker_pid.pid) + 1, tmp_path / "w.log")
     worker.tunnel_pid, worker.tunnel_start_ticks = tunnel_pid.pid, start_ticks_of(tunnel_pid.pid) + 1
@@ -81,8 +81,8 @@ def test_down_leaves_a_stranger_on_every_recorded_pid_alive(tmp_path: Path, stra
         str(tmp_path / "no-profile.yaml"),
         "http://127.0.0.1:1/v1",
         workers=[worker],
-        daemon_pid=daemon_pid.pid,
-        daemon_start_ticks=start_ticks_of(daemon_pid.pid) + 1,
+        supervisor_pid=supervisor_pid.pid,
+        supervisor_start_ticks=start_ticks_of(supervisor_pid.pid) + 1,
     )
     state.save()
     with Transports() as transports:
@@ -92,7 +92,7 @@ def test_down_leaves_a_stranger_on_every_recorded_pid_alive(tmp_path: Path, stra
     assert down.exit_code == 0, down.output
     assert f"local/0 already stopped (pid {worker_pid.pid} now belongs to another process)" in down.stdout
     assert f"its tunnel had ended (pid {tunnel_pid.pid} now belongs to another process)" in down.stdout
-    for process in (worker_pid, tunnel_pid, daemon_pid):
+    for process in (worker_pid, tunnel_pid, supervisor_pid):
         assert process.poll() is None and live_group_members(process.pid) == {process.pid: "sleep"}
     assert not state.dir.exists()  # nothing of the cluster was left running: its state is gone
 
@@ -102,7 +102,9 @@ def test_a_state_from_before_start_times_loads_and_still_stops_its_worker(tmp_pa
         process = transports.to(None).start_detached(GROUP_COMMAND, {}, str(tmp_path / "w.log"))
         state = state_with(tmp_path, worker_at(process.pid, process.start_ticks, tmp_path / "w.log"))
         older = asdict(state) | {"dir": str(state.dir)}
-        del older["daemon_start_ticks"]
+        # Before the supervisor, the state named the daemon, without its start time.
+        older["daemon_pid"] = older.pop("supervisor_pid")
+        del older["supervisor_start_ticks"]
         for record in older["workers"]:
             del record["start_ticks"], record["tunnel_start_ticks"]
         state.dir.mkdir(parents=True)

@@ -112,9 +112,10 @@ def test_logs_show_what_the_simulated_worker_is(sim_cluster) -> None:
 
 def test_down_leaves_nothing_running(sim_cluster) -> None:
     cli, _ = sim_cluster
-    cluster = cli.status().cluster
+    status = cli.status()
+    cluster = status.cluster
     state = state_of(cli, cluster)
-    pids = [state["daemon_pid"], *(w["pid"] for w in state["workers"])]
+    pids = [state["supervisor_pid"], status.daemon_pid, *(w["pid"] for w in state["workers"])]
     assert all(pid_alive(pid) for pid in pids)
     down = cli("down")
     assert f"cluster {cluster} is down" in down.stdout

@@ -188,7 +188,9 @@ def get_status(state: ClusterState) -> ClusterStatus:
     try:
         return fetch_status(state, timeout=10)
     except httpx.HTTPError as exc:
-        raise fail(f"{daemon_trouble(state)}\n`thunderctl down` stops the cluster") from exc
+        raise fail(
+            f"{daemon_trouble(state)}\n`thunderctl up` starts again what is not running; `thunderctl down` stops the cluster"
+        ) from exc
 
 
 @app.command()

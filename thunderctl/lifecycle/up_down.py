@@ -106,7 +106,7 @@ def daemon_trouble(state: ClusterState) -> str:
     """Why the daemon does not answer, from what its supervisor recorded, and the end of its log."""
     record = DaemonRecord.load(state.daemon_record_file)
     if not supervisor_running(state):
-        why = "its supervisor is not running (`thunderctl up` starts a new one)"
+        why = "its supervisor has exited"
     elif record.last_exit is None:
         why = f"it has not answered yet (pid {record.pid})"
     else:
