@@ -190,7 +190,7 @@ def test_the_tail_of_a_log_is_its_last_lines_and_a_missing_log_says_so(tmp_path:
 
 
 def test_a_group_is_alive_while_its_leader_or_a_member_left_by_it_runs(spawn) -> None:
-    # The daemon's supervisor asks this of every worker every 2 s: a running leader answers at once,
+    # The daemon's worker checks ask this of every worker every 2 s: a running leader answers at once,
     # a leader that died leaves the question to its group's members (a vLLM engine core left behind).
     groups = LocalProcessGroups()
     process = spawn(GROUP)

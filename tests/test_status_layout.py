@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from rich.cells import cell_len
 from rich.console import Console
 
 from thunderctl.daemon.control import build_control_app
-from thunderctl.daemon.status import ClusterStatus
+from thunderctl.daemon.status import ClusterStatus, DaemonStatus
 from thunderctl.status_screen import status_renderable
 
 # What `/status` and `thunderctl status --json` have always answered: scripts read these keys.
@@ -85,7 +87,17 @@ def busy_cluster(view: ClusterStatus) -> ClusterStatus:
     scheduler = view.scheduler.model_copy(
         update={"programs": programs, "pauses_total": 12_345, "resumes_total": 12_000, "forced_resumes_total": 3}
     )
-    return view.model_copy(update={"uptime_s": 3725.3, "workers": workers, "scheduler": scheduler})
+    # A daemon its supervisor has started again often, the last time days ago.
+    daemon = DaemonStatus(restarts=1_234, last_exit="killed by SIGKILL", last_exit_at=time.time() - 999_999)
+    return view.model_copy(
+        update={
+            "uptime_s": 3725.3,
+            "workers": workers,
+            "scheduler": scheduler,
+            "daemon_pid": 4_194_304,
+            "daemon": daemon,
+        }
+    )
 
 
 def rendered_at_80(view: ClusterStatus) -> list[str]:
@@ -112,6 +124,7 @@ async def test_status_fits_80_columns_with_every_id_url_and_number_in_full(daemo
     assert view.endpoint in text
     assert "paused 256" in text and "pauses 12,345 · resumes 12,000 · forced 3" in text
     assert "derived 1,024" in text  # programs found from their conversation
+    assert "daemon: pid 4194304 · restarts 1,234 · last: killed by SIGKILL, 999,999 s ago" in text
 
 
 @pytest.mark.anyio

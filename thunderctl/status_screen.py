@@ -62,8 +62,8 @@ def status_renderable(view: ClusterStatus) -> Group:
         else f"admission: ACTING weight {sched.acting_weight:.2f} · workers busy {sched.utilization:.0%}",
         f"sandboxes: {sandbox_line(view.sandboxes)}",
         *([pause_line(view.pause)] if view.pause and (view.pause.paused or view.pause.last_end) else []),
-        gateway_key_line(view.gateway),
         *([daemon_line(view.daemon_pid, view.daemon)] if view.daemon else []),
+        gateway_key_line(view.gateway),
     )
 
 
@@ -104,4 +104,4 @@ def daemon_line(pid: int | None, daemon: DaemonStatus) -> str:
     line = f"daemon: pid {pid} · restarts {daemon.restarts:,}"
     if daemon.last_exit is None or daemon.last_exit_at is None:
         return line
-    return f"{line} · last exit: {daemon.last_exit}, {time.time() - daemon.last_exit_at:,.0f} s ago"
+    return f"{line} · last: {daemon.last_exit}, {time.time() - daemon.last_exit_at:,.0f} s ago"

@@ -94,7 +94,7 @@ class LocalProcessGroups:
 
     def group_has_members(self, pgid: int) -> bool:
         # Its leader running is the common answer, read from the leader's own /proc entry. A scan of
-        # every process on the machine, for each of 8 workers every 2 s (the daemon's supervisor),
+        # every process on the machine, for each of 8 workers every 2 s (the daemon's worker checks),
         # was 44 % of a loaded daemon's py-spy samples, its thread holding the GIL from the event loop.
         with contextlib.suppress(psutil.Error, ProcessLookupError):
             if psutil.Process(pgid).status() != psutil.STATUS_ZOMBIE and os.getpgid(pgid) == pgid:
