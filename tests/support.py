@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from thunderctl.bench.closed_loop import LoadSpec, Target, run_load
 from thunderctl.bench.results import LoadResult
 from thunderctl.bench.shapes import AgentShape, Uniform
 from thunderctl.cli import app
+from thunderctl.cluster.state import ClusterState
 from thunderctl.daemon.status import ClusterStatus
 from thunderctl.processes import pick_free_port, pick_free_ports, pid_alive, port_free
 from thunderctl.processes.poll import poll_until
@@ -93,6 +95,22 @@ class Cli:
         if result.exit_code != 0:
             raise AssertionError(f"thunderctl status --json exited {result.exit_code}:\n{result.output}")
         return ClusterStatus.model_validate_json(result.stdout)
+
+
+@dataclass
+class RunningCluster:
+    """A cluster a test brought up through the CLI: its CLI, its profile and its state on disk."""
+
+    cli: Cli
+    profile: Path
+    name: str
+
+    @property
+    def state_dir(self) -> Path:
+        return Path(self.cli.env["THUNDERCTL_STATE_DIR"]) / self.name
+
+    def state(self) -> ClusterState:
+        return ClusterState.load(self.state_dir)
 
 
 def write_profile(directory: Path, restart: dict | None = None, **changes) -> Path:

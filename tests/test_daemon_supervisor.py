@@ -13,15 +13,14 @@ import signal
 import socket
 import threading
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
-from support import Cli, processes_mentioning, sim_profile, wait_for
-from thunderctl.cluster.state import ClusterState, DaemonRecord
+from support import Cli, RunningCluster, processes_mentioning, sim_profile, wait_for
+from thunderctl.cluster.state import DaemonRecord
 from thunderctl.daemon.supervisor import RESTART_INITIAL_BACKOFF_S, RESTART_MAX_BACKOFF_S
 from thunderctl.processes import backoff_s, pid_alive, port_free
 
@@ -29,19 +28,7 @@ MODEL = "qwen3-32b"  # profiles/sim.yaml's served name
 REQUEST = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
 
 
-@dataclass
-class Cluster:
-    cli: Cli
-    profile: Path
-    name: str
-
-    @property
-    def state_dir(self) -> Path:
-        return Path(self.cli.env["THUNDERCTL_STATE_DIR"]) / self.name
-
-    def state(self) -> ClusterState:
-        return ClusterState.load(self.state_dir)
-
+class Cluster(RunningCluster):
     def record(self) -> DaemonRecord:
         return DaemonRecord.load(self.state().daemon_record_file)
 

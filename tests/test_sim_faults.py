@@ -22,11 +22,10 @@ import psutil
 import pytest
 import yaml
 
-from support import SHAPE, Cli, processes_mentioning, sim_profile, wait_for
+from support import SHAPE, Cli, RunningCluster, processes_mentioning, sim_profile, wait_for
 from thunderctl.bench.closed_loop import LoadSpec, Target, run_load
 from thunderctl.bench.results import LoadResult, StepRecord
 from thunderctl.bench.shapes import AgentShape, Uniform
-from thunderctl.cluster.state import ClusterState
 from thunderctl.daemon.client import daemon_answers, fetch_status
 from thunderctl.daemon.service import SUPERVISE_INTERVAL_S
 from thunderctl.daemon.status import ClusterStatus
@@ -51,19 +50,7 @@ MODEL = "qwen3-32b"  # profiles/sim.yaml's served name
 RESTART_BACKOFF_S = 120.0  # from the first restart: the second death (within it) waits for `up`
 
 
-@dataclass
-class SimCluster:
-    cli: Cli
-    profile: Path
-    name: str
-
-    @property
-    def state_dir(self) -> Path:
-        return Path(self.cli.env["THUNDERCTL_STATE_DIR"]) / self.name
-
-    def state(self) -> ClusterState:
-        return ClusterState.load(self.state_dir)
-
+class SimCluster(RunningCluster):
     def status(self) -> ClusterStatus:
         """From the control socket directly: a CLI start-up would cost seconds on this machine."""
         return fetch_status(self.state())
