@@ -35,6 +35,18 @@ SMALL_SIM = ("--preset", "cpu-tiny", "--kv-blocks", "64", "--block-size", str(SM
 
 TCP_LISTEN = "0A"  # the st column of /proc/net/tcp
 
+# The one tool a coding agent offers in the tests' requests, as OpenAI's chat API spells it.
+BASH_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "bash",
+            "description": "Run a shell command.",
+            "parameters": {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]},
+        },
+    }
+]
+
 
 def mini_swe_agent_overrides(steps: int, parsed: bool = True) -> list[str]:
     """On top of a mini-swe-agent config, for the tiny model: short, deterministic answers, the first

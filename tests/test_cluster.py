@@ -17,7 +17,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from support import Cli, consecutive_free_ports, processes_mentioning, run_load_in_background, wait_for, write_profile
+from support import (
+    BASH_TOOLS,
+    Cli,
+    consecutive_free_ports,
+    processes_mentioning,
+    run_load_in_background,
+    wait_for,
+    write_profile,
+)
 from thunderctl.processes import pick_free_port, pid_alive
 
 
@@ -67,6 +75,32 @@ def test_programs_through_the_endpoint_show_in_status(cluster) -> None:
     assert status.scheduler.programs.acting >= 1
     assert sum(w.programs_active for w in status.workers) >= 1
     httpx.post(endpoint.removesuffix("/v1") + "/programs/release", json={"program_id": "visible"})
+
+
+def test_a_conversation_with_tools_and_tool_calls_is_answered(cluster) -> None:
+    """What a coding agent sends: tools with tool_choice "auto", its earlier calls and their results."""
+    cli, _, _ = cluster
+    endpoint = cli.status().endpoint
+    call = {"id": "call-1", "type": "function", "function": {"name": "bash", "arguments": '{"input": "ls"}'}}
+    messages = [
+        {"role": "system", "content": "You are a coding agent."},
+        {"role": "user", "content": "What is in this directory?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call-1", "content": "README.md"},
+    ]
+    for turns in (messages[:2], messages):
+        body = {
+            "model": "tiny",
+            "program_id": "tools",
+            "max_tokens": 8,
+            "messages": turns,
+            "tools": BASH_TOOLS,
+            "tool_choice": "auto",
+        }
+        answer = httpx.post(f"{endpoint}/chat/completions", json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["message"]["role"] == "assistant"
+    httpx.post(endpoint.removesuffix("/v1") + "/programs/release", json={"program_id": "tools"})
 
 
 @pytest.mark.parametrize("llm_turn_first", [True, False], ids=["after-an-llm-turn", "before-any-llm-turn"])

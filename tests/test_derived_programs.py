@@ -11,22 +11,12 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from support import wait_for
+from support import BASH_TOOLS, wait_for
 from thunderctl.daemon.control import build_control_app
 from thunderctl.daemon.status import ClusterStatus
 
 MODEL = "sim"
 STEPS = 6
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "bash",
-            "description": "Run a shell command.",
-            "parameters": {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]},
-        },
-    }
-]
 SYSTEM = {"role": "system", "content": "You are a software engineer. Use the bash tool. " * 20}
 
 
@@ -52,7 +42,7 @@ def test_the_openai_sdks_tool_calling_loop_is_one_program_per_conversation(serve
     conversations = [[SYSTEM, {"role": "user", "content": f"Fix bug number {i}."}] for i in range(3)]
     for step in range(STEPS):
         for messages in conversations:
-            response = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=8)
+            response = client.chat.completions.create(model=MODEL, messages=messages, tools=BASH_TOOLS, max_tokens=8)
             message = response.choices[0].message
             assert message.tool_calls, "the simulated worker answers a request that offers tools with a tool call"
             messages.append(message)  # the SDK's own object, as OpenAI's guide does
@@ -70,7 +60,7 @@ def test_each_program_is_listed_with_the_tool_its_last_answer_called(served) -> 
     for choice, tool in [("auto", "bash"), ("none", None)]:  # a tool call, and an answer that calls none
         messages = [SYSTEM, {"role": "user", "content": f"Answer with tool choice {choice}."}]
         raw = client.chat.completions.with_raw_response.create(
-            model=MODEL, messages=messages, tools=TOOLS, tool_choice=choice, max_tokens=4
+            model=MODEL, messages=messages, tools=BASH_TOOLS, tool_choice=choice, max_tokens=4
         )
         called[raw.headers["x-program-id"]] = tool
     assert {program_id: p["tool"] for program_id, p in gateway.programs().items()} == called
@@ -188,7 +178,7 @@ def test_a_streamed_tool_calling_loop_is_one_program_per_conversation(served) ->
     for step in range(3):
         for messages in conversations:
             stream = client.chat.completions.create(
-                model=MODEL, messages=messages, tools=TOOLS, max_tokens=8, stream=True
+                model=MODEL, messages=messages, tools=BASH_TOOLS, max_tokens=8, stream=True
             )
             call = {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
             for chunk in stream:  # the client puts the streamed call back together, as SDK users do
@@ -219,7 +209,7 @@ def test_a_conversation_ended_on_an_answer_that_calls_no_tool_gives_its_room_to_
         answer; returns the program the gateway gave it."""
         choice = {} if tool else {"tool_choice": "none"}
         raw = client.chat.completions.with_raw_response.create(
-            model=MODEL, messages=messages, tools=TOOLS, max_tokens=4, **choice
+            model=MODEL, messages=messages, tools=BASH_TOOLS, max_tokens=4, **choice
         )
         message = raw.parse().choices[0].message
         messages.append(message)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +22,8 @@ from thunderctl.engines.local import (
     install_engine,
     run_install_step,
 )
+from thunderctl.engines.tiny_model import CHAT_TEMPLATE
+from thunderctl.engines.vllm import TOOL_CALL_PARSERS
 
 
 @pytest.mark.engine
@@ -131,3 +135,21 @@ def test_engine_home_layout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     assert not home.is_installed()
     monkeypatch.delenv("THUNDERCTL_HOME")
     assert EngineHome.default().root == Path.home() / ".cache" / "thunderctl"
+
+
+def test_a_tiny_model_built_with_another_chat_template_is_built_again(tmp_path: Path) -> None:
+    home = EngineHome(tmp_path)
+    home.model_dir.mkdir(parents=True)
+    (home.model_dir / "config.json").write_text("{}")
+    template = home.model_dir / "chat_template.jinja"
+    template.write_text("{% for message in messages %}{{ message['content'] }}{% endfor %}")  # one without tools
+    assert not home.model_built()
+    template.write_text(CHAT_TEMPLATE)
+    assert home.model_built()
+
+
+@pytest.mark.engine
+def test_the_tool_call_parsers_a_profile_may_name_are_those_the_installed_vllm_ships(engine_home: EngineHome) -> None:
+    code = "import json; from vllm.tool_parsers import ToolParserManager as M; print(json.dumps(M.list_registered()))"
+    listed = subprocess.run([str(engine_home.python), "-c", code], capture_output=True, text=True, check=True)
+    assert sorted(TOOL_CALL_PARSERS) == json.loads(listed.stdout.splitlines()[-1])

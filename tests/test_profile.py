@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from thunderctl.profile import DEFAULT_PROFILE, ProfileError, load_profile, parse_profile
+from thunderctl.cluster.plan import plan_workers
+from thunderctl.engines.local import EngineHome
+from thunderctl.profile import DEFAULT_PROFILE, PROFILES_DIR, ProfileError, load_profile, parse_profile
 
-H100 = Path(__file__).parents[1] / "profiles" / "2xh100.yaml"
+H100 = PROFILES_DIR / "2xh100.yaml"
 
 
 def test_shipped_profiles_are_valid() -> None:
@@ -38,6 +40,10 @@ def test_shipped_profiles_are_valid() -> None:
             "CPU Offloading is currently only supported on CUDA-alike and XPU GPUs",
         ),
         (lambda p: p.update(nodes=[]), "nodes: []: List should have at least 1 item"),
+        (
+            lambda p: p["engine"].update(args=["--tool-call-parser", "llama3_json"]),
+            "engine.tool_call_parser: 'hermes' but args pass --tool-call-parser llama3_json",
+        ),
     ],
 )
 def test_invalid_profile_names_the_field_the_value_and_the_fix(edit, message) -> None:
@@ -97,3 +103,69 @@ def test_doctor_and_up_refuse_a_host_kv_tier_on_vllm_cpu_before_starting_anythin
     assert "engine.kv_offload_gib" in output
     assert "CPU Offloading is currently only supported on CUDA-alike and XPU GPUs" in output
     assert "vllm.entrypoints" not in output  # no worker planned, none started
+
+
+def doctor_output(tmp_path: Path, data: dict) -> str:
+    from typer.testing import CliRunner
+
+    from thunderctl.cli import app
+
+    path = tmp_path / "profile.yaml"
+    path.write_text(yaml.safe_dump(data))
+    result = CliRunner().invoke(app, ["doctor", "-f", str(path)])
+    return " ".join(result.output.replace("│", " ").split())  # rich wraps lines and draws a table
+
+
+@pytest.mark.parametrize("shipped", ["local.yaml", "2xh100.yaml"])
+def test_every_worker_of_a_shipped_vllm_profile_parses_tool_calls(tmp_path: Path, shipped: str) -> None:
+    profile = load_profile(PROFILES_DIR / shipped)
+    for plan in plan_workers(profile, EngineHome(tmp_path)):
+        line = " ".join(plan.command)
+        assert "--enable-auto-tool-choice --tool-call-parser hermes" in line, plan.id
+
+
+def test_tool_call_flags_the_engine_args_pass_already_are_not_passed_twice(tmp_path: Path) -> None:
+    data = yaml.safe_load(DEFAULT_PROFILE.read_text())
+    data["engine"]["args"] = ["--tool-call-parser=hermes", "--enable-auto-tool-choice"]
+    (plan,) = plan_workers(parse_profile(data, "x.yaml"), EngineHome(tmp_path))
+    assert [a for a in plan.command if a.startswith("--") and "tool" in a] == [
+        "--tool-call-parser=hermes",
+        "--enable-auto-tool-choice",
+    ]
+
+
+def test_an_unknown_tool_call_parser_is_refused_with_the_names_vllm_ships() -> None:
+    data = yaml.safe_load(DEFAULT_PROFILE.read_text())
+    data["engine"]["tool_call_parser"] = "hermess"
+    with pytest.raises(ProfileError) as error:
+        parse_profile(data, "x.yaml")
+    message = str(error.value)
+    assert "engine.tool_call_parser: 'hermess' is not a tool-call parser vLLM 0.32.0 ships; use one of" in message
+    assert all(name in message for name in ("hermes", "llama3_json", "mistral", "qwen3_coder"))
+
+
+def test_doctor_warns_that_a_vllm_profile_without_a_tool_call_parser_answers_tools_with_a_400(
+    tmp_path: Path,
+) -> None:
+    data = yaml.safe_load(DEFAULT_PROFILE.read_text())
+    del data["engine"]["tool_call_parser"]
+    output = doctor_output(tmp_path, data)
+    assert (
+        'warn engine tool calls: no tool-call parser: vLLM answers a request with tools and tool_choice "auto" with a 400'
+        in output
+    )
+    assert "fix: set engine.tool_call_parser" in output
+
+
+def test_doctor_does_not_warn_a_profile_whose_workers_parse_tool_calls(tmp_path: Path) -> None:
+    output = doctor_output(tmp_path, yaml.safe_load(DEFAULT_PROFILE.read_text()))
+    assert "engine tool calls ok --tool-call-parser hermes" in output
+    assert "engine.tool_call_parser" not in output
+
+
+def test_a_sim_profile_is_not_warned_about_tool_calls_and_refuses_a_parser(tmp_path: Path) -> None:
+    data = yaml.safe_load((PROFILES_DIR / "sim.yaml").read_text())
+    assert "tool calls" not in doctor_output(tmp_path, data)  # a simulated worker answers tools by itself
+    data["engine"]["tool_call_parser"] = "hermes"
+    with pytest.raises(ProfileError, match="engine.tool_call_parser is for vLLM workers"):
+        parse_profile(data, "sim.yaml")

@@ -81,18 +81,28 @@ def render_checks(checks: list[Check]) -> None:
     for column in ("node", "check", "", "detail"):
         table.add_column(column)
     for check in checks:
-        mark = "[green]ok[/]" if check.ok else "[red]FAIL[/]"
+        mark = "[red]FAIL[/]" if not check.ok else "[yellow]warn[/]" if check.warning else "[green]ok[/]"
         table.add_row(escape(check.node), escape(check.name), mark, escape(check.detail))
     out.print(table)
     # The fixes are sentences: below the table, one line each, they stay whole and readable.
     for check in checks:
         if not check.ok:
-            out.print(
-                f"[red]FAIL[/] {escape(check.node)} {escape(check.name)}: {escape(check.detail)}\n"
-                f"     fix: {escape(check.fix)}",
-                soft_wrap=True,
-                highlight=False,
-            )
+            print_fix("[red]FAIL[/]", check)
+    render_warnings(checks)
+
+
+def render_warnings(checks: list[Check]) -> None:
+    for check in checks:
+        if check.ok and check.warning:
+            print_fix("[yellow]warn[/]", check)
+
+
+def print_fix(mark: str, check: Check) -> None:
+    out.print(
+        f"{mark} {escape(check.node)} {escape(check.name)}: {escape(check.detail)}\n     fix: {escape(check.fix)}",
+        soft_wrap=True,
+        highlight=False,
+    )
 
 
 @app.command()
@@ -174,6 +184,7 @@ def up(
             if not all(c.ok for c in checks):
                 render_checks(checks)
                 raise fail("preflight failed; nothing was started (fix the FAIL rows, or --skip-preflight)")
+            render_warnings(checks)
         with out.status("starting workers") as status:
             try:
                 state = launch(profile, path, plans, timeout, status.update, transports)

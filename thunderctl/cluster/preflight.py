@@ -20,12 +20,14 @@ from thunderctl.cluster.nodes import Transports
 from thunderctl.cluster.plan import (
     WorkerPlan,
     bind_host,
+    engine_args,
     model_path,
     ssh_target,
     worker_python,
 )
 from thunderctl.cluster.transport import Transport, TransportError, free_gib, in_parallel
 from thunderctl.engines.local import EngineHome
+from thunderctl.engines.vllm import AUTO_TOOL_CHOICE_FLAG, TOOL_CALL_PARSER_FLAG, flag_value
 from thunderctl.processes import port_free
 from thunderctl.profile import BUILTIN_TINY_MODEL, NodeSpec, Profile, state_root
 
@@ -47,6 +49,7 @@ class Check:
     ok: bool
     detail: str
     fix: str = ""
+    warning: bool = False  # with ok: nothing stops, but clients will notice; printed with its fix
 
 
 def local_engine_checks(profile: Profile, node: str, home: EngineHome) -> list[Check]:
@@ -295,6 +298,27 @@ def node_checks(
     return checks + port_checks(node, plans, transport)
 
 
+def tool_call_checks(profile: Profile) -> list[Check]:
+    """Whether the workers answer requests that offer tools: vLLM needs a parser for the model's tool calls."""
+    if profile.engine.kind == "sim":  # a simulated worker answers tools by itself
+        return []
+    args = engine_args(profile)
+    parser = flag_value(args, TOOL_CALL_PARSER_FLAG)
+    if AUTO_TOOL_CHOICE_FLAG in args and parser is not None:
+        return [Check("engine", "tool calls", True, f"{TOOL_CALL_PARSER_FLAG} {parser}")]
+    return [
+        Check(
+            "engine",
+            "tool calls",
+            True,
+            'no tool-call parser: vLLM answers a request with tools and tool_choice "auto" with a 400',
+            "set engine.tool_call_parser to the parser of the model's family (docs/profiles.md names them; "
+            "hermes for Qwen2.5 and Qwen3)",
+            warning=True,
+        )
+    ]
+
+
 def controller_checks(profile: Profile) -> list[Check]:
     checks = [
         Check("controller", "python", sys.version_info >= (3, 11), sys.version.split()[0], "use Python 3.11 or newer")
@@ -336,4 +360,5 @@ def preflight(
         except TransportError as error:  # the node went away, or a check hung, half-way through
             return [Check(node.name, "reachable", False, str(error), error.fix or "run `thunderctl doctor` again")]
 
-    return controller_checks(profile) + [row for rows in in_parallel(check, profile.nodes) for row in rows]
+    nodes = [row for rows in in_parallel(check, profile.nodes) for row in rows]
+    return controller_checks(profile) + tool_call_checks(profile) + nodes

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 
+from thunderctl.engines.tiny_model import CHAT_TEMPLATE
 from thunderctl.engines.vllm import API_KEY_ENV, dev_mode_env
 from thunderctl.jsonapi import bearer_headers
 from thunderctl.processes import ProcessIdentity, poll_until, spawn_detached, stop_recorded_group, tail_of_file
@@ -76,7 +77,12 @@ class EngineHome:
         return self.model_built() and self.venv_can_import("vllm")
 
     def model_built(self) -> bool:
-        return (self.model_dir / "config.json").is_file()
+        """The tiny model is there with the chat template this thunderctl writes: one an older thunderctl
+        built (a template without tools) is built again. transformers saves it beside the tokenizer."""
+        template = self.model_dir / "chat_template.jinja"
+        return (
+            (self.model_dir / "config.json").is_file() and template.is_file() and template.read_text() == CHAT_TEMPLATE
+        )
 
     def venv_can_import(self, module: str) -> bool:
         if not self.python.exists():

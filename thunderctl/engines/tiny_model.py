@@ -31,11 +31,33 @@ IM_END = "<|im_end|>"
 PAD = "<|pad|>"
 SPECIAL_TOKENS = [BOS, IM_START, IM_END, PAD]
 
-# ChatML: simple, and it makes /v1/chat/completions work. Content is used as a plain
-# string so vLLM detects the "string" content format.
+# ChatML, with tools as vLLM's hermes tool-call parser reads them, laid out as Qwen2.5's template does:
+# the tools in a system turn, each call an assistant made as a <tool_call>{"name": ..., "arguments": ...}
+# </tool_call> block, each tool's answer in a user turn's <tool_response> block. Content is used as a
+# plain string so vLLM detects the "string" content format (it gives an assistant turn that only calls
+# tools an empty string).
 CHAT_TEMPLATE = (
+    "{% if tools %}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    "{{ '# Tools\\n\\nYou may call one or more of these functions:\\n<tools>' }}"
+    "{% for tool in tools %}{{ '\\n' + tool | tojson }}{% endfor %}"
+    "{{ '\\n</tools>\\n\\nWrite each call as a JSON object with the name and the arguments of the function "
+    "within <tool_call></tool_call> tags.<|im_end|>\\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"  # already in the tools' system turn
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{% set function = call['function'] if call['function'] is defined else call %}"
+    "{{ '\\n<tool_call>\\n' + {'name': function['name'], 'arguments': function['arguments']} | tojson }}"
+    "{{ '\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )

