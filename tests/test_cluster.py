@@ -28,6 +28,49 @@ from support import (
 )
 from thunderctl.processes import pick_free_port, pid_alive
 
+BASH_SCHEMA = BASH_TOOLS[0]["function"]["parameters"]
+SYSTEM = "You are a coding agent."
+TASK = "What is in this directory?"
+# One conversation as each API spells it: the tools offered with tool_choice "auto", a call the model
+# made and its result. Without a tool-call parser vLLM answers the chat and Messages ones with a 400.
+TOOL_CONVERSATIONS = {
+    "/v1/chat/completions": {
+        "max_tokens": 8,
+        "messages": [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": TASK},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call-1", "type": "function", "function": {"name": "bash", "arguments": '{"input": "ls"}'}}
+            ]},
+            {"role": "tool", "tool_call_id": "call-1", "content": "README.md"},
+        ],
+        "tools": BASH_TOOLS,
+        "tool_choice": "auto",
+    },
+    "/v1/messages": {
+        "max_tokens": 8,
+        "system": SYSTEM,
+        "messages": [
+            {"role": "user", "content": TASK},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu-1", "name": "bash", "input": {"input": "ls"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu-1", "content": "README.md"}]},
+        ],
+        "tools": [{"name": "bash", "description": "Run a shell command.", "input_schema": BASH_SCHEMA}],
+        "tool_choice": {"type": "auto"},
+    },
+    "/v1/responses": {
+        "max_output_tokens": 16,
+        "instructions": SYSTEM,
+        "input": [
+            {"role": "user", "content": TASK},
+            {"type": "function_call", "call_id": "call-1", "name": "bash", "arguments": '{"input": "ls"}'},
+            {"type": "function_call_output", "call_id": "call-1", "output": "README.md"},
+        ],
+        "tools": [{"type": "function", "name": "bash", "description": "Run a shell command.", "parameters": BASH_SCHEMA}],
+        "tool_choice": "auto",
+    },
+}  # fmt: skip
+
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, engine_home):
@@ -77,30 +120,15 @@ def test_programs_through_the_endpoint_show_in_status(cluster) -> None:
     httpx.post(endpoint.removesuffix("/v1") + "/programs/release", json={"program_id": "visible"})
 
 
-def test_a_conversation_with_tools_and_tool_calls_is_answered(cluster) -> None:
-    """What a coding agent sends: tools with tool_choice "auto", its earlier calls and their results."""
+@pytest.mark.parametrize("path", TOOL_CONVERSATIONS)
+def test_a_coding_agents_conversation_with_tools_and_tool_calls_is_answered(cluster, path: str) -> None:
     cli, _, _ = cluster
-    endpoint = cli.status().endpoint
-    call = {"id": "call-1", "type": "function", "function": {"name": "bash", "arguments": '{"input": "ls"}'}}
-    messages = [
-        {"role": "system", "content": "You are a coding agent."},
-        {"role": "user", "content": "What is in this directory?"},
-        {"role": "assistant", "content": None, "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "call-1", "content": "README.md"},
-    ]
-    for turns in (messages[:2], messages):
-        body = {
-            "model": "tiny",
-            "program_id": "tools",
-            "max_tokens": 8,
-            "messages": turns,
-            "tools": BASH_TOOLS,
-            "tool_choice": "auto",
-        }
-        answer = httpx.post(f"{endpoint}/chat/completions", json=body, timeout=60)
-        assert answer.status_code == 200, answer.text
-        assert answer.json()["choices"][0]["message"]["role"] == "assistant"
-    httpx.post(endpoint.removesuffix("/v1") + "/programs/release", json={"program_id": "tools"})
+    gateway = cli.status().endpoint.removesuffix("/v1")
+    body = {"model": "tiny", **TOOL_CONVERSATIONS[path]}
+    answer = httpx.post(f"{gateway}{path}", json=body, headers={"X-Program-Id": "tools"}, timeout=60)
+    httpx.post(f"{gateway}/programs/release", json={"program_id": "tools"})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["model"] == "tiny"
 
 
 @pytest.mark.parametrize("llm_turn_first", [True, False], ids=["after-an-llm-turn", "before-any-llm-turn"])
