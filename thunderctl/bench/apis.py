@@ -35,6 +35,8 @@ Message = dict[str, str]  # {"role", "content"}: a history message in chat's for
 
 
 class Api(StrEnum):
+    """The API the agents speak (`--api`), named as the gateway's API modules name theirs."""
+
     CHAT = "chat"
     RESPONSES = "responses"
     MESSAGES = "messages"
