@@ -42,7 +42,8 @@ from local_stack import EngineSettings, start_engine
 from rich.console import Console
 from scipy.optimize import nnls
 
-from thunderctl.bench.requests import stream_chat
+from thunderctl.bench.apis import SHAPES, Api
+from thunderctl.bench.requests import ask_streamed
 from thunderctl.engines.local import LocalEngine
 from thunderctl.prometheus import parse_samples
 from thunderctl.sim.cost import FrontendCost
@@ -93,14 +94,12 @@ async def measure(
 ) -> Sample:
     # Words of their own each time, so that nothing hits the prefix cache.
     text = " ".join(f"w{rng.randrange(10**6)}" for _ in range(words))
-    body = {
-        "model": MODEL, "messages": [{"role": "user", "content": text}],
-        "max_tokens": answer, "ignore_eos": True,
-    }  # fmt: skip
+    chat = SHAPES[Api.CHAT]
+    body = chat.body(MODEL, [{"role": "user", "content": text}], answer)
     before = await metrics(client)
     cpu_before = cpu_seconds(server)
     start = time.perf_counter()
-    reply = await stream_chat(client, str(client.base_url).rstrip("/"), body, {})
+    reply = await ask_streamed(client, str(client.base_url).rstrip("/"), chat, body, {})
     client_s = time.perf_counter() - start
     cpu_s = None if server is None else cpu_seconds(server) - cpu_before
     if reply.error or reply.status != 200:

@@ -12,6 +12,7 @@ from dataclasses import replace
 import httpx
 import pytest
 
+from thunderctl.bench.apis import SHAPES, Api
 from thunderctl.bench.closed_loop import (
     LoadSpec,
     Routing,
@@ -22,7 +23,7 @@ from thunderctl.bench.closed_loop import (
 )
 from thunderctl.bench.planning import WORDS, plan_program, system_prompt, words_for_tokens
 from thunderctl.bench.replay import TraceWorkload
-from thunderctl.bench.requests import Reply, read_stream_chunk, stream_chat
+from thunderctl.bench.requests import Reply, ask_streamed, take_event
 from thunderctl.bench.results import (
     CacheDelta,
     LoadResult,
@@ -236,11 +237,11 @@ def test_a_summary_holds_every_count_of_a_result_and_the_slices_sum_into_the_arm
 
 
 def test_stream_chunks_give_text_first_token_time_and_usage() -> None:
-    reply, parts = Reply(200), []
-    read_stream_chunk({"choices": [{"delta": {"role": "assistant"}}]}, reply, parts, 0.1)
-    read_stream_chunk({"choices": [{"delta": {"content": "a b"}}]}, reply, parts, 0.2)
-    read_stream_chunk({"choices": [{"delta": {"content": " c"}}]}, reply, parts, 0.3)
-    read_stream_chunk({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3}}, reply, parts, 0.4)
+    reply, parts, chat = Reply(200), [], SHAPES[Api.CHAT]
+    take_event(chat.event({"choices": [{"delta": {"role": "assistant"}}]}), reply, parts, 0.1)
+    take_event(chat.event({"choices": [{"delta": {"content": "a b"}}]}), reply, parts, 0.2)
+    take_event(chat.event({"choices": [{"delta": {"content": " c"}}]}), reply, parts, 0.3)
+    take_event(chat.event({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3}}), reply, parts, 0.4)
     assert "".join(parts) == "a b c"
     assert (reply.ttft_s, reply.prompt_tokens, reply.completion_tokens) == (0.2, 9, 3)
 
@@ -262,7 +263,7 @@ def test_a_streamed_answer_whose_text_holds_unicode_line_separators_is_read_whol
 
     async def ask() -> Reply:
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            return await stream_chat(client, "http://engine", {"messages": []}, {})
+            return await ask_streamed(client, "http://engine", SHAPES[Api.CHAT], {"messages": []}, {})
 
     reply = asyncio.run(ask())
     assert reply.text == "".join(texts)

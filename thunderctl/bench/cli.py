@@ -15,6 +15,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from thunderctl.bench.apis import Api
 from thunderctl.bench.closed_loop import LoadSpec, Routing
 from thunderctl.bench.endpoints import (
     CONTEXT_HEADROOM,
@@ -130,6 +131,14 @@ def swe_lite(
     ] = None,
     routing: RoutingOption = Routing.STICKY,
     stream: Annotated[bool, typer.Option(help="Stream responses (needed for time to first token).")] = True,
+    api: Annotated[
+        Api,
+        typer.Option(
+            help="The API the agents speak, in both arms: chat (completions), responses (OpenAI Responses, as "
+            "Codex sends it) or messages (Anthropic Messages, as Claude Code sends it): the same runs, history and "
+            "answer lengths in its request shape (Messages cannot force the length: an answer may end early)."
+        ),
+    ] = Api.CHAT,
     seed: Annotated[
         int, typer.Option(help="The trace's order, or the programs drawn (the same seed replays the same ones).")
     ] = 0,
@@ -183,11 +192,11 @@ def swe_lite(
         raise fail(str(exc)) from exc
     spec = LoadSpec(
         concurrency=concurrency, shape=workload, programs=programs, duration_s=duration, seed=seed, model=info.model,
-        warmup_s=warmup, stream=stream, age_initial_programs=True, time_scale=time_scale, client=client,
+        warmup_s=warmup, stream=stream, api=api, age_initial_programs=True, time_scale=time_scale, client=client,
     )  # fmt: skip
     console.print(
         f"{' vs '.join(arms)}: {endpoints.endpoint} ({'thunderctl' if info.thunderctl else 'plain endpoint'}), "
-        f"engines {', '.join(endpoints.engines) or 'unknown (no hit rate)'}, model {info.model}"
+        f"engines {', '.join(endpoints.engines) or 'unknown (no hit rate)'}, model {info.model}, API {api}"
     )
     if sandboxes and not info.thunderctl:
         raise fail(f"--sandboxes needs a thunderctl cluster's /v1/sandboxes; {endpoints.endpoint} is a plain endpoint")
@@ -224,7 +233,7 @@ def swe_lite(
             tools.close()
     parameters = {
         "concurrency": concurrency, "programs": programs, "duration_s": duration, "warmup_s": warmup,
-        "slices": rounds, "seed": seed, "stream": stream, "arms": arms, "routing": routing,
+        "slices": rounds, "seed": seed, "stream": stream, "api": api, "arms": arms, "routing": routing,
         "time_scale": time_scale, "endpoint": endpoints.endpoint, "engines": endpoints.engines,
         "model": info.model, "max_model_len": info.max_model_len, "thunderctl": info.thunderctl,
         "sandboxes": sandboxes, "collect_at_release": collect, "sandbox_image": sandbox_image, "client": client,

@@ -5,8 +5,9 @@ A program sends its whole history every step (a shared system prompt, its task, 
 assistant turns and tool observations so far), waits out a tool call, and repeats. What the
 programs look like comes from a workload (bench/shapes.py: `AgentShape`'s uniform ranges; the
 `swe-lite` generator; a recorded trace); each gives a program as a trace (prompt and answer
-sizes per step, tool times), which bench/planning.py renders as text of those sizes. The same
-load can go straight to vLLM servers ("direct", each program sticky to one server, or each
+sizes per step, tool times), which bench/planning.py renders as text of those sizes, sent in the
+request shape of the API the agents speak (bench/apis.py: chat completions, Responses, Messages). The
+same load can go straight to vLLM servers ("direct", each program sticky to one server, or each
 request to the next server) or through the thunderctl gateway ("gateway", with `program_id`
 on every request and a release at the end, or as a `Client` that names or releases nothing), so
 the two can be compared on equal terms. What a
@@ -23,12 +24,13 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import httpx
 
+from thunderctl.bench.apis import SHAPES, Api
 from thunderctl.bench.planning import ProgramPlan, StepPlan, plan_program, system_prompt, word_text
-from thunderctl.bench.requests import Reply, chat, error_text, resend_unanswered, stream_chat
+from thunderctl.bench.requests import Reply, ask, ask_streamed, error_text, resend_unanswered
 from thunderctl.bench.results import (
     CacheDelta,
     CounterSample,
@@ -66,6 +68,8 @@ class LoadSpec:
     # Steps that start before this many seconds are left out of the steady-window figures.
     warmup_s: float = 0.0
     stream: bool = False
+    # The API the agents speak (bench/apis.py): the same history and answer lengths in its request shape.
+    api: Api = Api.CHAT
     # Part of the system prompt, so two runs never share cached prefixes; None draws one.
     salt: str | None = None
     # The first `concurrency` programs start part-way through their life (with synthetic
@@ -313,12 +317,8 @@ class ClosedLoop:
     async def send_step(
         self, url: str, plan: ProgramPlan, step_index: int, messages: list[dict[str, str]], step: StepPlan
     ) -> tuple[StepRecord, str]:
-        body: dict[str, Any] = {
-            "model": self.spec.model,
-            "messages": messages,
-            "max_tokens": step.completion_tokens,
-            "ignore_eos": True,
-        }
+        shape = SHAPES[self.spec.api]
+        body = shape.body(self.spec.model, messages, step.completion_tokens)
         headers = self.target.headers
         if self.names_programs:
             body["program_id"] = plan.program_id
@@ -327,7 +327,7 @@ class ClosedLoop:
         start = self.now()
         try:
             reply = await self.retrying_unanswered(
-                lambda: (stream_chat if self.spec.stream else chat)(self.client, url, body, headers)
+                lambda: (ask_streamed if self.spec.stream else ask)(self.client, url, shape, body, headers)
             )
         except httpx.HTTPError as exc:
             reply = Reply(status=0, error=error_text(exc))

@@ -122,7 +122,9 @@ def fmt(value: float | None, unit: str = "", digits: int = 2) -> str:
 
 def report_table(report: dict[str, Any]) -> Table:
     parameters = report["parameters"]
-    table = Table(title=f"{report['benchmark']} at concurrency {parameters['concurrency']}")
+    # The API the agents spoke (`--api`); a report saved before bench had the option names none.
+    api = f" over the {parameters['api']} API" if parameters.get("api") else ""
+    table = Table(title=f"{report['benchmark']} at concurrency {parameters['concurrency']}{api}")
     columns = (
         "arm",
         "steps/min",

@@ -1,4 +1,4 @@
-"""One agent request over HTTP: a chat completion (streamed or not), what its answer gave, and resending one that got no byte."""
+"""One agent request over HTTP in its API's shape (streamed or not), what its answer gave, and resending one that got no byte."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from typing import Any, TypeVar
 
 import httpx
 import tenacity
+
+from thunderctl.bench.apis import ApiShape, Event
 
 T = TypeVar("T")
 # A request that got no byte of its answer is sent again after this wait, doubled after each try up to
@@ -93,27 +95,30 @@ async def resend_unanswered(
     return await retrying(attempt)
 
 
-async def chat(client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str]) -> Reply:
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as response:
+async def ask(
+    client: httpx.AsyncClient, url: str, shape: ApiShape, body: dict[str, Any], headers: dict[str, str]
+) -> Reply:
+    """One request in `shape`'s API, its answer read whole."""
+    async with client.stream("POST", f"{url}{shape.path}", json=body, headers=headers) as response:
         with answer_begun():
             await response.aread()
     if response.status_code != 200:
         return Reply(response.status_code, error=response.text[:300])
     try:
-        payload = response.json()
-        text = payload["choices"][0]["message"]["content"] or ""
+        text, usage = shape.answer(response.json())
     except (ValueError, KeyError, IndexError, TypeError) as exc:
         return Reply(response.status_code, error=f"unreadable response: {exc!r}")
-    usage = payload.get("usage") or {}
     return Reply(200, text, usage.get("prompt_tokens"), usage.get("completion_tokens"))
 
 
-async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str]) -> Reply:
-    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+async def ask_streamed(
+    client: httpx.AsyncClient, url: str, shape: ApiShape, body: dict[str, Any], headers: dict[str, str]
+) -> Reply:
+    """One request in `shape`'s API, streamed: its text, its usage and when its first token came."""
     start = time.monotonic()
     reply = Reply(0)
     parts: list[str] = []
-    async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers) as response:
+    async with client.stream("POST", f"{url}{shape.path}", json=shape.streamed(body), headers=headers) as response:
         reply.status = response.status_code
         with answer_begun():
             if response.status_code != 200:
@@ -121,11 +126,11 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any],
                 return reply
             async for line in sse_lines(response):
                 if not line.startswith(b"data:"):
-                    continue
+                    continue  # the event's name, if any: its data names its type too
                 data = line[len(b"data:") :].strip()
                 if data == b"[DONE]":
                     break
-                read_stream_chunk(json.loads(data), reply, parts, time.monotonic() - start)
+                take_event(shape.event(json.loads(data)), reply, parts, time.monotonic() - start)
     reply.text = "".join(parts)
     return reply
 
@@ -159,16 +164,14 @@ def error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def read_stream_chunk(chunk: dict[str, Any], reply: Reply, parts: list[str], elapsed_s: float) -> None:
-    if "error" in chunk:
-        reply.error = str(chunk["error"])[:300]
-    for choice in chunk.get("choices") or []:
-        content = (choice.get("delta") or {}).get("content")
-        if content:
-            if reply.ttft_s is None:
-                reply.ttft_s = elapsed_s
-            parts.append(content)
-    usage = chunk.get("usage")
-    if usage:
-        reply.prompt_tokens = usage.get("prompt_tokens")
-        reply.completion_tokens = usage.get("completion_tokens")
+def take_event(event: Event, reply: Reply, parts: list[str], elapsed_s: float) -> None:
+    """One stream event into the reply: its text (the first text is the first token), usage and error."""
+    if event.error is not None:
+        reply.error = event.error[:300]
+    if event.text:
+        if reply.ttft_s is None:
+            reply.ttft_s = elapsed_s
+        parts.append(event.text)
+    if event.usage:
+        reply.prompt_tokens = event.usage.get("prompt_tokens", reply.prompt_tokens)
+        reply.completion_tokens = event.usage.get("completion_tokens", reply.completion_tokens)

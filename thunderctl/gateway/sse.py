@@ -13,7 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from thunderctl.gateway.apis.base import StreamedAnswer, Usage
+from thunderctl.apiusage import Usage
+from thunderctl.gateway.apis.base import StreamedAnswer
 
 # An event ends at a blank line; vLLM ends its lines with "\n", the SSE standard allows "\r\n".
 EVENT_END = re.compile(rb"\r?\n\r?\n")

@@ -16,15 +16,13 @@ from typing import Any, ClassVar, get_args
 from pydantic import BaseModel, ValidationError
 from starlette.responses import JSONResponse
 
+from thunderctl.apiusage import Usage
 from thunderctl.gateway.answers import tool_in_message, tool_in_text
 from thunderctl.gateway.identity import Turn
 from thunderctl.gateway.requests import PromptShape, chat_shape
 from thunderctl.jsonapi import BadRequest, error, shown
 
-Usage = dict[str, Any]
-MISSING = (
-    object()
-)  # a required field the body left out  # chat's: prompt_tokens, completion_tokens, prompt_tokens_details.cached_tokens
+MISSING = object()  # a required field the body left out
 
 
 @dataclass(frozen=True)

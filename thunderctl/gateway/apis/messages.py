@@ -14,7 +14,8 @@ from typing import Any
 from pydantic import BaseModel, Field, StrictBool, StrictStr
 from starlette.responses import JSONResponse
 
-from thunderctl.gateway.apis.base import Answer, Api, StreamedAnswer, Usage
+from thunderctl.apiusage import Usage, messages_usage
+from thunderctl.gateway.apis.base import Answer, Api, StreamedAnswer
 from thunderctl.gateway.apis.chat import _Count
 from thunderctl.gateway.identity import Turn
 from thunderctl.gateway.requests import text_of
@@ -58,21 +59,9 @@ def as_message(message: dict[str, Any]) -> list[dict[str, Any]]:
     return [*results, own]
 
 
-def chat_usage(usage: dict[str, Any]) -> Usage:
-    """Anthropic counts the prompt in three parts: the uncached, the read from cache and the written."""
-    cached = usage.get("cache_read_input_tokens") or 0
-    prompt = (usage.get("input_tokens") or 0) + cached + (usage.get("cache_creation_input_tokens") or 0)
-    found: Usage = {}
-    if "input_tokens" in usage:
-        found |= {"prompt_tokens": prompt, "prompt_tokens_details": {"cached_tokens": cached}}
-    if "output_tokens" in usage:
-        found["completion_tokens"] = usage.get("output_tokens") or 0
-    return found
-
-
 def message_answer(content: list[Any], usage: dict[str, Any] | None) -> Answer:
     messages = as_message({"role": "assistant", "content": content})
-    return Answer(chat_usage(usage) if usage else None, messages[-1])
+    return Answer(messages_usage(usage) if usage else None, messages[-1])
 
 
 class MessageEvents(StreamedAnswer):
@@ -131,7 +120,7 @@ class MessagesApi(Api):
     def usage_of(self, chunk: dict[str, Any]) -> Usage | None:
         message = chunk.get("message")
         usage = (message if isinstance(message, dict) else chunk).get("usage")
-        return chat_usage(usage) if isinstance(usage, dict) else None
+        return messages_usage(usage) if isinstance(usage, dict) else None
 
     def error(self, status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
         kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")

@@ -13,7 +13,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field, StrictBool, StrictStr
 
-from thunderctl.gateway.apis.base import Answer, Api, StreamedAnswer, Usage
+from thunderctl.apiusage import Usage, responses_usage
+from thunderctl.gateway.apis.base import Answer, Api, StreamedAnswer
 from thunderctl.gateway.apis.chat import _Count
 from thunderctl.gateway.identity import Turn
 from thunderctl.gateway.requests import text_of
@@ -73,16 +74,7 @@ def response_answer(response: dict[str, Any]) -> Answer:
     messages = as_messages(output) if isinstance(output, list) else []
     message = next((m for m in reversed(messages) if m.get("role") == "assistant"), None)
     usage = response.get("usage")
-    return Answer(chat_usage(usage) if isinstance(usage, dict) else None, message, whole=response)
-
-
-def chat_usage(usage: dict[str, Any]) -> Usage:
-    cached = (usage.get("input_tokens_details") or {}).get("cached_tokens") or 0
-    return {
-        "prompt_tokens": usage.get("input_tokens") or 0,
-        "completion_tokens": usage.get("output_tokens") or 0,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
+    return Answer(responses_usage(usage) if isinstance(usage, dict) else None, message, whole=response)
 
 
 class ResponseEvents(StreamedAnswer):
@@ -140,4 +132,4 @@ class ResponsesApi(Api):
     def usage_of(self, chunk: dict[str, Any]) -> Usage | None:
         response = chunk.get("response")
         usage = response.get("usage") if isinstance(response, dict) else None
-        return chat_usage(usage) if isinstance(usage, dict) else None
+        return responses_usage(usage) if isinstance(usage, dict) else None
