@@ -56,6 +56,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
+from thunderctl.bench.apis import SHAPES, Api
 from thunderctl.gateway.auth import env_api_key
 from thunderctl.gateway.identity import ConversationIndex, Turn
 from thunderctl.gateway.process import ServeProcess
@@ -110,40 +111,6 @@ def fast_backend() -> Starlette:
         Route("/v1/messages", messages, methods=["POST"]),
         Route("/health", ok), Route("/metrics", metrics),
     ])  # fmt: skip
-
-
-@dataclass(frozen=True)
-class ApiShape:
-    """How a chat-form conversation is sent through one API, and how its answer joins it."""
-
-    path: str
-    body: Callable[[list[dict[str, Any]]], dict[str, Any]]
-    answer: Callable[[dict[str, Any]], list[dict[str, Any]]]  # the answer as the turns the client sends back
-
-
-API_SHAPES = {
-    "chat": ApiShape(
-        "/v1/chat/completions",
-        lambda messages: {"model": "m", "messages": messages, "max_tokens": 1},
-        lambda answer: [answer["choices"][0]["message"]],
-    ),
-    "responses": ApiShape(
-        "/v1/responses",
-        lambda messages: {
-            "model": "m",
-            "instructions": messages[0]["content"],
-            "input": messages[1:],
-            "max_output_tokens": 1,
-            "store": False,
-        },
-        lambda answer: answer["output"],
-    ),  # fmt: skip
-    "messages": ApiShape(
-        "/v1/messages",
-        lambda messages: {"model": "m", "system": messages[0]["content"], "messages": messages[1:], "max_tokens": 1},
-        lambda answer: [{"role": "assistant", "content": answer["content"]}],
-    ),
-}
 
 
 def serve_in_thread(app: Starlette, port: int) -> uvicorn.Server:
@@ -322,15 +289,16 @@ def derivation_latency(requests: int, apis: list[str], conversations: int = 8) -
         with httpx.Client(timeout=30, headers=bearer_headers(env_api_key())) as client:
             for i in range(requests):
                 for api in apis:
-                    shape = API_SHAPES[api]
+                    shape = SHAPES[Api(api)]
                     for arm, url in urls.items():
                         messages = chats[api, arm][i % conversations]
-                        body = json.dumps(shape.body(messages))
+                        body = json.dumps(shape.body("m", messages, 1))
                         started = time.perf_counter()
                         response = client.post(f"{url}{shape.path}", content=body)
                         times[api, arm].append(time.perf_counter() - started)
                         response.raise_for_status()
-                        messages += [*shape.answer(response.json()), {"role": "user", "content": f"obs {i}"}]
+                        text, _ = shape.answer(response.json())
+                        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": f"obs {i}"}]
             programs = httpx.get(f"{gateways['on']}/programs", headers=bearer_headers(env_api_key())).json()
     finally:
         for process in processes:
@@ -343,7 +311,7 @@ def derivation_latency(requests: int, apis: list[str], conversations: int = 8) -
         reports.append({
             "api": api,
             "requests_per_arm": requests,
-            "body_bytes": len(json.dumps(API_SHAPES[api].body(chats[api, "on"][0]))),
+            "body_bytes": len(json.dumps(SHAPES[Api(api)].body("m", chats[api, "on"][0], 1))),
             "direct_p50_ms": p50["direct"],
             "gateway_off_p50_ms": p50["off"],
             "gateway_on_p50_ms": p50["on"],
@@ -589,7 +557,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--history-requests", type=int, default=200, help="64k-token requests per arm")
     parser.add_argument("--only", choices=PARTS, help="run one part")
-    parser.add_argument("--api", choices=[*API_SHAPES, "all"], default="chat", help="the API of part 3b")
+    parser.add_argument("--api", choices=[*Api, "all"], default="chat", help="the API of part 3b")
     parser.add_argument("--stream-steps", type=int, default=60, help="streamed steps per arm (part 4)")
     parser.add_argument("--stream-histories", type=lambda s: [int(t) for t in s.split(",")], default=[8192, 32768],
                         help="history sizes in tokens, comma-separated (part 4)")  # fmt: skip
@@ -606,7 +574,7 @@ def main() -> None:
         "tick": tick_cost,
         "derivation-index": index_cost,
         "derivation-gateway": lambda: derivation_latency(
-            args.history_requests, list(API_SHAPES) if args.api == "all" else [args.api]
+            args.history_requests, list(Api) if args.api == "all" else [args.api]
         ),
         "stream-cpu": lambda: stream_cpu(args),
     }
