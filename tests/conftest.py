@@ -13,7 +13,14 @@ import pytest
 from thunderctl.gateway.process import ServeProcess
 from thunderctl.prometheus import parse_samples
 
-pytest_plugins = ["api_fixtures", "engine_fixtures", "sandbox_fixtures", "sim_fixtures", "ssh_fixtures"]
+pytest_plugins = [
+    "api_fixtures",
+    "engine_fixtures",
+    "harness_fixtures",
+    "sandbox_fixtures",
+    "sim_fixtures",
+    "ssh_fixtures",
+]
 
 # The real service a fixture starts, as the marker that selects or deselects its tests:
 # `pytest -m "not engine and not docker and not ssh and not slow"` is the fast tier (`slow` is

@@ -4,14 +4,17 @@ readings. Test modules import from here, never from one another."""
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
 import os
 import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -233,3 +236,182 @@ async def eventually(condition: Callable[[], object], timeout: float = 10.0, wha
         if loop.time() > deadline:
             pytest.fail(f"timed out after {timeout} s waiting for {what}")
         await asyncio.sleep(0.002)
+
+
+@dataclass(frozen=True)
+class HarnessClis:
+    """The command-line harnesses' executables, as the `harness_clis` fixture installed them."""
+
+    claude: Path
+    codex: Path
+
+
+# --- agent loops: the SDKs as an agent drives them --------------------------------------------------
+# The OpenAI Agents SDK, the Anthropic SDK and the OpenAI SDK each run a tool loop: every turn sends the
+# whole history back with the answer and a tool's result, as an agent does. A model that called no tool
+# (the tiny model rarely does) gets one called for it, so that every turn ends in a tool result. The SDKs
+# are imported when a loop runs: their imports cost seconds that the other tests do without.
+
+LOOP_TURNS = 6
+LOOP_SYSTEM = "You are a coding agent. Call list_files to look at a directory."
+LOOP_TASK = "List the files in /work and say which one is the largest."
+ANSWER_TOKENS = 24
+LIST_FILES = {
+    "name": "list_files",
+    "description": "List the files in a directory.",
+    "parameters": {"type": "object", "properties": {"directory": {"type": "string"}}, "required": ["directory"]},
+}
+LIST_FILES_ARGUMENTS = {"directory": "/work"}
+
+
+def listing(turn: int) -> str:
+    """The tool's result at a turn: different each turn, as a real directory's would be after edits."""
+    return f"README.md\nsetup.py\nsrc/\nnotes-{turn}.txt"
+
+
+@dataclass
+class LoopRun:
+    """What a client saw of a scripted agent loop: the HTTP status of each request it sent, and the shape
+    of each answer (its finish reason, its items or its stream's event types: what a client acts on,
+    never the model's text)."""
+
+    statuses: list[int] = field(default_factory=list)
+    answers: list[list[str]] = field(default_factory=list)
+
+    def http_client(self, transport: Any) -> Any:
+        """The SDK's HTTP client, which records each response's status. The SDKs speak httpx2 (httpx's
+        successor, which they depend on), and take no httpx client."""
+        import httpx2
+
+        async def record(response: httpx2.Response) -> None:
+            self.statuses.append(response.status_code)
+
+        return httpx2.AsyncClient(transport=transport, timeout=300, event_hooks={"response": [record]})
+
+
+def runs_of(kinds: Sequence[str]) -> list[str]:
+    """Each run of one kind as one: a stream's shape, however many deltas its answer took."""
+    return [kind for kind, _ in itertools.groupby(kinds)]
+
+
+async def agents_sdk_loop(
+    base_url: str, model: str, transport: Any = None, turns: int = LOOP_TURNS
+) -> LoopRun:
+    """The OpenAI Agents SDK in Responses mode: an agent with one function tool, one Runner.run a turn
+    (it stops at its first tool call, so each run is one model call), its input list sent back."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, RunConfig, Runner, function_tool
+    from openai import AsyncOpenAI
+
+    run = LoopRun()
+
+    @function_tool
+    def list_files(directory: str) -> str:
+        """List the files in a directory."""
+        return listing(len(run.answers))
+
+    client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="-", http_client=run.http_client(transport))
+    agent = Agent(
+        name="lister",
+        instructions=LOOP_SYSTEM,
+        tools=[list_files],
+        model=OpenAIResponsesModel(model, client),
+        # Greedy, so that a run straight to the worker and one through the gateway answer alike; no limit
+        # on the answer's length: the SDK takes a response cut short for a failure.
+        model_settings=ModelSettings(temperature=0),
+        tool_use_behavior="stop_on_first_tool",
+    )
+    history: str | list = LOOP_TASK
+    async with client:
+        for turn in range(turns):
+            result = await Runner.run(agent, history, max_turns=1, run_config=RunConfig(tracing_disabled=True))
+            run.answers.append([item.type for item in result.new_items])
+            history = result.to_input_list()
+            if "tool_call_item" not in run.answers[-1]:
+                call_id = f"call_scripted_{turn}"
+                arguments = json.dumps(LIST_FILES_ARGUMENTS)
+                history += [
+                    {"type": "function_call", "call_id": call_id, "name": "list_files", "arguments": arguments},
+                    {"type": "function_call_output", "call_id": call_id, "output": listing(turn)},
+                ]
+    return run
+
+
+async def anthropic_loop(
+    base_url: str, model: str, transport: Any = None, turns: int = LOOP_TURNS
+) -> LoopRun:
+    """The Anthropic SDK streaming Messages: each answer's content blocks sent back, then the tool results."""
+    from anthropic import AsyncAnthropic
+    from anthropic.types import (
+        RawContentBlockDeltaEvent,
+        RawContentBlockStartEvent,
+        RawContentBlockStopEvent,
+        RawMessageDeltaEvent,
+        RawMessageStartEvent,
+        RawMessageStopEvent,
+    )
+
+    # The stream's own events; the SDK adds events of its own (text, input_json) in between.
+    wire_events = (RawMessageStartEvent, RawMessageDeltaEvent, RawMessageStopEvent, RawContentBlockStartEvent,
+                   RawContentBlockDeltaEvent, RawContentBlockStopEvent)  # fmt: skip
+    run = LoopRun()
+    tool = {"name": LIST_FILES["name"], "description": LIST_FILES["description"], "input_schema": LIST_FILES["parameters"]}
+    messages: list[dict] = [{"role": "user", "content": LOOP_TASK}]
+    async with AsyncAnthropic(base_url=base_url, api_key="-", http_client=run.http_client(transport)) as client:
+        for turn in range(turns):
+            async with client.messages.stream(
+                model=model,
+                max_tokens=ANSWER_TOKENS,
+                extra_body={"temperature": 0},  # the SDK no longer names it; vLLM still reads it
+                system=LOOP_SYSTEM,
+                tools=[tool],  # type: ignore[list-item]
+                messages=messages,  # type: ignore[arg-type]
+            ) as stream:
+                events = [event.type async for event in stream if isinstance(event, wire_events)]
+                answer = await stream.get_final_message()
+            run.answers.append(runs_of(events))
+            if answer.content:
+                content = [block.model_dump(exclude_none=True) for block in answer.content]
+                messages.append({"role": "assistant", "content": content})
+            calls = [block.id for block in answer.content if block.type == "tool_use"]
+            if not calls:
+                calls = [f"toolu_scripted_{turn}"]
+                call = {"type": "tool_use", "id": calls[0], "name": "list_files", "input": LIST_FILES_ARGUMENTS}
+                messages.append({"role": "assistant", "content": [call]})
+            results = [{"type": "tool_result", "tool_use_id": call_id, "content": listing(turn)} for call_id in calls]
+            messages.append({"role": "user", "content": results})
+    return run
+
+
+async def openai_chat_loop(
+    base_url: str, model: str, transport: Any = None, turns: int = LOOP_TURNS
+) -> LoopRun:
+    """The OpenAI SDK's chat completions with one tool: each answer sent back as it came, then the tool results."""
+    from openai import AsyncOpenAI
+
+    run = LoopRun()
+    messages: list[dict] = [{"role": "system", "content": LOOP_SYSTEM}, {"role": "user", "content": LOOP_TASK}]
+    async with AsyncOpenAI(base_url=f"{base_url}/v1", api_key="-", http_client=run.http_client(transport)) as client:
+        for turn in range(turns):
+            completion = await client.chat.completions.create(
+                model=model,
+                messages=messages,  # type: ignore[arg-type]
+                tools=[{"type": "function", "function": LIST_FILES}],  # type: ignore[list-item]
+                max_tokens=ANSWER_TOKENS,
+                temperature=0,
+            )
+            choice = completion.choices[0]
+            run.answers.append([choice.finish_reason])
+            messages.append(choice.message.model_dump(exclude_none=True))
+            calls = [call.id for call in choice.message.tool_calls or []]
+            if not calls:
+                calls = [f"call_scripted_{turn}"]
+                function = {"name": "list_files", "arguments": json.dumps(LIST_FILES_ARGUMENTS)}
+                messages.append(
+                    {"role": "assistant", "content": "", "tool_calls": [{"id": calls[0], "type": "function", "function": function}]}
+                )
+            messages += [{"role": "tool", "tool_call_id": call_id, "content": listing(turn)} for call_id in calls]
+    return run
+
+
+# `transport`: an httpx2 transport (the gateway's app in-process), else the network.
+SDK_LOOPS = {"agents-sdk": agents_sdk_loop, "anthropic-sdk": anthropic_loop, "openai-sdk": openai_chat_loop}
