@@ -294,9 +294,7 @@ def runs_of(kinds: Sequence[str]) -> list[str]:
     return [kind for kind, _ in itertools.groupby(kinds)]
 
 
-async def agents_sdk_loop(
-    base_url: str, model: str, transport: Any = None, turns: int = LOOP_TURNS
-) -> LoopRun:
+async def agents_sdk_loop(base_url: str, model: str, transport: Any = None, turns: int = LOOP_TURNS) -> LoopRun:
     """The OpenAI Agents SDK in Responses mode: an agent with one function tool, one Runner.run a turn
     (it stops at its first tool call, so each run is one model call), its input list sent back."""
     from agents import Agent, ModelSettings, OpenAIResponsesModel, RunConfig, Runner, function_tool
@@ -336,9 +334,7 @@ async def agents_sdk_loop(
     return run
 
 
-async def anthropic_loop(
-    base_url: str, model: str, transport: Any = None, turns: int = LOOP_TURNS
-) -> LoopRun:
+async def anthropic_loop(base_url: str, model: str, transport: Any = None, turns: int = LOOP_TURNS) -> LoopRun:
     """The Anthropic SDK streaming Messages: each answer's content blocks sent back, then the tool results."""
     from anthropic import AsyncAnthropic
     from anthropic.types import (
@@ -354,7 +350,11 @@ async def anthropic_loop(
     wire_events = (RawMessageStartEvent, RawMessageDeltaEvent, RawMessageStopEvent, RawContentBlockStartEvent,
                    RawContentBlockDeltaEvent, RawContentBlockStopEvent)  # fmt: skip
     run = LoopRun()
-    tool = {"name": LIST_FILES["name"], "description": LIST_FILES["description"], "input_schema": LIST_FILES["parameters"]}
+    tool = {
+        "name": LIST_FILES["name"],
+        "description": LIST_FILES["description"],
+        "input_schema": LIST_FILES["parameters"],
+    }
     messages: list[dict] = [{"role": "user", "content": LOOP_TASK}]
     async with AsyncAnthropic(base_url=base_url, api_key="-", http_client=run.http_client(transport)) as client:
         for turn in range(turns):
@@ -382,9 +382,7 @@ async def anthropic_loop(
     return run
 
 
-async def openai_chat_loop(
-    base_url: str, model: str, transport: Any = None, turns: int = LOOP_TURNS
-) -> LoopRun:
+async def openai_chat_loop(base_url: str, model: str, transport: Any = None, turns: int = LOOP_TURNS) -> LoopRun:
     """The OpenAI SDK's chat completions with one tool: each answer sent back as it came, then the tool results."""
     from openai import AsyncOpenAI
 
@@ -407,7 +405,11 @@ async def openai_chat_loop(
                 calls = [f"call_scripted_{turn}"]
                 function = {"name": "list_files", "arguments": json.dumps(LIST_FILES_ARGUMENTS)}
                 messages.append(
-                    {"role": "assistant", "content": "", "tool_calls": [{"id": calls[0], "type": "function", "function": function}]}
+                    {
+                        "role": "assistant",
+                        "content": "",
+                        "tool_calls": [{"id": calls[0], "type": "function", "function": function}],
+                    }
                 )
             messages += [{"role": "tool", "tool_call_id": call_id, "content": listing(turn)} for call_id in calls]
     return run

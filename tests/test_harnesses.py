@@ -189,9 +189,7 @@ def test_codex_cli_is_one_program_named_by_its_session(
 
 
 @pytest.mark.parametrize("client", list(SDK_LOOPS))
-def test_a_scripted_sdk_agent_is_one_program_of_all_its_turns(
-    client: str, engine: LocalEngine, start_gateway
-) -> None:
+def test_a_scripted_sdk_agent_is_one_program_of_all_its_turns(client: str, engine: LocalEngine, start_gateway) -> None:
     loop = SDK_LOOPS[client]
     direct = asyncio.run(loop(engine.url, MODEL))
     gateway = start_gateway([engine.url])
