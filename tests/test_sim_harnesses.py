@@ -8,11 +8,9 @@ tiny model (test_harnesses.py) they call the tool themselves.
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
-from support import LOOP_TURNS, SDK_LOOPS
+from support import SDK_LOOPS, through_the_gateway_as_straight
 
 MODEL = "tiny"
 # Room for six turns of history, with answers of the length the simulated model picks when a request
@@ -31,14 +29,4 @@ IMPORTS_FOR_SECONDS = {"agents-sdk", "anthropic-sdk"}
 def test_a_scripted_sdk_agent_over_the_simulated_engine_is_one_program_of_all_its_turns(
     client: str, start_sim, start_gateway
 ) -> None:
-    loop = SDK_LOOPS[client]
-    sim = start_sim(*SIM)
-    direct = asyncio.run(loop(sim.url, MODEL))
-    gateway = start_gateway([sim.url])
-
-    through = asyncio.run(loop(gateway.url, MODEL))
-
-    assert through == direct
-    assert direct.statuses == [200] * LOOP_TURNS
-    programs = list(gateway.programs().values())
-    assert [(p["steps"], p["derived"]) for p in programs] == [(LOOP_TURNS, True)]
+    through_the_gateway_as_straight(SDK_LOOPS[client], start_sim(*SIM).url, MODEL, start_gateway)
