@@ -143,7 +143,9 @@ def codex_session(codex: Path, base_url: str, directory: Path) -> CliRun:
     for extra, prompt in [((), "list the files"), (("resume", "--last"), "and their sizes")]:
         command = [str(codex), "exec", "--json", "--skip-git-repo-check", *extra, prompt]
         events = [json.loads(line) for line in run_cli(command, env, work).stdout.splitlines() if line.strip()]
-        run.outcomes.append(tuple(event["type"] for event in events))
+        # The turn's events but its items: the model's answers, as many as its gibberish makes (none when
+        # it ends at once).
+        run.outcomes.append(tuple(event["type"] for event in events if not event["type"].startswith("item.")))
         run.sessions += [event["thread_id"] for event in events if event["type"] == "thread.started"]
     return run
 
@@ -152,7 +154,7 @@ def codex_session(codex: Path, base_url: str, directory: Path) -> CliRun:
 # fewest requests its turns make.
 CLI_HARNESSES = {
     "claude-code": (claude_code_session, lambda outcome: outcome == ("success", False), 3),
-    "codex-cli": (codex_session, lambda outcome: outcome[-1] == "turn.completed", 2),
+    "codex-cli": (codex_session, lambda outcome: outcome == ("thread.started", "turn.started", "turn.completed"), 2),
 }
 
 
