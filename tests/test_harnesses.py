@@ -4,10 +4,12 @@ Code, Codex CLI, and the OpenAI Agents SDK, the Anthropic SDK and the OpenAI SDK
 must see the same both ways, and the gateway must have made the run one program of all its requests.
 
 One worker serves the module (its start costs a minute). It parses tool calls as the hermes parser
-does, takes Claude Code's 32,000-token answers (`max_tokens` may not exceed the context), and ends the
-tiny model's gibberish within a few tokens (its generation config makes every eighth token an end of
-answer): a harness takes an answer cut at its length limit for a failure, and the model would otherwise
-write thousands of tokens before its own end token.
+does (the tiny model's chat template writes them so), and holds Claude Code's first request (its tools
+are ~33,000 of the tiny model's tokens) with room for the 32,000-token answer it asks for (vLLM refuses
+a `max_tokens` beyond what the context leaves). Its generation config makes every eighth token id an
+end of answer, so the tiny model's gibberish ends within a few tokens: a harness takes an answer cut at
+its length limit for a failure, and the model would otherwise write thousands of tokens before its own
+end token.
 """
 
 from __future__ import annotations
@@ -24,12 +26,13 @@ import pytest
 
 from support import SDK_LOOPS, HarnessClis, running_engine, through_the_gateway_as_straight, wait_for
 from thunderctl.engines.local import EngineHome, LocalEngine, LocalEngineConfig
+from thunderctl.engines.vllm import tool_call_args
 from thunderctl.processes import pick_free_port
 from thunderctl.prometheus import parse_samples
 
 MODEL = "tiny"
 # The tiny model has 16,384 positions; its rotary embedding is computed, so more are as good.
-CONTEXT_TOKENS = 32768
+CONTEXT_TOKENS = 65536
 STOP_EVERY = 8  # every STOP_EVERY-th token id ends an answer
 CLI_TIMEOUT_S = 300
 
@@ -37,12 +40,11 @@ CLI_TIMEOUT_S = 300
 def harness_engine_config(port: int, generation_config: Path) -> LocalEngineConfig:
     return LocalEngineConfig(
         port=port,
-        num_gpu_blocks=512,  # 65,536 tokens: one request of the whole context fits, with room
+        num_gpu_blocks=1024,  # 131,072 tokens: a request of the whole context fits, with room
         block_size=128,
         max_model_len=CONTEXT_TOKENS,
         extra_args=(
-            "--enable-auto-tool-choice",
-            "--tool-call-parser", "hermes",
+            *tool_call_args("hermes", ()),
             "--hf-overrides", json.dumps({"max_position_embeddings": CONTEXT_TOKENS}),
             "--generation-config", str(generation_config),
         ),
