@@ -79,6 +79,11 @@ class ClusterState:
     def daemon_record_file(self) -> Path:
         return self.dir / "daemon.json"
 
+    @property
+    def journal_file(self) -> Path:
+        """The daemon's programs and what its laws learnt, for the daemon started after it (daemon/journal.py)."""
+        return self.dir / "journal.sqlite"
+
     def worker_log(self, worker_id: str) -> Path:
         return self.dir / "logs" / f"{worker_id.replace('/', '-')}.log"
 

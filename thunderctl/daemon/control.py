@@ -7,6 +7,7 @@ import contextlib
 import os
 import time
 from collections import Counter
+from dataclasses import asdict
 from typing import Any, Protocol
 
 from starlette.applications import Starlette
@@ -18,12 +19,14 @@ from starlette.routing import Route
 from thunderctl.cluster.nodes import Transports
 from thunderctl.cluster.state import ClusterState, DaemonRecord, WorkerRecord
 from thunderctl.cluster.workers import stop_worker
+from thunderctl.daemon.journal import Journal
 from thunderctl.daemon.restarts import RestartPlanner
 from thunderctl.daemon.status import (
     ClusterStatus,
     DaemonStatus,
     GatewayStatus,
     GroupCounts,
+    JournalStatus,
     PauseStatus,
     ProgramCounts,
     SandboxStatus,
@@ -46,6 +49,7 @@ class Daemon(Protocol):
     weights: WeightSync
     auth: GatewayAuth
     restarts: RestartPlanner
+    journal: Journal
     started_at: float
     stopping: bool
 
@@ -124,7 +128,10 @@ def status_view(daemon: Daemon) -> ClusterStatus:
         endpoint=daemon.state.endpoint,
         uptime_s=round(time.time() - daemon.started_at, 1),
         daemon_pid=os.getpid(),
-        daemon=DaemonStatus(restarts=record.restarts, last_exit=record.last_exit, last_exit_at=record.last_exit_at),
+        daemon=DaemonStatus(
+            restarts=record.restarts, last_exit=record.last_exit, last_exit_at=record.last_exit_at,
+            journal=JournalStatus.model_validate(asdict(daemon.journal.stats)),
+        ),  # fmt: skip
         gateway=GatewayStatus(api_key_set=daemon.auth.api_key is not None, metrics_public=daemon.auth.metrics_public),
         workers=workers,
         scheduler=SchedulerStatus(

@@ -21,6 +21,7 @@ from thunderctl.cluster.transport import TransportError
 from thunderctl.cluster.worker_key import read_worker_key
 from thunderctl.cluster.workers import revive_worker
 from thunderctl.daemon.control import build_control_app
+from thunderctl.daemon.journal import Journal
 from thunderctl.daemon.restarts import RestartPlanner
 from thunderctl.gateway import Gateway, WorkerLink, build_app
 from thunderctl.gateway.admin import WeightSync
@@ -84,6 +85,7 @@ class Daemon:
         self.transports = Transports()
         self._reviving = asyncio.Lock()
         self.stopping = False  # set by shutdown: a worker that ends then is not started again
+        self.journal = Journal(state.journal_file)
         gateway_app = build_app(
             self.gateway,
             extra_routes=sandbox_routes(self.sandboxes, limits) if self.sandboxes else (),
@@ -208,8 +210,9 @@ class Daemon:
     async def run(self, listener: socket.socket) -> None:
         """Serve the gateway on `listener` (bound and listening, held by the supervisor as well) and the
         control API on the state directory's socket, until asked to exit."""
-        for warning in await self.gateway.start():
+        for warning in await self._start_gateway():
             log.warning(warning)
+        self._spawn(self.journal.run(self.gateway, self.gateway.scheduler.config.tick_interval_s))
         if self.sandboxes is not None:
             await self.sandboxes.start()  # reaps what a crashed daemon left
             self._spawn(self._follow_resume_queue())
@@ -226,7 +229,24 @@ class Daemon:
             await self.weights.stop()
             await self.gateway.stop()
             self.transports.close()
+            self.journal.close()
             self.state.socket_path.unlink(missing_ok=True)
+
+    async def _start_gateway(self) -> list[str]:
+        """Start the gateway from what the daemon before this one left in the journal, if any."""
+        restored = self.journal.load()
+        if restored is None:
+            return await self.gateway.start()
+        try:
+            warnings = await self.gateway.start(restored)
+        except Exception:
+            # Not again: the next daemon starts without it rather than dying on it too.
+            aside = self.journal.set_aside()
+            log.exception("the journal could not be restored; moved to %s, the next daemon starts without it", aside)
+            raise
+        programs = len(restored.scheduler.programs)
+        log.info("restored %d program(s) from the journal, written %.1f s before", programs, restored.elapsed_s)
+        return warnings
 
 
 def main(state_dir: Path, listen_fd: int) -> None:

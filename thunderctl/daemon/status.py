@@ -92,12 +92,28 @@ class PauseStatus(StatusPart):
     last_duration_s: float | None
 
 
+class JournalStatus(StatusPart):
+    """The daemon's journal (daemon/journal.py): what it last wrote, and at what cost."""
+
+    writes: int
+    written_at: float | None  # wall-clock seconds of the state last written; None before the first write
+    capture_ms: float  # the last write's time on the event loop
+    write_ms: float  # and on the journal's thread
+    failures: int
+    restored_programs: int  # programs this daemon took back from the journal at its start
+    programs: int
+    conversations: int
+    responses: int
+
+
 class DaemonStatus(StatusPart):
-    """What the daemon's supervisor has seen of it: how often it was started again, and why it last ended."""
+    """What the daemon's supervisor has seen of it: how often it was started again, and why it last ended;
+    and its journal."""
 
     restarts: int
     last_exit: str | None  # "killed by SIGKILL", "exit code 1"; None while it never ended
     last_exit_at: float | None  # wall-clock seconds
+    journal: JournalStatus | None = None  # None from a daemon older than the journal
 
 
 class ClusterStatus(StatusPart):

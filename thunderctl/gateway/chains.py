@@ -17,6 +17,8 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
+from thunderctl.gateway.changes import ChangedKeys
+
 DEFAULT_LIMIT = 16_384
 
 
@@ -28,6 +30,7 @@ class Kept:
     previous: str | None
     input: list[Any]
     response: dict[str, Any]
+    touched: int = 0  # when it was last kept or read, in the chains' count of those: the lowest goes first
 
 
 class ResponseChains:
@@ -35,6 +38,31 @@ class ResponseChains:
         self.limit = limit
         self._kept: OrderedDict[str, Kept] = OrderedDict()
         self._by_program: dict[str, set[str]] = {}
+        self._touches = 0
+        self.changes = ChangedKeys()  # responses kept, read or forgotten: what the journal writes
+
+    def changed(self) -> tuple[list[tuple[str, Kept]], list[str]]:
+        """Since the last call (once `changes.follow()` was called): the responses kept or read, and
+        those forgotten."""
+        changed, forgotten = [], []
+        for response_id in self.changes.take():
+            kept = self._kept.get(response_id)
+            if kept is not None:
+                changed.append((response_id, kept))
+            else:
+                forgotten.append(response_id)
+        return changed, forgotten
+
+    def snapshot(self) -> list[tuple[str, Kept]]:
+        return list(self._kept.items())
+
+    def restore(self, responses: list[tuple[str, Kept]]) -> None:
+        """Back to what `snapshot` (or the journal) held, forgotten in the order they would have been."""
+        for response_id, kept in sorted(responses, key=lambda item: item[1].touched)[-self.limit :]:
+            self._kept[response_id] = kept
+            if kept.program_id is not None:
+                self._by_program.setdefault(kept.program_id, set()).add(response_id)
+            self._touches = max(self._touches, kept.touched)
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -43,7 +71,13 @@ class ResponseChains:
         kept = self._kept.get(response_id)
         if kept is not None:
             self._kept.move_to_end(response_id)
+            self._touch(response_id, kept)
         return kept
+
+    def _touch(self, response_id: str, kept: Kept) -> None:
+        self._touches += 1
+        kept.touched = self._touches
+        self.changes.mark(response_id)
 
     def items(self, response_id: str) -> list[Any]:
         """The whole conversation up to and with this response: every turn's input and output items."""
@@ -64,7 +98,8 @@ class ResponseChains:
         response_id = response.get("id")
         if not isinstance(response_id, str):
             return
-        self._kept[response_id] = Kept(program_id, previous, own_input, response)
+        kept = self._kept[response_id] = Kept(program_id, previous, own_input, response)
+        self._touch(response_id, kept)
         if program_id is not None:
             self._by_program.setdefault(program_id, set()).add(response_id)
         while len(self._kept) > self.limit:
@@ -73,9 +108,11 @@ class ResponseChains:
     def forget_program(self, program_id: str) -> None:
         for response_id in self._by_program.pop(program_id, set()):
             self._kept.pop(response_id, None)
+            self.changes.mark(response_id)
 
     def _drop(self, response_id: str) -> None:
         kept = self._kept.pop(response_id)
+        self.changes.mark(response_id)
         if kept.program_id is not None:
             held = self._by_program.get(kept.program_id)
             if held is not None:

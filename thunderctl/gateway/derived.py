@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Container, Iterable
 
 from thunderctl.gateway.apis.base import Answer
-from thunderctl.gateway.identity import Claim, ConversationIndex, IdentityConfig, Turn
+from thunderctl.gateway.identity import Claim, ConversationIndex, IdentityConfig, IndexSnapshot, Turn
 from thunderctl.scheduler import EventKind, ProgramEvent
 
 
@@ -19,6 +19,16 @@ class DerivedPrograms:
 
     def __contains__(self, program_id: str) -> bool:
         return program_id in self._ids
+
+    def ids(self) -> list[str]:
+        """The programs derived so far that have not ended."""
+        return list(self._ids)
+
+    def restore(self, ids: Iterable[str], conversations: IndexSnapshot | None) -> None:
+        """Back to a journal's derived programs and conversations (with derivation off, none are found again)."""
+        self._ids.update(ids)
+        if self.conversations is not None and conversations is not None:
+            self.conversations.restore(conversations)
 
     def claim(self, turn: Turn) -> Claim | None:
         """The program of a request that names none: the one whose conversation it continues, or a

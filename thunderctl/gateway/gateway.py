@@ -26,6 +26,7 @@ from thunderctl.gateway.derived import DerivedPrograms
 from thunderctl.gateway.identity import Claim, IdentityConfig
 from thunderctl.gateway.links import WorkerLink, WorkerState
 from thunderctl.gateway.recorder import TraceRecorder
+from thunderctl.gateway.restored import Restored
 from thunderctl.gateway.requests import PromptShape, TokenEstimator, relayed_payload
 from thunderctl.gateway.sse import StreamRelay
 from thunderctl.gateway.stalls import StallWatch, UnansweredRequests, WorkerStalled
@@ -141,28 +142,47 @@ class Gateway:
 
     # ---- life -----------------------------------------------------------------------------
 
-    async def start(self) -> list[str]:
-        """Check every worker, read its KV capacity, start the loops. Returns warnings."""
+    async def start(self, restored: Restored | None = None) -> list[str]:
+        """Check every worker, read its KV capacity, take back what a gateway before this one left
+        (`restored`), start the loops. Returns warnings.
+
+        A first start needs every worker to answer. One that takes over from another serves with the
+        workers that answer: the others' programs pause, as a drain pauses them, and resume elsewhere.
+        """
         warnings = []
         for link in self.links.values():
             if not await is_healthy(self._client, link.url):
-                raise WorkerUnreachable(
-                    f"backend {link.id} at {link.url} does not answer GET /health; "
-                    "is vLLM running there and the address right?"
-                )
-            link.metrics = await fetch_metrics(self._client, link.url)
-            if link.capacity is None:
-                warnings.append(
-                    f"backend {link.id} ({link.url}) reports no vllm:cache_config_info: "
-                    "its programs are served unscheduled (never paused)"
-                )
+                if restored is None:
+                    raise WorkerUnreachable(
+                        f"backend {link.id} at {link.url} does not answer GET /health; "
+                        "is vLLM running there and the address right?"
+                    )
+                warnings.append(f"worker {link.id} ({link.url}) does not answer; its programs pause")
+                link.healthy = False
+            else:
+                link.metrics = await fetch_metrics(self._client, link.url)
+                if link.capacity is None:
+                    warnings.append(
+                        f"backend {link.id} ({link.url}) reports no vllm:cache_config_info: "
+                        "its programs are served unscheduled (never paused)"
+                    )
             self.scheduler.add_worker(link.id, link.capacity, link.host_kv_tokens)
+        if restored is not None:
+            self._restore(restored)
         self._tasks = [
             asyncio.create_task(self._tick_loop(), name="scheduler-tick"),
             asyncio.create_task(self._metrics_loop(), name="metrics-poll"),
             asyncio.create_task(watch_loop_lag(self.timings.loop_lag.observe), name="loop-lag"),
         ]
         return warnings
+
+    def _restore(self, restored: Restored) -> None:
+        self.scheduler.restore(restored.scheduler, restored.elapsed_s)
+        self.derived.restore(restored.derived, restored.conversations)
+        self.chains.restore(restored.responses)
+        for link in self.links.values():
+            if not link.usable:
+                self.scheduler.drain(link.id)
 
     async def stop(self) -> None:
         for task in self._tasks:

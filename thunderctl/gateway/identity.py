@@ -44,6 +44,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from thunderctl.gateway.changes import ChangedKeys
+
 DIGEST_BYTES = 16
 WHITESPACE = b" \t\n\r\x0b\x0c"
 
@@ -112,6 +114,28 @@ class _Conversation:
     length: int = 0  # completions: units of prompt + completion
     digest: bytes = b""  # completions: the hash of those units
     continued: bool = False  # a request continued it since its answer
+    touched: int = 0  # when it was last remembered or continued, in the index's count of those
+
+
+@dataclass(frozen=True)
+class Remembered:
+    """A conversation the index remembers, as plain data (hashes only): what its journal keeps."""
+
+    program_id: str
+    keys: tuple[bytes, ...]
+    length: int
+    digest: bytes
+    continued: bool
+    touched: int  # its place in the order of forgetting: the lowest is forgotten first
+
+
+@dataclass
+class IndexSnapshot:
+    """The index as plain data: its id prefix and count (new ids go on from them) and its conversations."""
+
+    prefix: str
+    started: int
+    conversations: list[Remembered]  # any order: `touched` gives theirs
 
 
 @dataclass
@@ -227,7 +251,51 @@ class ConversationIndex:
         self._index: dict[bytes, _Bucket] = {}
         self._prefix = secrets.token_hex(4)  # derived ids of two gateways never meet in one trace
         self._started = 0
+        self._touches = 0
         self.matched = {m: 0 for m in Match}
+        self.changes = ChangedKeys()  # programs whose conversation changed: what the journal writes
+
+    # ---- as plain data --------------------------------------------------------------------
+
+    def numbering(self) -> tuple[str, int]:
+        """The prefix of the ids it derives and how many it has started: new ids go on from there."""
+        return self._prefix, self._started
+
+    def snapshot(self) -> IndexSnapshot:
+        return IndexSnapshot(*self.numbering(), [self._remembered(p) for p in self._conversations])
+
+    def changed(self) -> tuple[list[Remembered], list[str]]:
+        """Since the last call (once `changes.follow()` was called): the conversations remembered or
+        continued, and the programs whose conversation was forgotten."""
+        changed, forgotten = [], []
+        for program_id in self.changes.take():
+            if program_id in self._conversations:
+                changed.append(self._remembered(program_id))
+            else:
+                forgotten.append(program_id)
+        return changed, forgotten
+
+    def restore(self, snapshot: IndexSnapshot) -> None:
+        """Back to the snapshot: its conversations found again, and forgotten in the order they would have been."""
+        self._prefix, self._started = snapshot.prefix, snapshot.started
+        for remembered in sorted(snapshot.conversations, key=lambda r: r.touched)[-self.remembered :]:
+            conversation = _Conversation(
+                remembered.keys, remembered.length, remembered.digest, remembered.continued, remembered.touched
+            )
+            self._conversations[remembered.program_id] = conversation
+            for key in conversation.keys:
+                bucket = self._index.setdefault(key, _Bucket())
+                (bucket.continued if conversation.continued else bucket.fresh)[remembered.program_id] = None
+            self._touches = max(self._touches, remembered.touched)
+
+    def _remembered(self, program_id: str) -> Remembered:
+        c = self._conversations[program_id]
+        return Remembered(program_id, c.keys, c.length, c.digest, c.continued, c.touched)
+
+    def _touch(self, program_id: str, conversation: _Conversation) -> None:
+        self._touches += 1
+        conversation.touched = self._touches
+        self.changes.mark(program_id)
 
     def __len__(self) -> int:
         return len(self._conversations)
@@ -319,6 +387,7 @@ class ConversationIndex:
         claim.program_id, claim.match = program, match
         conversation = self._conversations[program]
         self._conversations.move_to_end(program)
+        self._touch(program, conversation)
         if not conversation.continued:
             conversation.continued = True
             for key in conversation.keys:
@@ -353,6 +422,7 @@ class ConversationIndex:
         conversation = self._conversations.pop(program_id, None)
         if conversation is None:
             return
+        self.changes.mark(program_id)
         for key in conversation.keys:
             bucket = self._index[key]
             bucket.fresh.pop(program_id, None)
@@ -363,6 +433,7 @@ class ConversationIndex:
     def _remember(self, program_id: str, conversation: _Conversation) -> None:
         self.forget(program_id)
         self._conversations[program_id] = conversation
+        self._touch(program_id, conversation)
         for key in conversation.keys:
             self._index.setdefault(key, _Bucket()).fresh[program_id] = None
         while len(self._conversations) > self.remembered:

@@ -4,7 +4,7 @@ docs/admission.md, pure and driven by the scheduler's tick."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from thunderctl.scheduler.config import SchedulerConfig
@@ -107,6 +107,31 @@ class AdmissionTuner:
     @property
     def label(self) -> str:
         return "open gate" if self.level is OPEN else f"ACTING weight {self.level:g}"
+
+    def snapshot(self) -> dict[str, Any]:
+        """Where it is on the ladder and what it measured there, JSON-ready; times in the scheduler's clock."""
+        return {
+            "levels": self.levels, "rung": self.rung, "windows": self.windows,
+            "measured": [[rung, m.steps_per_s, m.window] for rung, m in self.measured.items()],
+            "patience": [[rung, windows] for rung, windows in self.patience.items()],
+            "probed_from": self._probed_from, "won_at": self._won_at, "quiet": self._quiet,
+            "window_start": self._window_start, "window_steps": self._window_steps,
+            "last_load": list(self._last_load), "started": self._started, "retention_pays": self.retention_pays,
+        }  # fmt: skip
+
+    def restore(self, snapshot: dict[str, Any], shift_s: float) -> None:
+        """Back where `snapshot` was, its times moved by `shift_s` into this clock; a ladder of other
+        rungs (its settings changed) starts afresh, as nothing measured on it holds."""
+        if snapshot["levels"] != self.levels:
+            return
+        self.rung, self.windows = snapshot["rung"], snapshot["windows"]
+        self.measured = {rung: Measurement(rate, window) for rung, rate, window in snapshot["measured"]}
+        self.patience = {rung: windows for rung, windows in snapshot["patience"]}
+        self._probed_from, self._won_at, self._quiet = snapshot["probed_from"], snapshot["won_at"], snapshot["quiet"]
+        self._window_start, self._window_steps = snapshot["window_start"] + shift_s, snapshot["window_steps"]
+        load_at, load_steps = snapshot["last_load"]
+        self._last_load = (load_at + shift_s, load_steps)
+        self._started, self.retention_pays = snapshot["started"], snapshot["retention_pays"]
 
     def observe(
         self,

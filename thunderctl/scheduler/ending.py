@@ -7,6 +7,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 from thunderctl.scheduler.config import SchedulerConfig
 from thunderctl.scheduler.program import Phase, Program, Status
@@ -177,6 +178,15 @@ class AnswerKinds:
             answers, ends = self._decayed(kind)
             ratios[kind] = (ends + END_KIND_PRIOR * mean) / ((answers + END_KIND_PRIOR) * mean)
         return ratios
+
+    def snapshot(self) -> dict[str, Any]:
+        """What it counted, JSON-ready (a kind may be None: the kinds go as a list)."""
+        kinds = [[kind, *counts] for kind, counts in self._kinds.items()]
+        return {"answers": self.answers, "ends": self.ends, "seen": self._seen, "kinds": kinds}
+
+    def restore(self, snapshot: dict[str, Any]) -> None:
+        self.answers, self.ends, self._seen = snapshot["answers"], snapshot["ends"], snapshot["seen"]
+        self._kinds = {kind: (answers, ends, at) for kind, answers, ends, at in snapshot["kinds"][-MAX_TOOL_KINDS:]}
 
     def _decayed(self, kind: str | None) -> tuple[float, float]:
         answers, ends, at = self._kinds.get(kind, (0.0, 0.0, self._seen))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 from thunderctl.scheduler.config import SchedulerConfig
 from thunderctl.scheduler.program import Program
@@ -60,6 +61,13 @@ class GroupBook:
         group.live.discard(program.id)
         group.done += 1
         self._forget_finished()
+
+    def snapshot(self) -> list[list[Any]]:
+        """[id, live programs, programs ended] of each group kept, the least recently joined first."""
+        return [[g.id, sorted(g.live), g.done] for g in self.groups.values()]
+
+    def restore(self, groups: list[list[Any]]) -> None:
+        self.groups = OrderedDict((group_id, Group(group_id, set(live), done)) for group_id, live, done in groups)
 
     def head_start_s(self, program: Program) -> float:
         """How far ahead of its aged place the program queues: `group_head_start_s` times the share

@@ -7,6 +7,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import asdict
 
 from thunderctl.scheduler.admission import AdmissionTuner
 from thunderctl.scheduler.capacity import decode_fits, gpu_binds, gpu_room, headroom
@@ -19,7 +20,8 @@ from thunderctl.scheduler.ordering import WaitingQueue, acting_decay, acting_in_
 from thunderctl.scheduler.placement import admit_in_order, fit, fits
 from thunderctl.scheduler.program import Phase, Program, Status, Worker
 from thunderctl.scheduler.progress import ProgramLengths
-from thunderctl.scheduler.retention import RetentionLaw
+from thunderctl.scheduler.retention import RetentionLaw, Returns
+from thunderctl.scheduler.snapshot import SchedulerSnapshot, program_from_record, program_record
 from thunderctl.scheduler.waitbound import WaitBound
 
 log = logging.getLogger(__name__)
@@ -226,6 +228,72 @@ class Scheduler:
         self.counters.released += 1
         self._resume_waiting()
         return True
+
+    # ---- its state, for a daemon that comes back -------------------------------------------
+
+    def snapshot(self) -> SchedulerSnapshot:
+        """Every live program and what the laws learnt, as plain data (snapshot.py)."""
+        tool_times, retention = self.retention.tool_times, self.retention
+        programs = []
+        for program in self.programs.values():
+            gaps = tool_times.by_program.get(program.id)
+            programs.append(program_record(program, gaps.samples() if gaps is not None else []))
+        learnt = {
+            "tool_times": tool_times.snapshot(),
+            "prefill_tokens_per_s": retention.prefill.tokens_per_s,
+            "returns": [retention.returns.returned, retention.returns.ended],
+            "continuations": [self.continuations.continued, self.continuations.ended],
+            "answer_kinds": self.answer_kinds.snapshot(),
+            "admission": self.tuner.snapshot(),
+            "waits": self.wait_bound.snapshot(),
+            "lengths": self.lengths.snapshot(),
+            "groups": self.groups.snapshot(),
+            "counters": asdict(self.counters),
+        }
+        return SchedulerSnapshot(self.clock(), programs, learnt)
+
+    def restore(self, snapshot: SchedulerSnapshot, elapsed_s: float = 0.0) -> None:
+        """Take back a snapshot taken `elapsed_s` ago, into this scheduler with its workers added and
+        no program yet; its times move into this scheduler's clock.
+
+        The requests in flight or waiting when it was taken went with the connections of the process
+        that held them: a program with one ACTs, as after a failed request (its client sends again).
+        A program placed on a worker this scheduler does not have is paused.
+        """
+        if self.programs:
+            raise ValueError("a snapshot is restored into a scheduler with no programs")
+        now, learnt = self.clock(), snapshot.learnt
+        shift_s = now - elapsed_s - snapshot.taken_at
+        self.retention.tool_times.restore(learnt["tool_times"])
+        self.retention.prefill.tokens_per_s = learnt["prefill_tokens_per_s"]
+        self.retention.returns = Returns(*learnt["returns"])
+        self.continuations.continued, self.continuations.ended = learnt["continuations"]
+        self.answer_kinds.restore(learnt["answer_kinds"])
+        self.tuner.restore(learnt["admission"], shift_s)
+        self.wait_bound.restore(learnt["waits"])
+        self.lengths.restore(learnt["lengths"])
+        self.groups.restore(learnt["groups"])
+        self.counters = Counters(**learnt["counters"])
+        interrupted = []
+        for record in snapshot.programs:
+            program, gaps = program_from_record(record, shift_s)
+            self.programs[program.id] = program
+            self.retention.tool_times.restore_program(program.id, gaps)
+            if program.phase is Phase.REASONING and (
+                program.status is Status.ACTIVE or program.waiting_since is not None
+            ):
+                interrupted.append(program.id)
+            program.waiting_since = None
+            worker = self.workers.get(program.worker or "")
+            if program.status is not Status.ACTIVE:
+                continue
+            if worker is None:
+                program.status, program.paused_at = Status.PAUSED, now
+            else:
+                worker.programs.add(program.id)
+                self._ledgers[worker.id].add(program, self.config.buffer_tokens)
+        for program_id in interrupted:
+            self.on_request_failed(program_id)
 
     # ---- the tick -------------------------------------------------------------------------
 

@@ -34,6 +34,14 @@ class ProgramLengths:
             self._ended.popleft()
         self._left = None
 
+    def snapshot(self) -> list[int]:
+        """The lengths of the programs that ended lately (those running are surveyed again)."""
+        return list(self._ended)
+
+    def restore(self, ended: list[int]) -> None:
+        self._ended = deque(ended[-self.config.nearest_end_window :])
+        self._left = None
+
     def survey(self, running_steps: Iterable[int]) -> None:
         """The steps of every program still running (the policy's tick); those of none yet are no evidence."""
         self._running = sorted(s for s in running_steps if s > 0)

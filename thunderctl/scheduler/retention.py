@@ -7,6 +7,7 @@ import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from thunderctl.scheduler.config import SchedulerConfig
 from thunderctl.scheduler.program import Program, Worker
@@ -55,6 +56,18 @@ class GapSamples:
 
     def __len__(self) -> int:
         return len(self._recent)
+
+    def samples(self) -> list[float]:
+        """Its samples, the oldest first: what `restored` takes back."""
+        return list(self._recent)
+
+    @classmethod
+    def restored(cls, limit: int, samples: list[float]) -> GapSamples:
+        """Samples as `samples` gave them (the newest `limit` of them kept)."""
+        gaps = cls(limit)
+        gaps._recent.extend(samples[-limit:])
+        gaps._sorted = sorted(gaps._recent)
+        return gaps
 
 
 # Tool kinds whose tool times are kept. A bash agent's tool kind is its command's first word, a
@@ -111,6 +124,24 @@ class ToolTimes:
 
     def forget(self, program_id: str) -> None:
         self.by_program.pop(program_id, None)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The cluster's and each tool kind's samples (each program's go with the program)."""
+        return {
+            "cluster": self.cluster.samples(),
+            "tail": self.tail.samples(),
+            "by_tool": {tool: samples.samples() for tool, samples in self.by_tool.items()},
+        }
+
+    def restore(self, snapshot: dict[str, Any]) -> None:
+        self.cluster = GapSamples.restored(self.window, snapshot["cluster"])
+        self.tail = GapSamples.restored(self.tail_window, snapshot["tail"])
+        by_tool = list(snapshot["by_tool"].items())[-MAX_TOOL_KINDS:]  # the least recently called first
+        self.by_tool = {tool: GapSamples.restored(self.window, samples) for tool, samples in by_tool}
+
+    def restore_program(self, program_id: str, samples: list[float]) -> None:
+        if samples:
+            self.by_program[program_id] = GapSamples.restored(self.window, samples)
 
     def remaining(self, program_id: str, tool: str | None, elapsed_s: float) -> float:
         # Asked of every held program in a tick that prices retention: a tuple, not a generator.

@@ -25,6 +25,13 @@ class WaitBound:
         if wait_s > 0:
             self._waits.append(wait_s)
 
+    def snapshot(self) -> list[float]:
+        return list(self._waits)
+
+    def restore(self, waits: list[float]) -> None:
+        self._waits.clear()
+        self._waits.extend(waits)
+
     @property
     def median_s(self) -> float | None:
         """The median recent wait, once there are enough of them to trust."""
