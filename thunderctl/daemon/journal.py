@@ -154,6 +154,7 @@ class Journal:
             for response_id, touched, record in self._db.execute("SELECT id, touched, record FROM responses")
         ]
         self.stats.restored_programs = len(programs)
+        self._whole = False  # the tables hold what is restored: the changes from it are what to write
         return Restored(
             SchedulerSnapshot(taken_at, programs, json.loads(meta["learnt"])),
             elapsed_s=max(0.0, time.time() - float(meta["written_at"])),
