@@ -129,7 +129,9 @@ def status_view(daemon: Daemon) -> ClusterStatus:
         uptime_s=round(time.time() - daemon.started_at, 1),
         daemon_pid=os.getpid(),
         daemon=DaemonStatus(
-            restarts=record.restarts, last_exit=record.last_exit, last_exit_at=record.last_exit_at,
+            restarts=record.restarts,
+            last_exit=record.last_exit,
+            last_exit_at=record.last_exit_at,
             journal=JournalStatus.model_validate(asdict(daemon.journal.stats)),
         ),  # fmt: skip
         gateway=GatewayStatus(api_key_set=daemon.auth.api_key is not None, metrics_public=daemon.auth.metrics_public),

@@ -26,8 +26,8 @@ from thunderctl.gateway.derived import DerivedPrograms
 from thunderctl.gateway.identity import Claim, IdentityConfig
 from thunderctl.gateway.links import WorkerLink, WorkerState
 from thunderctl.gateway.recorder import TraceRecorder
-from thunderctl.gateway.restored import Restored
 from thunderctl.gateway.requests import PromptShape, TokenEstimator, relayed_payload
+from thunderctl.gateway.restored import Restored
 from thunderctl.gateway.sse import StreamRelay
 from thunderctl.gateway.stalls import StallWatch, UnansweredRequests, WorkerStalled
 from thunderctl.gateway.timings import GatewayTimings, watch_loop_lag
