@@ -12,9 +12,13 @@ import secrets
 import signal
 import socket
 import sys
+import threading
+import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from support import (
@@ -197,6 +201,66 @@ def test_up_on_a_running_cluster_starts_again_the_worker_that_died(cluster) -> N
     (result,) = results
     assert result.steps_failed == 0 and result.programs_completed == 4
     assert httpx.get(f"{status.workers[1].url}/health", timeout=10).status_code == 200
+
+
+class CountingTransport(httpx.HTTPTransport):
+    """The OpenAI SDK's HTTP, each attempt counted by how it ended: refused (nothing listened on the
+    port), cut (the connection broke under it), answered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outcomes: Counter[str] = Counter()
+        self.sent = threading.Event()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.sent.set()
+        try:
+            response = super().handle_request(request)
+        except httpx.ConnectError:
+            self.outcomes["refused"] += 1
+            raise
+        except httpx.TransportError:
+            self.outcomes["cut"] += 1
+            raise
+        self.outcomes["answered"] += 1
+        return response
+
+
+def test_the_daemon_killed_under_an_sdk_request_comes_back_with_its_program_and_steps(cluster) -> None:
+    cli, _, _ = cluster
+    status = cli.status()
+    transport = CountingTransport()
+    client = openai.OpenAI(base_url=status.endpoint, api_key="unused", http_client=httpx.Client(transport=transport))
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "extra_body": {"program_id": "kept"}}
+    for _ in range(2):
+        client.chat.completions.create(max_tokens=4, **chat)
+    written = time.time()
+    wait_for(lambda: (cli.status().daemon.journal.written_at or 0) > written, 60, "a journal write")
+    gateway = status.endpoint.removesuffix("/v1")
+
+    def kept() -> dict:
+        return next(p for p in httpx.get(f"{gateway}/programs").json()["programs"] if p["program_id"] == "kept")
+
+    before = kept()
+
+    # A long answer (ignore_eos: all of max_tokens), in flight as the daemon dies; the SDK retries it.
+    long = {**chat, "extra_body": {"program_id": "kept", "ignore_eos": True}}
+    answer: list[object] = []
+    thread = threading.Thread(target=lambda: answer.append(client.chat.completions.create(max_tokens=2000, **long)))
+    transport.sent.clear()
+    thread.start()
+    assert transport.sent.wait(60)
+    time.sleep(2)  # a minute's answer at the tiny model's pace: in flight, in the gateway or on its worker
+    assert thread.is_alive()
+    os.kill(status.daemon_pid, signal.SIGKILL)
+    thread.join(timeout=600)
+    assert answer, "the SDK's request failed"
+    after = kept()
+    assert transport.outcomes["refused"] == 0 and transport.outcomes["cut"] >= 1, transport.outcomes
+    assert after["steps"] == before["steps"] + 1 and after["group"] == before["group"]
+    assert cli.status().daemon_pid != status.daemon_pid
+    client.chat.completions.create(max_tokens=4, **chat)  # and the next request, as the program's
+    assert kept()["steps"] == after["steps"] + 1
 
 
 def test_supervisor_and_daemon_killed_then_up_recovers_them_and_down_leaves_nothing(
