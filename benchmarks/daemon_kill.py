@@ -118,16 +118,24 @@ async def run(args: argparse.Namespace, state: ClusterState) -> None:
     lost = sum(len(load.answered[p]) - programs[p]["steps"] for p in kept)
     attempts = sum(load.transport.outcomes.values())
     answers = sum(len(ends) for ends in load.answered.values())
-    print(f"programs {args.programs} on {args.workers} simulated workers, journal written every {args.tick:g} s "
-          f"(last write {written.write_ms:.1f} ms on its thread, {written.capture_ms:.1f} ms on the loop)")
+    print(
+        f"programs {args.programs} on {args.workers} simulated workers, journal written every {args.tick:g} s "
+        f"(last write {written.write_ms:.1f} ms on its thread, {written.capture_ms:.1f} ms on the loop)"
+    )
     print(f"kill -9 of the daemon after {args.kill_after:g} s ({sum(before.values())} answers by then)")
-    print(f"next daemon answering {back_s:.2f} s after the kill; first answer after the kill "
-          f"{(first_after - killed_at) if first_after else float('nan'):.2f} s after it; "
-          f"{restored.restored_programs} programs restored")
-    print(f"client: {answers} answers, {len(load.errors)} failed requests (errors the SDK raised) in {attempts} "
-          f"attempts: {dict(load.transport.outcomes)}; retried: {attempts - answers - len(load.errors)}")
-    print(f"programs under their ids after the restart: {len(kept)} of {args.programs}; steps lost "
-          f"(answered after the journal's last write): {lost}")
+    print(
+        f"next daemon answering {back_s:.2f} s after the kill; first answer after the kill "
+        f"{(first_after - killed_at) if first_after else float('nan'):.2f} s after it; "
+        f"{restored.restored_programs} programs restored"
+    )
+    print(
+        f"client: {answers} answers, {len(load.errors)} failed requests (errors the SDK raised) in {attempts} "
+        f"attempts: {dict(load.transport.outcomes)}; retried: {attempts - answers - len(load.errors)}"
+    )
+    print(
+        f"programs under their ids after the restart: {len(kept)} of {args.programs}; steps lost "
+        f"(answered after the journal's last write): {lost}"
+    )
     for error in load.errors[:5]:
         print("  error:", error)
     for program in load.answered:
