@@ -63,13 +63,15 @@ class Load:
         http = httpx.AsyncClient(transport=self.transport, timeout=httpx.Timeout(600, connect=60))
         self.client = openai.AsyncOpenAI(base_url=endpoint, api_key="unused", http_client=http)
         self.programs = programs
-        self.answered: dict[str, list[float]] = {f"agent-{n}": [] for n in range(programs)}  # each answer's end
+        # Each answer's (sending, end), by program.
+        self.answered: dict[str, list[tuple[float, float]]] = {f"agent-{n}": [] for n in range(programs)}
         self.errors: list[str] = []
         self.stop = False
 
     async def agent(self, program: str) -> None:
         messages = [{"role": "user", "content": f"task of {program}"}]
         while not self.stop:
+            sent_at = time.monotonic()
             try:
                 answer = await self.client.chat.completions.create(
                     model=MODEL, messages=messages, max_tokens=32, extra_body={"program_id": program}
@@ -77,7 +79,7 @@ class Load:
             except openai.OpenAIError as exc:
                 self.errors.append(f"{type(exc).__name__}: {exc}")
                 continue
-            self.answered[program].append(time.monotonic())
+            self.answered[program].append((sent_at, time.monotonic()))
             messages += [{"role": "assistant", "content": answer.choices[0].message.content or ""},
                          {"role": "user", "content": "observation " * random.randint(20, 60)}]  # fmt: skip
             await asyncio.sleep(random.uniform(0.5, 2.0))  # its tool call
@@ -104,6 +106,7 @@ async def run(args: argparse.Namespace, state: ClusterState) -> None:
     before = {p: len(ends) for p, ends in load.answered.items()}
     while pid_alive(pid):
         await asyncio.sleep(0.002)
+    died_at = time.monotonic()
     while not await asyncio.to_thread(daemon_answers, state):
         await asyncio.sleep(0.05)
     back_s = time.monotonic() - killed_at
@@ -111,7 +114,8 @@ async def run(args: argparse.Namespace, state: ClusterState) -> None:
     await asyncio.sleep(max(0.0, args.duration - args.kill_after))
     load.stop = True
     await asyncio.gather(*agents)
-    first_after = min((e for ends in load.answered.values() for e in ends if e > killed_at), default=None)
+    # The first answer to a request sent once the daemon was dead: how long a client waited for service.
+    first_after = min((e for ends in load.answered.values() for s, e in ends if s > died_at), default=None)
     programs = {p["program_id"]: p for p in httpx.get(f"{gateway}/programs", timeout=60).json()["programs"]}
     kept = [p for p in load.answered if p in programs]
     # Steps the new daemon lost: the client's answers minus the scheduler's count (0 where nothing was lost).
@@ -124,8 +128,8 @@ async def run(args: argparse.Namespace, state: ClusterState) -> None:
     )
     print(f"kill -9 of the daemon after {args.kill_after:g} s ({sum(before.values())} answers by then)")
     print(
-        f"next daemon answering {back_s:.2f} s after the kill; first answer after the kill "
-        f"{(first_after - killed_at) if first_after else float('nan'):.2f} s after it; "
+        f"next daemon answering {back_s:.2f} s after the kill; the first request sent after the daemon's death answered "
+        f"{(first_after - killed_at) if first_after else float('nan'):.2f} s after the kill; "
         f"{restored.restored_programs} programs restored"
     )
     print(
