@@ -12,7 +12,7 @@ import pytest
 from support import Cli, write_profile
 from thunderctl.cluster.state import ClusterState
 from thunderctl.processes import pick_free_port
-from thunderctl.sandbox.state import AdoptedContainer, PoolState
+from thunderctl.sandbox.state import BoundContainer, PoolState
 
 
 @pytest.mark.parametrize("profile", ["kept", "gone"])
@@ -24,7 +24,7 @@ def test_down_keeps_the_state_while_a_sandbox_host_does_not_answer(tmp_path: Pat
     root = tmp_path / "state"
     state = ClusterState("local", root / "local", str(profile_path), "http://127.0.0.1:1/v1")
     state.save()
-    adopted = AdoptedContainer(host=silent, container_id="ab" * 32)
+    adopted = BoundContainer(host=silent, container_id="ab" * 32)
     PoolState(used_hosts=[silent], adopted=[adopted]).save(state.dir / "sandboxes.json")
 
     down = Cli(root).in_process("down")

@@ -61,11 +61,13 @@ async def start_pool(
     """Start pools on the fake engines (LOCAL unless `hosts` says otherwise); shut down afterwards."""
     pools: list[SandboxPool] = []
 
-    async def start(state_path: Path | None = None, **overrides: object) -> SandboxPool:
+    async def start(
+        state_path: Path | None = None, live_programs: tuple[str, ...] = (), **overrides: object
+    ) -> SandboxPool:
         config = SandboxConfig(**({"image": IMAGE, "hosts": [LOCAL], "maintenance_interval_s": 3600} | overrides))
         pool = SandboxPool(config, CLUSTER, state_path, host_factory=fake_hosts(engines), clock=clock, wall_clock=clock)
         pools.append(pool)
-        await pool.start()
+        await pool.start(live_programs)
         return pool
 
     yield start
@@ -449,6 +451,67 @@ async def test_restart_collects_containers_adopted_before_a_crash(start_pool, en
     second = await start_pool(state_path=state_path)
     assert not engine.exists(agents_own.id)
     assert second.stats()["reaped"] == 1
+
+
+async def crashed_with_sandboxes(start_pool, engine: FakeEngine, clock: VirtualClock, state_path: Path):
+    """A first pool's sandboxes, left by its daemon's death: of "kept" one it made (with an env),
+    one claimed from the warm pool (whose labels name no program) and one container its agent
+    adopted; of "ended" one made."""
+    first = await start_pool(state_path=state_path, warm=1)
+    await eventually(lambda: first.stats()["warm"] == 1)
+    claimed = await first.acquire("kept")
+    made = await ready(first, "kept", env={"GREETING": "hello"})
+    agents_own = started_by_the_agent(engine, clock, first, "kept")
+    [adopted] = await first.adopt("kept", [agents_own.id])
+    ended = await ready(first, "ended")
+    await eventually(lambda: first.stats()["warm"] == 1)
+    return claimed, made, adopted, ended
+
+
+async def test_a_restart_binds_again_the_sandboxes_of_the_programs_that_live_on(
+    start_pool, engines, clock, tmp_path
+) -> None:
+    engine = engines[LOCAL]
+    state_path = tmp_path / "sandboxes.json"
+    claimed, made, adopted, _ = await crashed_with_sandboxes(start_pool, engine, clock, state_path)
+
+    second = await start_pool(state_path=state_path, live_programs=("kept",))
+    assert {sb.id for sb in second.sandboxes("kept")} == {claimed.id, made.id, adopted.id}
+    assert [sb.adopted for sb in (second.get(made.id), second.get(adopted.id))] == [False, True]
+    for sandbox in (claimed, made, adopted):
+        assert engine.exists(sandbox.container_id)
+        assert second.get(sandbox.id).container_id == sandbox.container_id
+        assert (await second.exec(sandbox.id, "true")).exit_code == 0
+    assert engine.execs[-2].env == {"GREETING": "hello"}  # made's exec: its env survives too
+
+    await second.release(made.id)
+    await second.program_ended("kept")
+    assert not any(engine.exists(sb.container_id) for sb in (claimed, made, adopted))
+
+
+async def test_a_restart_reaps_the_sandboxes_of_programs_that_did_not_live_on_and_the_warm_pool(
+    start_pool, engines, clock, tmp_path
+) -> None:
+    engine = engines[LOCAL]
+    state_path = tmp_path / "sandboxes.json"
+    claimed, made, adopted, ended = await crashed_with_sandboxes(start_pool, engine, clock, state_path)
+    warm = set(sandbox_containers(engine)) - {sb.container_id for sb in (claimed, made, adopted, ended)}
+
+    second = await start_pool(state_path=state_path, live_programs=("kept",))
+    assert not engine.exists(ended.container_id) and not any(engine.exists(c) for c in warm)
+    with pytest.raises(SandboxNotFound):
+        second.get(ended.id)
+    assert second.stats()["reaped"] == 2  # "ended"'s and the warm one
+
+
+async def test_a_restart_forgets_a_bound_sandbox_whose_container_is_gone(start_pool, engines, clock, tmp_path) -> None:
+    engine = engines[LOCAL]
+    state_path = tmp_path / "sandboxes.json"
+    claimed, made, adopted, _ = await crashed_with_sandboxes(start_pool, engine, clock, state_path)
+    del engine.containers[made.container_id], engine.containers[adopted.container_id]  # removed by hand meanwhile
+
+    second = await start_pool(state_path=state_path, live_programs=("kept",))
+    assert {sb.id for sb in second.sandboxes("kept")} == {claimed.id}
 
 
 async def test_what_docker_did_not_remove_at_shutdown_is_named_by_the_sweep_and_removed_once_it_answers(

@@ -214,7 +214,9 @@ class Daemon:
             log.warning(warning)
         self._spawn(self.journal.run(self.gateway, self.gateway.scheduler.config.tick_interval_s))
         if self.sandboxes is not None:
-            await self.sandboxes.start()  # reaps what a crashed daemon left
+            # The sandboxes of the programs restored from the journal are bound again; the rest
+            # of what a crashed daemon left is reaped.
+            await self.sandboxes.start(live_programs=list(self.gateway.scheduler.programs))
             self._spawn(self._follow_resume_queue())
         self._spawn(self._supervise_workers())
         sockets = [listener, bind_control_socket(self.state.socket_path)]

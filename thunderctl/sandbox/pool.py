@@ -12,7 +12,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from string import hexdigits
 
@@ -30,8 +30,9 @@ from thunderctl.sandbox.lease import (
     SandboxState,
 )
 from thunderctl.sandbox.preparation import Preparation
+from thunderctl.sandbox.rebinding import rebind, record_of
 from thunderctl.sandbox.reclaim import Reclaimer, Sweep
-from thunderctl.sandbox.state import AdoptedContainer, PoolState
+from thunderctl.sandbox.state import PoolState
 from thunderctl.sandbox.stats import PoolCounters, pool_stats
 
 log = logging.getLogger(__name__)
@@ -74,15 +75,19 @@ class SandboxPool:
             clock,
             self._reclaimer.remove_container,
             self._on_failed,
+            self._remember,
         )
 
     # ---- lifecycle of the pool -------------------------------------------------------------
 
-    async def start(self) -> None:
-        """Connect, reclaim whatever a previous daemon of this cluster left, fill the warm pool."""
+    async def start(self, live_programs: Collection[str] = ()) -> None:
+        """Connect, bind again the sandboxes a previous daemon of this cluster left to the programs
+        that live on in this one (`live_programs`, restored from its journal), reclaim whatever else
+        it left (warm sandboxes too: the warm pool is filled afresh), fill the warm pool."""
         if not self.config.enabled:
             return
         await self._check_hosts()
+        await self._rebind(live_programs)
         await self._reclaimer.collect_previous_adoptions()
         await self._reclaimer.reap()
         self._refill_warm()
@@ -107,6 +112,7 @@ class SandboxPool:
         left on these hosts (its sandboxes by their labels, the containers its programs adopted
         by the state file), and name what could not be removed: kept in the state file for the next."""
         await self._check_hosts()
+        await self._rebind(live_programs=())
         await self._reclaimer.collect_previous_adoptions()
         left = await self._reclaimer.reap()
         recorded = self._state.hosts_to_sweep()
@@ -144,6 +150,7 @@ class SandboxPool:
                 self._preparation.enqueue(sandbox)
         if sandbox.state is SandboxState.READY:
             self._counters.acquire_to_ready_s.append(0.0)
+            self._remember(sandbox)
         self._refill_warm()
         return sandbox
 
@@ -375,9 +382,27 @@ class SandboxPool:
             )
         )
         sandbox.settled.set()
-        self._state.adopted.append(AdoptedContainer(host=host.url, container_id=info.id))
-        self._save_state()
+        self._remember(sandbox)
         return sandbox
+
+    async def _rebind(self, live_programs: Collection[str]) -> None:
+        """Register the sandboxes of the state file whose program lives on. The other adopted
+        containers are left for `collect_previous_adoptions`; the other made ones, for the reaper."""
+        hosts = {h.url: h for h in self.hosts}
+        now = self._clock()
+        made = await rebind(self._state.made, False, live_programs, hosts, self._calls, now)
+        adopted = await rebind(self._state.adopted, True, live_programs, hosts, self._calls, now)
+        for sandbox in made + adopted:
+            self._register(sandbox)
+            log.info("sandbox %s of program %s bound again", sandbox.id, sandbox.program_id)
+        self._state.made = [record_of(sb) for sb in made]
+        self._save_state()
+
+    def _remember(self, sandbox: Sandbox) -> None:
+        """A sandbox bound to a program is ready: recorded at once, so that a daemon that dies
+        next leaves it to the next daemon."""
+        (self._state.adopted if sandbox.adopted else self._state.made).append(record_of(sandbox))
+        self._save_state()
 
     def _register(self, sandbox: Sandbox) -> Sandbox:
         self._sandboxes[sandbox.id] = sandbox

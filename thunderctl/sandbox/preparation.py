@@ -32,6 +32,7 @@ class Preparation:
         clock: Callable[[], float],
         remove_container: Callable[[Sandbox], Awaitable[object]],
         on_failed: Callable[[Sandbox], None],
+        on_bound_ready: Callable[[Sandbox], None],
     ) -> None:
         self.config = config
         self._calls = calls
@@ -41,6 +42,7 @@ class Preparation:
         self._clock = clock
         self._remove_container = remove_container
         self._on_failed = on_failed  # after a failure is recorded, before the sandbox settles
+        self._on_bound_ready = on_bound_ready  # a sandbox of a program, once ready
         self._pending: dict[str, Sandbox] = {}  # waiting for a slot, oldest first
         self._preparing = 0
         self._queue_rank: dict[str, int] = {}
@@ -107,6 +109,7 @@ class Preparation:
         self._counters.prepare_s.append(now - started)
         if not sandbox.is_warm:
             self._counters.acquire_to_ready_s.append(now - sandbox.requested_at)
+            self._on_bound_ready(sandbox)
 
     async def _create_container(self, sandbox: Sandbox) -> None:
         host = sandbox.host

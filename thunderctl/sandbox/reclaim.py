@@ -1,7 +1,8 @@
 """Taking back containers (released, orphaned, adopted, idle) and pulled images (above the disk watermark).
 
 Orphans are containers of the cluster that no live sandbox owns; adopted ones are remembered in the
-state file, so a daemon that crashed has its programs' containers collected at the next start.
+state file, so a daemon that crashed has the containers of its programs that did not live on
+collected at the next start.
 """
 
 from __future__ import annotations
@@ -58,10 +59,13 @@ class Reclaimer:
         """Mark the sandbox released and remove its container (if a preparation holds it, it will)."""
         sandbox.state = SandboxState.RELEASED
         sandbox.settled.set()
-        # An adopted container is forgotten once it is gone: until then, the state file is the
+        container = sandbox.container_id or ""
+        # A container the pool made is forgotten at once: if it outlives this, the reaper finds
+        # it by its labels. An adopted one once it is gone: until then, the state file is the
         # only record of it (it carries no label of ours for the reaper to find).
-        if await self.remove_container(sandbox) and sandbox.adopted:
-            self._state.adopted = [a for a in self._state.adopted if a.container_id != sandbox.container_id]
+        if not sandbox.adopted and self._state.forget(container, adopted=False):
+            self._save_state()
+        if await self.remove_container(sandbox) and sandbox.adopted and self._state.forget(container, adopted=True):
             self._save_state()
 
     async def remove_container(self, sandbox: Sandbox) -> bool:
@@ -113,10 +117,15 @@ class Reclaimer:
         return True
 
     async def collect_previous_adoptions(self) -> None:
-        """Containers adopted by programs of a daemon that died: those programs are gone."""
+        """Containers adopted by programs of a daemon that died that no live sandbox holds: those
+        programs are gone."""
         hosts = {h.url: h for h in self.hosts if h.available}
+        held = {sb.container_id for sb in self._sandboxes.values()}
         kept = []
         for adopted in self._state.adopted:
+            if adopted.container_id in held:
+                kept.append(adopted)
+                continue
             host = hosts.get(adopted.host)
             if host is None or not await self._reap_container(host, adopted.container_id):
                 kept.append(adopted)  # not removed now: tried again at the next start, or `down`
