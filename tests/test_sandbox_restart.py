@@ -1,0 +1,156 @@
+"""A program's sandboxes survive the daemon's death, through the real CLI on a cluster of one
+simulated worker with real Docker sandboxes: the daemon is killed (SIGKILL) with a live program
+holding a sandbox the pool made and a container its agent started and adopted; once the supervisor
+has started it again, both are there and serve the program's next exec, and its release removes
+them. The sandboxes of a program released before the kill, and of one the scheduler never heard
+of, do not outlive it.
+
+One cluster and one kill serve the module, its tests in the order of a cluster's life.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import docker
+import httpx
+import pytest
+import yaml
+from docker.errors import NotFound
+
+from support import Cli, sim_profile, wait_for
+
+pytestmark = pytest.mark.docker
+
+MODEL = "qwen3-32b"  # profiles/sim.yaml's served name
+
+
+@dataclass
+class Restarted:
+    """The cluster after the kill, and what its programs held before it."""
+
+    gateway: str
+    made: str  # the live program's sandbox, made by the pool (its id)
+    adopted: str  # the live program's sandbox of the container its agent started
+    released: str  # the sandbox of a program released before the kill
+    unknown: str  # the sandbox of a program that never sent the gateway a request
+    containers: dict[str, str]  # sandbox id -> its container
+
+
+def chat(gateway: str, program_id: str) -> None:
+    body = {"model": MODEL, "program_id": program_id, "max_tokens": 2, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
+    httpx.post(f"{gateway}/v1/chat/completions", json=body, timeout=60).raise_for_status()
+
+
+def ready_sandbox(gateway: str, program_id: str, **options: object) -> dict:
+    made = httpx.post(f"{gateway}/v1/sandboxes", json={"program_id": program_id, **options}, timeout=60)
+    made.raise_for_status()
+    sandbox = httpx.get(f"{gateway}/v1/sandboxes/{made.json()['id']}", params={"wait": "ready"}, timeout=60).json()
+    assert sandbox["state"] == "ready", sandbox
+    return sandbox
+
+
+def exec_in(gateway: str, sandbox_id: str, cmd: str) -> httpx.Response:
+    return httpx.post(f"{gateway}/v1/sandboxes/{sandbox_id}/exec", json={"cmd": cmd, "timeout": 10}, timeout=30)
+
+
+def container_exists(client: docker.DockerClient, container_id: str) -> bool:
+    try:
+        client.containers.get(container_id)
+    except NotFound:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def restarted(
+    tmp_path_factory: pytest.TempPathFactory, module_sandbox_image: str, docker_client: docker.DockerClient
+) -> Iterator[Restarted]:
+    directory = tmp_path_factory.mktemp("sandbox-restart")
+    name = f"rebind-{secrets.token_hex(3)}"
+    profile = sim_profile(name, workers=1, time_scale=0.05)
+    profile["scheduler"]["tick_interval_s"] = 0.5  # the journal's write interval
+    profile["sandboxes"] = {"image": module_sandbox_image, "memory": "64m", "pids": 64, "cpus": 0.5}
+    path = directory / "profile.yaml"
+    path.write_text(yaml.safe_dump(profile))
+    cli = Cli(directory / "state")
+    cli("up", "-f", str(path))
+    gateway = f"http://127.0.0.1:{profile['gateway']['port']}"
+    agents_own = None
+    try:
+        chat(gateway, "kept")  # its first request: it may adopt containers started from now on
+        made = ready_sandbox(gateway, "kept", env={"GREETING": "hello"})
+        agents_own = docker_client.containers.run(
+            module_sandbox_image, ["sleep", "600"], detach=True, network_mode="none", labels={"thunderctl.test": "1"}
+        )
+        adoption = httpx.post(
+            f"{gateway}/v1/sandboxes/adopt", json={"program_id": "kept", "docker_ids": [agents_own.id]}, timeout=30
+        )
+        adoption.raise_for_status()
+        [adopted] = adoption.json()["sandboxes"]
+        chat(gateway, "done")
+        released = ready_sandbox(gateway, "done")
+        httpx.post(f"{gateway}/programs/release", json={"program_id": "done"}, timeout=30).raise_for_status()
+        unknown = ready_sandbox(gateway, "stranger")
+        # The journal's next write holds "kept" and no longer "done": then the daemon dies.
+        before = time.time()
+        wait_for(lambda: (cli.status().daemon.journal.written_at or 0.0) > before, 30, "a journal write")
+        first = cli.status().daemon_pid
+        os.kill(first, signal.SIGKILL)
+        wait_for(lambda: cli.in_process("status", "--json").exit_code == 0 and cli.status().daemon_pid != first,
+                 60, "the daemon started again")  # fmt: skip
+        sandboxes = {"made": made, "adopted": adopted, "released": released, "unknown": unknown}
+        yield Restarted(
+            gateway,
+            **{kind: sandbox["id"] for kind, sandbox in sandboxes.items()},
+            containers={sandbox["id"]: sandbox["container_id"] for sandbox in sandboxes.values()},
+        )
+    finally:
+        cli("down", check=False)
+        if agents_own is not None and container_exists(docker_client, agents_own.id):
+            agents_own.remove(force=True, v=True)
+        for container in docker_client.containers.list(all=True, filters={"label": f"thunderctl.cluster={name}"}):
+            container.remove(force=True, v=True)
+
+
+def test_the_restored_programs_sandbox_is_still_there_and_runs_its_next_exec_with_its_env(
+    restarted: Restarted, docker_client: docker.DockerClient
+) -> None:
+    assert container_exists(docker_client, restarted.containers[restarted.made])
+    ran = exec_in(restarted.gateway, restarted.made, "echo $GREETING")
+    assert ran.status_code == 200 and ran.json()["output"] == "hello\n"
+
+
+def test_the_container_the_restored_program_adopted_is_still_there_and_runs_its_next_exec(
+    restarted: Restarted, docker_client: docker.DockerClient
+) -> None:
+    assert container_exists(docker_client, restarted.containers[restarted.adopted])
+    ran = exec_in(restarted.gateway, restarted.adopted, "echo inside")
+    assert ran.status_code == 200 and ran.json()["output"] == "inside\n"
+
+
+def test_the_sandboxes_of_a_program_released_before_the_kill_or_never_heard_of_are_gone(
+    restarted: Restarted, docker_client: docker.DockerClient
+) -> None:
+    for sandbox_id in (restarted.released, restarted.unknown):
+        assert not container_exists(docker_client, restarted.containers[sandbox_id])
+        assert exec_in(restarted.gateway, sandbox_id, "true").status_code == 404
+
+
+def test_the_restored_programs_release_removes_its_sandboxes(
+    restarted: Restarted, docker_client: docker.DockerClient
+) -> None:
+    listed = httpx.get(f"{restarted.gateway}/v1/sandboxes", params={"program_id": "kept"}, timeout=30).json()
+    assert {sb["id"] for sb in listed["sandboxes"]} == {restarted.made, restarted.adopted}
+
+    httpx.post(f"{restarted.gateway}/programs/release", json={"program_id": "kept"}, timeout=30).raise_for_status()
+    kept = [restarted.containers[restarted.made], restarted.containers[restarted.adopted]]
+    wait_for(lambda: not any(container_exists(docker_client, c) for c in kept), 30, "the sandboxes removed")
+    assert exec_in(restarted.gateway, restarted.made, "true").status_code == 404
