@@ -16,7 +16,6 @@ import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import docker
 import httpx
