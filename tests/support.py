@@ -15,11 +15,13 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+import docker
 import pytest
 import yaml
 from click.testing import Result
+from docker.errors import NotFound
 from typer.testing import CliRunner
 
 from thunderctl.bench.closed_loop import LoadSpec, Target, run_load
@@ -167,6 +169,44 @@ def sim_profile(cluster: str, workers: int, **engine: float) -> dict:
     ]
     profile["gateway"]["port"] = pick_free_port()
     return profile
+
+
+class SandboxedCluster(NamedTuple):
+    """A cluster of one simulated worker with real Docker sandboxes, brought up by `up_with_sandboxes`."""
+
+    cli: Cli
+    gateway: str  # its URL, without /v1
+    model: str  # the served name
+
+
+def up_with_sandboxes(
+    directory: Path, cluster: str, image: str, time_scale: float, **scheduler: float
+) -> SandboxedCluster:
+    """`up` of a cluster of one simulated worker whose sandboxes (small ones) are of `image`, its
+    profile and state under `directory`; `scheduler` overrides its scheduler settings."""
+    profile = sim_profile(cluster, workers=1, time_scale=time_scale)
+    profile["scheduler"].update(scheduler)
+    profile["sandboxes"] = {"image": image, "memory": "64m", "pids": 64, "cpus": 0.5}
+    path = directory / "profile.yaml"
+    path.write_text(yaml.safe_dump(profile))
+    cli = Cli(directory / "state")
+    cli("up", "-f", str(path))
+    return SandboxedCluster(cli, f"http://127.0.0.1:{profile['gateway']['port']}", profile["model"]["served_name"])
+
+
+def run_by_hand(client: docker.DockerClient, image: str, **labels: str):
+    """A container started outside the pool (by an agent, by hand, by another cluster)."""
+    return client.containers.run(
+        image, ["sleep", "600"], detach=True, network_mode="none", labels={"thunderctl.test": "1", **labels}
+    )
+
+
+def container_exists(client: docker.DockerClient, container_id: str) -> bool:
+    try:
+        client.containers.get(container_id)
+    except NotFound:
+        return False
+    return True
 
 
 def run_load_in_background(endpoint: str, programs: int) -> tuple[threading.Thread, list[LoadResult]]:

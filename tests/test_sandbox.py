@@ -19,7 +19,7 @@ import pytest
 import yaml
 from docker.errors import NotFound
 
-from support import Cli, eventually, sim_profile, wait_for
+from support import container_exists, eventually, run_by_hand, up_with_sandboxes, wait_for
 from thunderctl.cluster.install import docker_command
 from thunderctl.cluster.state import ClusterState
 from thunderctl.daemon.service import collect_orphaned_sandboxes
@@ -43,14 +43,6 @@ REPO = Path(__file__).resolve().parent.parent
 
 def labelled(client: docker.DockerClient, cluster: str) -> list:
     return client.containers.list(all=True, filters={"label": f"thunderctl.cluster={cluster}"})
-
-
-def container_exists(client: docker.DockerClient, container_id: str) -> bool:
-    try:
-        client.containers.get(container_id)
-    except NotFound:
-        return False
-    return True
 
 
 async def test_acquire_exec_release_round_trip_over_http(start_pool, serve_pool, docker_client) -> None:
@@ -191,13 +183,6 @@ async def test_restart_after_kill_9_reaps_every_orphan_and_nothing_else(
     for bystander in bystanders:
         bystander.reload()
         assert bystander.status == "running"
-
-
-def run_by_hand(client: docker.DockerClient, image: str, **labels: str):
-    """A container started outside the pool (by an agent, by hand, by another cluster)."""
-    return client.containers.run(
-        image, ["sleep", "600"], detach=True, network_mode="none", labels={"thunderctl.test": "1", **labels}
-    )
 
 
 async def test_adopted_container_is_collected_with_its_program(
@@ -506,17 +491,11 @@ def test_through_the_daemon_a_chat_adopts_the_agents_own_container_and_not_an_ol
     """`docker_ids` in a chat body, as an agent sends them: what it started after its first request
     goes with the program, a container from before is left alone and the refusal is logged."""
     bystander = run_by_hand(docker_client, sandbox_image)
-    profile = sim_profile(sandbox_cluster, workers=1, time_scale=0.0)
-    profile["sandboxes"] = {"image": sandbox_image, "memory": "64m", "pids": 64, "cpus": 0.5}
-    path = tmp_path / "profile.yaml"
-    path.write_text(yaml.safe_dump(profile))
-    cli = Cli(tmp_path / "state")
-    cli("up", "-f", str(path))
-    gateway = f"http://127.0.0.1:{profile['gateway']['port']}"
+    cli, gateway, model = up_with_sandboxes(tmp_path, sandbox_cluster, sandbox_image, time_scale=0.0)
     agents_own = None
     try:
         body = {
-            "model": profile["model"]["served_name"],
+            "model": model,
             "program_id": "agent",
             "max_tokens": 2,
             "messages": [{"role": "user", "content": "hi"}],

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -19,6 +20,7 @@ from thunderctl.prometheus import parse_samples
 from thunderctl.sandbox import (
     AdoptionRefused,
     PoolUnavailable,
+    Sandbox,
     SandboxConfig,
     SandboxFailed,
     SandboxNotFound,
@@ -453,10 +455,24 @@ async def test_restart_collects_containers_adopted_before_a_crash(start_pool, en
     assert second.stats()["reaped"] == 1
 
 
-async def crashed_with_sandboxes(start_pool, engine: FakeEngine, clock: VirtualClock, state_path: Path):
-    """A first pool's sandboxes, left by its daemon's death: of "kept" one it made (with an env),
-    one claimed from the warm pool (whose labels name no program) and one container its agent
-    adopted; of "ended" one made."""
+@dataclass
+class LeftByACrash:
+    """What a first pool's daemon left at its death: of "kept" a sandbox the pool made (with an
+    env), one claimed from the warm pool (whose labels name no program) and a container its agent
+    adopted; of "ended" a sandbox made; the warm pool's containers."""
+
+    claimed: Sandbox
+    made: Sandbox
+    adopted: Sandbox
+    ended: Sandbox
+    warm: set[str]
+
+
+async def restart_after_a_crash(
+    start_pool, engine: FakeEngine, clock: VirtualClock, state_path: Path, removed_meanwhile: tuple[str, ...] = ()
+) -> tuple[SandboxPool, LeftByACrash]:
+    """The second pool, started with "kept" restored, and what the first left; the containers of
+    `removed_meanwhile` (of "kept") were removed by hand between the two."""
     first = await start_pool(state_path=state_path, warm=1)
     await eventually(lambda: first.stats()["warm"] == 1)
     claimed = await first.acquire("kept")
@@ -465,53 +481,48 @@ async def crashed_with_sandboxes(start_pool, engine: FakeEngine, clock: VirtualC
     [adopted] = await first.adopt("kept", [agents_own.id])
     ended = await ready(first, "ended")
     await eventually(lambda: first.stats()["warm"] == 1)
-    return claimed, made, adopted, ended
+    bound = {claimed.container_id, made.container_id, adopted.container_id, ended.container_id}
+    left = LeftByACrash(claimed, made, adopted, ended, set(sandbox_containers(engine)) - bound)
+    for kind in removed_meanwhile:
+        del engine.containers[getattr(left, kind).container_id]
+    return await start_pool(state_path=state_path, live_programs=("kept",)), left
 
 
 async def test_a_restart_binds_again_the_sandboxes_of_the_programs_that_live_on(
     start_pool, engines, clock, tmp_path
 ) -> None:
     engine = engines[LOCAL]
-    state_path = tmp_path / "sandboxes.json"
-    claimed, made, adopted, _ = await crashed_with_sandboxes(start_pool, engine, clock, state_path)
-
-    second = await start_pool(state_path=state_path, live_programs=("kept",))
-    assert {sb.id for sb in second.sandboxes("kept")} == {claimed.id, made.id, adopted.id}
-    assert [sb.adopted for sb in (second.get(made.id), second.get(adopted.id))] == [False, True]
-    for sandbox in (claimed, made, adopted):
+    second, left = await restart_after_a_crash(start_pool, engine, clock, tmp_path / "sandboxes.json")
+    kept = (left.claimed, left.made, left.adopted)
+    assert {sb.id for sb in second.sandboxes("kept")} == {sb.id for sb in kept}
+    assert [sb.adopted for sb in (second.get(left.made.id), second.get(left.adopted.id))] == [False, True]
+    for sandbox in kept:
         assert engine.exists(sandbox.container_id)
         assert second.get(sandbox.id).container_id == sandbox.container_id
         assert (await second.exec(sandbox.id, "true")).exit_code == 0
     assert engine.execs[-2].env == {"GREETING": "hello"}  # made's exec: its env survives too
 
-    await second.release(made.id)
+    await second.release(left.made.id)
     await second.program_ended("kept")
-    assert not any(engine.exists(sb.container_id) for sb in (claimed, made, adopted))
+    assert not any(engine.exists(sb.container_id) for sb in kept)
 
 
 async def test_a_restart_reaps_the_sandboxes_of_programs_that_did_not_live_on_and_the_warm_pool(
     start_pool, engines, clock, tmp_path
 ) -> None:
     engine = engines[LOCAL]
-    state_path = tmp_path / "sandboxes.json"
-    claimed, made, adopted, ended = await crashed_with_sandboxes(start_pool, engine, clock, state_path)
-    warm = set(sandbox_containers(engine)) - {sb.container_id for sb in (claimed, made, adopted, ended)}
-
-    second = await start_pool(state_path=state_path, live_programs=("kept",))
-    assert not engine.exists(ended.container_id) and not any(engine.exists(c) for c in warm)
+    second, left = await restart_after_a_crash(start_pool, engine, clock, tmp_path / "sandboxes.json")
+    assert not engine.exists(left.ended.container_id) and not any(engine.exists(c) for c in left.warm)
     with pytest.raises(SandboxNotFound):
-        second.get(ended.id)
+        second.get(left.ended.id)
     assert second.stats()["reaped"] == 2  # "ended"'s and the warm one
 
 
 async def test_a_restart_forgets_a_bound_sandbox_whose_container_is_gone(start_pool, engines, clock, tmp_path) -> None:
-    engine = engines[LOCAL]
-    state_path = tmp_path / "sandboxes.json"
-    claimed, made, adopted, _ = await crashed_with_sandboxes(start_pool, engine, clock, state_path)
-    del engine.containers[made.container_id], engine.containers[adopted.container_id]  # removed by hand meanwhile
-
-    second = await start_pool(state_path=state_path, live_programs=("kept",))
-    assert {sb.id for sb in second.sandboxes("kept")} == {claimed.id}
+    second, left = await restart_after_a_crash(
+        start_pool, engines[LOCAL], clock, tmp_path / "sandboxes.json", removed_meanwhile=("made", "adopted")
+    )
+    assert {sb.id for sb in second.sandboxes("kept")} == {left.claimed.id}
 
 
 async def test_what_docker_did_not_remove_at_shutdown_is_named_by_the_sweep_and_removed_once_it_answers(

@@ -20,14 +20,10 @@ from dataclasses import dataclass
 import docker
 import httpx
 import pytest
-import yaml
-from docker.errors import NotFound
 
-from support import Cli, sim_profile, wait_for
+from support import container_exists, run_by_hand, up_with_sandboxes, wait_for
 
 pytestmark = pytest.mark.docker
-
-MODEL = "qwen3-32b"  # profiles/sim.yaml's served name
 
 
 @dataclass
@@ -42,8 +38,8 @@ class Restarted:
     containers: dict[str, str]  # sandbox id -> its container
 
 
-def chat(gateway: str, program_id: str) -> None:
-    body = {"model": MODEL, "program_id": program_id, "max_tokens": 2, "ignore_eos": True,
+def chat(gateway: str, model: str, program_id: str) -> None:
+    body = {"model": model, "program_id": program_id, "max_tokens": 2, "ignore_eos": True,
             "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
     httpx.post(f"{gateway}/v1/chat/completions", json=body, timeout=60).raise_for_status()
 
@@ -60,41 +56,26 @@ def exec_in(gateway: str, sandbox_id: str, cmd: str) -> httpx.Response:
     return httpx.post(f"{gateway}/v1/sandboxes/{sandbox_id}/exec", json={"cmd": cmd, "timeout": 10}, timeout=30)
 
 
-def container_exists(client: docker.DockerClient, container_id: str) -> bool:
-    try:
-        client.containers.get(container_id)
-    except NotFound:
-        return False
-    return True
-
-
 @pytest.fixture(scope="module")
 def restarted(
     tmp_path_factory: pytest.TempPathFactory, module_sandbox_image: str, docker_client: docker.DockerClient
 ) -> Iterator[Restarted]:
-    directory = tmp_path_factory.mktemp("sandbox-restart")
     name = f"rebind-{secrets.token_hex(3)}"
-    profile = sim_profile(name, workers=1, time_scale=0.05)
-    profile["scheduler"]["tick_interval_s"] = 0.5  # the journal's write interval
-    profile["sandboxes"] = {"image": module_sandbox_image, "memory": "64m", "pids": 64, "cpus": 0.5}
-    path = directory / "profile.yaml"
-    path.write_text(yaml.safe_dump(profile))
-    cli = Cli(directory / "state")
-    cli("up", "-f", str(path))
-    gateway = f"http://127.0.0.1:{profile['gateway']['port']}"
+    # Ticks of 0.5 s: the journal's writes.
+    cli, gateway, model = up_with_sandboxes(
+        tmp_path_factory.mktemp("sandbox-restart"), name, module_sandbox_image, time_scale=0.05, tick_interval_s=0.5
+    )
     agents_own = None
     try:
-        chat(gateway, "kept")  # its first request: it may adopt containers started from now on
+        chat(gateway, model, "kept")  # its first request: it may adopt containers started from now on
         made = ready_sandbox(gateway, "kept", env={"GREETING": "hello"})
-        agents_own = docker_client.containers.run(
-            module_sandbox_image, ["sleep", "600"], detach=True, network_mode="none", labels={"thunderctl.test": "1"}
-        )
+        agents_own = run_by_hand(docker_client, module_sandbox_image)
         adoption = httpx.post(
             f"{gateway}/v1/sandboxes/adopt", json={"program_id": "kept", "docker_ids": [agents_own.id]}, timeout=30
         )
         adoption.raise_for_status()
         [adopted] = adoption.json()["sandboxes"]
-        chat(gateway, "done")
+        chat(gateway, model, "done")
         released = ready_sandbox(gateway, "done")
         httpx.post(f"{gateway}/programs/release", json={"program_id": "done"}, timeout=30).raise_for_status()
         unknown = ready_sandbox(gateway, "stranger")
@@ -119,20 +100,17 @@ def restarted(
             container.remove(force=True, v=True)
 
 
-def test_the_restored_programs_sandbox_is_still_there_and_runs_its_next_exec_with_its_env(
-    restarted: Restarted, docker_client: docker.DockerClient
+@pytest.mark.parametrize(
+    ("kind", "cmd", "output"),
+    [("made", "echo $GREETING", "hello\n"), ("adopted", "echo inside", "inside\n")],  # made's with its env
+)
+def test_a_restored_programs_sandbox_is_still_there_and_runs_its_next_exec(
+    restarted: Restarted, docker_client: docker.DockerClient, kind: str, cmd: str, output: str
 ) -> None:
-    assert container_exists(docker_client, restarted.containers[restarted.made])
-    ran = exec_in(restarted.gateway, restarted.made, "echo $GREETING")
-    assert ran.status_code == 200 and ran.json()["output"] == "hello\n"
-
-
-def test_the_container_the_restored_program_adopted_is_still_there_and_runs_its_next_exec(
-    restarted: Restarted, docker_client: docker.DockerClient
-) -> None:
-    assert container_exists(docker_client, restarted.containers[restarted.adopted])
-    ran = exec_in(restarted.gateway, restarted.adopted, "echo inside")
-    assert ran.status_code == 200 and ran.json()["output"] == "inside\n"
+    sandbox_id = getattr(restarted, kind)
+    assert container_exists(docker_client, restarted.containers[sandbox_id])
+    ran = exec_in(restarted.gateway, sandbox_id, cmd)
+    assert ran.status_code == 200 and ran.json()["output"] == output
 
 
 def test_the_sandboxes_of_a_program_released_before_the_kill_or_never_heard_of_are_gone(
