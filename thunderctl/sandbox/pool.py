@@ -388,10 +388,10 @@ class SandboxPool:
     async def _rebind(self, live_programs: Collection[str]) -> None:
         """Register the sandboxes of the state file whose program lives on. The other adopted
         containers are left for `collect_previous_adoptions`; the other made ones, for the reaper."""
-        hosts = {h.url: h for h in self.hosts}
+        hosts, live = {h.url: h for h in self.hosts}, set(live_programs)
         now = self._clock()
-        made = await rebind(self._state.made, False, live_programs, hosts, self._calls, now)
-        adopted = await rebind(self._state.adopted, True, live_programs, hosts, self._calls, now)
+        made = await rebind(self._state.made, False, live, hosts, self._calls, now)
+        adopted = await rebind(self._state.adopted, True, live, hosts, self._calls, now)
         for sandbox in made + adopted:
             self._register(sandbox)
             log.info("sandbox %s of program %s bound again", sandbox.id, sandbox.program_id)

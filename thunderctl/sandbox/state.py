@@ -28,7 +28,8 @@ class BoundContainer(BaseModel):
 
 
 class PoolState(BaseModel):
-    # Written when the sandbox is bound and ready, forgotten when its container is gone.
+    # Written when the sandbox is bound and ready; forgotten at its release (an adopted one once
+    # its container is gone).
     adopted: list[BoundContainer] = Field(default_factory=list)  # started by agents: only this names them
     made: list[BoundContainer] = Field(default_factory=list)  # the pool's own: their labels name them too
     pulled: dict[str, dict[str, float]] = Field(default_factory=dict)  # host -> image -> last used
