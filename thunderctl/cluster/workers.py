@@ -33,10 +33,12 @@ from thunderctl.processes import (
     stop_recorded_group,
     tail_of_file,
 )
+from thunderctl.processes.poll import poll_until
 
 WORKER_STOP_TIMEOUT_S = 15.0
 LOG_TAIL_LINES = 30
 HEALTH_POLL_S = 0.5
+PORT_FREED_TIMEOUT_S = 30.0  # past it the worker starts anyway, and its log says why it did not bind
 FOLLOW_POLL_S = 0.5
 
 Report = Callable[[str], None]
@@ -252,6 +254,9 @@ def revive_worker(
     if not transport.group_alive(worker.process):
         if worker.container:
             remove_container(transport, worker.container)  # a killed `docker run` can leave it behind
+        # A killed worker's port frees only once the last process holding it has gone, which may be a
+        # moment after its group looks dead: started before, the new worker fails to bind.
+        poll_until(lambda: not transport.busy_ports(plan.host, [plan.port]), PORT_FREED_TIMEOUT_S, HEALTH_POLL_S)
         process = transport.start_detached(plan.command, plan.launch_env(worker_key), worker.log_path)
         worker.pid, worker.start_ticks = process.pid, process.start_ticks
         restarted = True
