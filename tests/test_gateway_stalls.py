@@ -134,7 +134,8 @@ def test_a_vllm_worker_whose_engine_hangs_is_taken_out_and_its_requests_answered
         return {"model": "tiny", "program_id": program, "max_tokens": max_tokens, "ignore_eos": True,
                 "messages": [{"role": "user", "content": f"task {program}"}]}  # fmt: skip
 
-    with engine_hung(hung), ThreadPoolExecutor(4) as pool:
+    # The engine goes on before the pool waits for its requests, whatever the test saw.
+    with ThreadPoolExecutor(4) as pool, engine_hung(hung):
         # Requests come for it while it hangs: in flight there, with no progress.
         asked = [pool.submit(gateway.http.post, "/v1/chat/completions", json=body(p, 8)) for p in homed_on_hung]
         assert httpx.get(f"{hung.url}/health", timeout=10).status_code == 200  # no health check sees it
