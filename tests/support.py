@@ -13,11 +13,13 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import docker
+import httpx
 import pytest
 import yaml
 from click.testing import Result
@@ -34,6 +36,7 @@ from thunderctl.engines.local import EngineHome, LocalEngine, LocalEngineConfig
 from thunderctl.processes import pick_free_port, pick_free_ports, pid_alive, port_free
 from thunderctl.processes.poll import poll_until
 from thunderctl.profile import DEFAULT_PROFILE, PROFILES_DIR
+from thunderctl.prometheus import parse_samples
 
 # A simulated worker: cpu-tiny with a small cache of 16-token blocks, stepping 100× faster than the model says.
 SMALL_SIM_BLOCK = 16
@@ -251,6 +254,47 @@ def live_group_members(pgid: int) -> dict[int, str]:
         if int(pgrp) == pgid and state != "Z":
             members[int(stat_file.parent.name)] = name
     return members
+
+
+def engine_requests_running(engine_url: str) -> float:
+    """How many requests a vLLM server says it runs now (`vllm:num_requests_running`, read off its
+    /metrics): in the engine, past any queue of the gateway's."""
+    page = httpx.get(f"{engine_url}/metrics", timeout=30).text
+    return sum(float(sample.value) for sample in parse_samples(page, {"vllm:num_requests_running"}))
+
+
+class StreamedChat:
+    """A streamed chat completion read on an executor's thread. `begun` is set at its first chunk
+    of choices: the answer is being generated then (the tiny model writes a long answer in about
+    a second, too soon to catch by polling), and it is set too if the request fails, so that a
+    waiter never hangs. `result()`: the status and the finish_reason of its last choice chunk."""
+
+    def __init__(self, executor: Executor, http: httpx.Client, body: dict) -> None:
+        self.begun = threading.Event()
+        self._future = executor.submit(self._read, http, body | {"stream": True})
+
+    def _read(self, http: httpx.Client, body: dict) -> tuple[int, str | None]:
+        finish_reason = None
+        try:
+            with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        for choice in json.loads(line.removeprefix("data: "))["choices"]:
+                            finish_reason = choice.get("finish_reason") or finish_reason
+                            self.begun.set()
+        finally:
+            self.begun.set()
+        return response.status_code, finish_reason
+
+    def wait_begun(self, timeout: float = 60.0) -> None:
+        if not self.begun.wait(timeout):
+            pytest.fail(f"the streamed answer did not begin within {timeout} s")
+
+    def result(self, timeout: float) -> tuple[int, str | None]:
+        return self._future.result(timeout=timeout)
+
+    def done(self) -> bool:
+        return self._future.done()
 
 
 def accept_queue(port: int) -> int:

