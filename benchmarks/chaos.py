@@ -17,10 +17,10 @@ Every `--worker-kill-every` seconds a random worker's process group is killed (-
 `--daemon-kill-every` seconds the daemon (its pid, not its supervisor's); a worker kill due with a
 daemon kill gives way to it, and no fault comes within `--settle` seconds of the end. Per fault:
 when it was back (the worker ready again in `status`, the next daemon answering its control
-socket), the time to serving again (daemon: the first answer that ended after its death; worker:
-the first answer to a program that was on it), the requests that failed as the client saw them
-(after the SDK's retries) and those the SDK retried (every attempt counted by an httpx event hook),
-ending between this fault and the next, and the programs lost: of the conversations live at the
+socket), the time to serving again (the first answer to a request sent after the kill, to a
+program that was on the worker; or sent after the daemon's death, to any program), the requests
+that failed as the client saw them (after the SDK's retries) and those the SDK retried (every
+attempt counted by an httpx event hook), ending between this fault and the next, and the programs lost: of the conversations live at the
 kill, those whose next request failed or was answered under another program id (the client's
 view), and those whose program id, listed in `/programs` before the kill, was gone from it
 `--settle` seconds later while the conversation went on (the gateway's view). The daemon's RSS
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import contextvars
 import json
@@ -79,8 +80,31 @@ BASH = {
 }
 WORDS = "build test file error line module import function value result output pass fail".split()
 
+
+@dataclass
+class Attempts:
+    """The HTTP requests one SDK call made, as its client's event hook saw them go."""
+
+    count: int = 0
+    last_s: float = 0.0  # when the last one went (monotonic)
+    statuses: list[int] = field(default_factory=list)  # of the answers that came (an attempt cut off has none)
+
+    def causes(self) -> list[str]:
+        """What each attempt that did not succeed met: an error status, or no answer (refused, reset, timed out)."""
+        errors = [f"HTTP {status}" for status in self.statuses if status >= 400]
+        return errors + ["no answer"] * (self.count - len(self.statuses))
+
+    def call(
+        self, conversation: str, turn: int, sent_s: float, program: str | None, error: str | None, final: bool
+    ) -> Call:
+        """The call these were the attempts of, ended now."""
+        return Call(
+            conversation, turn, sent_s, time.monotonic(), self.count, self.last_s, self.causes(), program, error, final
+        )
+
+
 # The attempts of the SDK call the current task makes: the event hook counts into it.
-ATTEMPTS: contextvars.ContextVar[list[int]] = contextvars.ContextVar("attempts")
+ATTEMPTS: contextvars.ContextVar[Attempts] = contextvars.ContextVar("attempts")
 
 
 @dataclass(frozen=True)
@@ -110,6 +134,8 @@ class Call:
     sent_s: float  # time.monotonic(), one clock for every process of this machine
     ended_s: float
     attempts: int  # HTTP requests the SDK made for it (1: not retried)
+    last_attempt_s: float  # when the last of them went
+    causes: list[str]  # what the attempts that did not succeed met
     program: str | None  # the answer's X-Program-Id
     error: str | None  # what the SDK raised once its retries were spent; None: answered
     final: bool  # the conversation's last turn
@@ -140,9 +166,17 @@ class RssSample:
 
 async def count_attempt(request: Any) -> None:
     """The SDK's HTTP client's request hook: one more attempt for the call in this task."""
-    counter = ATTEMPTS.get(None)
-    if counter is not None:
-        counter[0] += 1
+    attempts = ATTEMPTS.get(None)
+    if attempts is not None:
+        attempts.count += 1
+        attempts.last_s = time.monotonic()
+
+
+async def note_answer(response: Any) -> None:
+    """Its response hook: the status of the answer to the call's last attempt."""
+    attempts = ATTEMPTS.get(None)
+    if attempts is not None:
+        attempts.statuses.append(response.status_code)
 
 
 def words(rng: random.Random, span: tuple[int, int]) -> str:
@@ -161,19 +195,22 @@ async def conversation(
     for turn in range(turns):
         if time.monotonic() >= deadline:
             return
-        attempts = [0]
+        attempts = Attempts()
         ATTEMPTS.set(attempts)
         sent = time.monotonic()
         try:
             raw = await client.chat.completions.with_raw_response.create(
-                model=MODEL, messages=messages, tools=[BASH], max_tokens=spec.answer_tokens  # type: ignore[arg-type,list-item]
+                model=MODEL,
+                messages=messages,  # type: ignore[arg-type]
+                tools=[BASH],  # type: ignore[list-item]
+                max_tokens=spec.answer_tokens,
             )
             completion = raw.parse()
         except openai.OpenAIError as exc:
-            calls.append(Call(name, turn, sent, time.monotonic(), attempts[0], None, f"{type(exc).__name__}: {exc}", True))
+            calls.append(attempts.call(name, turn, sent, None, f"{type(exc).__name__}: {exc}", final=True))
             return  # the agent gives up on this task
         final = turn == turns - 1
-        calls.append(Call(name, turn, sent, time.monotonic(), attempts[0], raw.headers.get("x-program-id"), None, final))
+        calls.append(attempts.call(name, turn, sent, raw.headers.get("x-program-id"), None, final))
         message = completion.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
         observation = words(rng, spec.observation_words)
@@ -199,7 +236,7 @@ async def agent(
 
 async def agents(endpoint: str, names: list[str], spec: ChaosSpec, deadline: float) -> list[Call]:
     calls: list[Call] = []
-    http = openai.DefaultAsyncHttpxClient(event_hooks={"request": [count_attempt]})
+    http = openai.DefaultAsyncHttpxClient(event_hooks={"request": [count_attempt], "response": [note_answer]})
     async with openai.AsyncOpenAI(base_url=endpoint, api_key="unused", http_client=http) as client:
         tasks = [
             asyncio.create_task(agent(client, name, spec, deadline, random.Random(f"{spec.seed}-{name}"), calls))
@@ -279,7 +316,9 @@ class Chaos:
             for at_s, kind in plan(self.spec):
                 time.sleep(max(0.0, self.started + at_s - time.monotonic()))
                 fault = self.kill_daemon(at_s) if kind == "daemon" else self.kill_worker(at_s)
-                print(f"  {at_s / 60:5.1f} min: {kind} {fault.target} killed, back in {seconds(fault.back_s)}", flush=True)
+                print(
+                    f"  {at_s / 60:5.1f} min: {kind} {fault.target} killed, back in {seconds(fault.back_s)}", flush=True
+                )
                 time.sleep(max(0.0, fault.killed_s + self.spec.settle_s - time.monotonic()))
                 fault.after = set(self.programs())
                 fault.after_read_s = time.monotonic()
@@ -341,6 +380,7 @@ class FaultFigures:
     failed: int  # calls the SDK gave up on, ending between this fault and the next
     retried: int  # calls the SDK retried, same window
     attempts_retried: int  # the retries themselves
+    retry_causes: dict[str, int]  # what the attempts retried (or failed for good) met
     live: int  # conversations with a program, not at their end, at the kill
     judged: int  # of those, the ones that sent another request
     lost_client: int  # next request failed, or answered under another program id
@@ -357,7 +397,8 @@ def conversations(calls: list[Call]) -> dict[str, list[Call]]:
 
 def figures(fault: Fault, window_end: float, calls: list[Call], by_name: dict[str, list[Call]]) -> FaultFigures:
     in_window = [c for c in calls if fault.killed_s <= c.ended_s < window_end]
-    answered = [c for c in calls if c.error is None and c.ended_s > (fault.died_s or fault.killed_s)]
+    # Answers to requests sent after the kill (the daemon's death): none of them was in a socket before.
+    answered = [c for c in calls if c.error is None and c.last_attempt_s > (fault.died_s or fault.killed_s)]
     if fault.kind == "worker":
         on_victim = {p for p, worker in fault.before.items() if worker == fault.target}
         answered = [c for c in answered if c.program in on_victim]
@@ -385,6 +426,7 @@ def figures(fault: Fault, window_end: float, calls: list[Call], by_name: dict[st
         failed=sum(c.error is not None for c in in_window),
         retried=sum(c.attempts > 1 for c in in_window),
         attempts_retried=sum(c.attempts - 1 for c in in_window),
+        retry_causes=dict(collections.Counter(cause for c in in_window for cause in c.causes).most_common()),
         live=live,
         judged=judged,
         lost_client=lost_client,
@@ -460,7 +502,16 @@ def summary(report: dict[str, Any]) -> str:
             f"daemon RSS: {rss['reference_mib']} MiB at {rss['reference_s'] / 60:g} min, after it "
             f"{rss.get('min_after_mib')}-{rss['max_after_mib']} MiB, {rss['end_mib']} MiB at the end: {growth} at most "
             f"(target ≤ {RSS_GROWTH_ALLOWED:+.0%})",
-            *(f"  {f['kind']} {f['at_min']:.1f} min error: {e}" for f in report["faults"] for e in f["errors"][:3]),
+            *(
+                f"  {f['kind']} at {f['at_min']:.1f} min, retried: {f['retry_causes']}"
+                for f in report["faults"]
+                if f["retried"]
+            ),
+            *(
+                f"  {f['kind']} at {f['at_min']:.1f} min, failed: {e}"
+                for f in report["faults"]
+                for e in f["errors"][:3]
+            ),
             f"left running after down: {report['left_running'] or 'nothing'}",
         ]
     )
@@ -477,7 +528,9 @@ def tree() -> str:
 
 def run_chaos(spec: ChaosSpec, workdir: Path) -> dict[str, Any]:
     """Up, load under faults, figures, down; the cluster is brought down whatever happens."""
-    soak = SoakSpec(workers=spec.workers, engine_time_scale=spec.engine_time_scale, tick_interval_s=spec.tick_interval_s)
+    soak = SoakSpec(
+        workers=spec.workers, engine_time_scale=spec.engine_time_scale, tick_interval_s=spec.tick_interval_s
+    )
     cluster = Cluster(workdir, soak_profile(soak, f"chaos-{random.Random(spec.seed).getrandbits(24):06x}"))
     cluster.cli("up", "-f", str(cluster.profile_path))
     chaos = Chaos(cluster, cluster.state_path.parent, spec)
@@ -518,7 +571,6 @@ def run_chaos(spec: ChaosSpec, workdir: Path) -> dict[str, Any]:
             "conversations": len(by_name),
             "renamed_without_fault": renamed_without_fault(by_name, faults),
             "daemon_restarts": status.daemon.restarts if status.daemon else None,
-            "worker_restarts": {w.id: w.restarts for w in status.workers},
         },
         "rss": rss_summary(chaos.rss, faults),
         "rss_series": [asdict(s) for s in chaos.rss],
