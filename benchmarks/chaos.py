@@ -307,6 +307,8 @@ class Chaos:
                 continue  # between a daemon's death and its successor's start
             with contextlib.suppress(psutil.Error):
                 rss = psutil.Process(pid).memory_info().rss / MIB
+                if rss == 0:
+                    continue  # a daemon dead and not yet reaped
                 self.rss.append(RssSample(round(time.monotonic() - self.started, 1), pid, round(rss, 1)))
 
     def run(self) -> list[Fault]:
@@ -499,7 +501,7 @@ def summary(report: dict[str, Any]) -> str:
             f"{totals['retried']} retried by the SDK ({totals['attempts_retried']} retries); "
             f"{totals['renamed_without_fault']} renamed with no fault between",
             table(report),
-            f"daemon RSS: {rss['reference_mib']} MiB at {rss['reference_s'] / 60:g} min, after it "
+            f"daemon RSS: {rss['reference_mib']} MiB at {rss['reference_s'] / 60:.1f} min, after it "
             f"{rss.get('min_after_mib')}-{rss['max_after_mib']} MiB, {rss['end_mib']} MiB at the end: {growth} at most "
             f"(target ≤ {RSS_GROWTH_ALLOWED:+.0%})",
             *(
