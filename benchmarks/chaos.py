@@ -2,7 +2,7 @@
 
     python benchmarks/chaos.py                                   # 1,024 programs, 8 workers, 20 minutes
     python benchmarks/chaos.py --minutes 1 --workers 2 --programs 32 --worker-kill-every 20 --daemon-kill-every 40
-    python benchmarks/chaos.py --out results/chaos.json --keep results/chaos
+    python benchmarks/chaos.py --out results/chaos.json --keep results/chaos   # and the daemon's log, every call
 
 `thunderctl up` of a cluster of `thunderctl engine sim` workers (profiles/sim.yaml's preset, one
 node per worker, on free ports, in a state directory of its own), then agents in asyncio tasks
@@ -349,7 +349,8 @@ class Chaos:
     def kill_daemon(self, at_s: float) -> Fault:
         before = self.programs()
         pid = self.daemon_pid()
-        assert pid is not None, "no daemon runs under the supervisor"
+        if pid is None:
+            raise RuntimeError(f"no daemon runs under the supervisor; its log: {self.state().daemon_log}")
         self.seen_pids.add(pid)
         fault = Fault("daemon", at_s, f"pid {pid}", time.monotonic(), before=before)
         os.kill(pid, signal.SIGKILL)
@@ -529,7 +530,9 @@ def tree() -> str:
 
 
 def run_chaos(spec: ChaosSpec, workdir: Path) -> dict[str, Any]:
-    """Up, load under faults, figures, down; the cluster is brought down whatever happens."""
+    """Up, load under faults, figures, down; the cluster is brought down whatever happens. Every call
+    the agents made goes to `workdir`/calls.jsonl, for a look at when each retry or failure came."""
+    source = tree()  # before the run: an edit meanwhile is not what ran
     soak = SoakSpec(
         workers=spec.workers, engine_time_scale=spec.engine_time_scale, tick_interval_s=spec.tick_interval_s
     )
@@ -546,6 +549,8 @@ def run_chaos(spec: ChaosSpec, workdir: Path) -> dict[str, Any]:
             running = [pool.submit(run_agents, endpoint, share, spec, deadline) for share in shares]
             faults = chaos.run()
             calls = [Call(**c) for future in running for c in future.result()]
+        with (workdir / "calls.jsonl").open("w") as out:
+            out.writelines(json.dumps(asdict(c)) + "\n" for c in calls)
         status = fetch_status(chaos.state())
         chaos.seen_pids |= {status.daemon_pid or 0, *(w.pid for w in chaos.state().workers)}
     finally:
@@ -558,7 +563,7 @@ def run_chaos(spec: ChaosSpec, workdir: Path) -> dict[str, Any]:
     quiet = [c for c in calls if c.ended_s < first_kill]
     return {
         "spec": asdict(spec),
-        "tree": tree(),
+        "tree": source,
         "faults": [asdict(figures(f, end, calls, by_name)) for f, end in zip(faults, ends)],
         "before_faults": {
             "failed": sum(c.error is not None for c in quiet),
