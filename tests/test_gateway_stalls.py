@@ -116,12 +116,6 @@ def engine_hung(engine) -> Iterator[None]:
             os.kill(pid, signal.SIGCONT)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TimeoutError,
-    reason="the gateway's metrics poll asks each worker GET /is_paused with no read timeout; vLLM answers it "
-    "from its engine core, so a hung core holds the poll of every worker: no stall is ever seen",
-)
 def test_a_vllm_worker_whose_engine_hangs_is_taken_out_and_its_requests_answered_by_the_other(
     vllm_pair, start_gateway
 ) -> None:

@@ -181,15 +181,21 @@ def overall_usage(engines: list[EngineMetrics]) -> float:
 # --- HTTP ----------------------------------------------------------------------------
 
 
+# A poll of a worker's state (health, metrics, pause) waits this long for its answer: vLLM answers
+# /is_paused from its engine core, so a hung core would otherwise hold every poll of every worker,
+# and the stall watch that reads them would never see it.
+POLL_TIMEOUT_S = 5.0
+
+
 async def fetch_metrics(client: httpx.AsyncClient, base_url: str) -> EngineMetrics:
-    response = await client.get(f"{base_url.rstrip('/')}/metrics")
+    response = await client.get(f"{base_url.rstrip('/')}/metrics", timeout=POLL_TIMEOUT_S)
     response.raise_for_status()
     return parse_metrics(response.text)
 
 
 async def is_healthy(client: httpx.AsyncClient, base_url: str) -> bool:
     try:
-        response = await client.get(f"{base_url.rstrip('/')}/health")
+        response = await client.get(f"{base_url.rstrip('/')}/health", timeout=POLL_TIMEOUT_S)
     except httpx.HTTPError:
         return False
     return response.status_code == 200
@@ -292,7 +298,7 @@ async def reset_prefix_cache(client: httpx.AsyncClient, base_url: str) -> bool:
 async def engine_paused(client: httpx.AsyncClient, base_url: str) -> bool:
     """Whether the engine says it is paused (GET /is_paused); False when it cannot say (no dev mode)."""
     try:
-        response = await client.get(f"{base_url.rstrip('/')}/is_paused")
+        response = await client.get(f"{base_url.rstrip('/')}/is_paused", timeout=POLL_TIMEOUT_S)
     except httpx.HTTPError:
         return False
     if response.status_code != 200:
