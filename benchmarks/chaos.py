@@ -306,7 +306,10 @@ class Chaos:
             if pid is None:
                 continue  # between a daemon's death and its successor's start
             with contextlib.suppress(psutil.Error):
-                rss = psutil.Process(pid).memory_info().rss / MIB
+                daemon = psutil.Process(pid)
+                if time.time() - daemon.create_time() < RSS_EVERY_S:
+                    continue  # a daemon still importing: its RSS says nothing yet
+                rss = daemon.memory_info().rss / MIB
                 if rss == 0:
                     continue  # a daemon dead and not yet reaped
                 self.rss.append(RssSample(round(time.monotonic() - self.started, 1), pid, round(rss, 1)))
