@@ -456,20 +456,24 @@ class Gateway:
         claim: Claim | None,
         on_answer: Callable[[Answer], None] | None,
     ) -> AsyncGenerator[bytes, None]:
+        ended = False
         try:
             async for data in reads(response):
                 if relayed := relay.feed(data):
                     yield relayed
             if rest := relay.end():
                 yield rest
-            # Only a whole answer: a client whose stream was cut does not echo it back.
-            self._answered(claim, answer.answer(), on_answer)
+            ended = True
         finally:
             # Runs on normal end, worker error and client disconnect alike: the slot is freed.
             await response.aclose()
             relay.settle()
-            whole = answer.answer() if program_id is not None else None
-            self._finish(link, program_id, shape, relay.usage, whole.tool if whole else None, answer.ttft_s)
+            whole = answer.answer() if program_id is not None or ended else None
+            tool = whole.tool if whole is not None and program_id is not None else None
+            self._finish(link, program_id, shape, relay.usage, tool, answer.ttft_s)
+            if ended and whole is not None:
+                # Only a whole answer: a client whose stream was cut does not echo it back.
+                self._answered(claim, whole, on_answer)
 
     def _answered(self, claim: Claim | None, answer: Answer, on_answer: Callable[[Answer], None] | None) -> None:
         self.derived.remember(claim, answer)
