@@ -8,6 +8,7 @@ One cluster serves the module; each test kills the daemon once.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -44,6 +45,18 @@ class Cluster(RunningCluster):
         assert response.status_code == 200, response.text
         return response.json()["choices"][0]["message"]
 
+    def ask_streamed(self, messages: list[dict[str, str]]) -> str:
+        """The answer's text, as a streaming client puts it together from the deltas up to [DONE]."""
+        body = {"model": MODEL, "max_tokens": 8, "messages": messages, "stream": True}
+        text, done = [], False
+        with httpx.stream("POST", f"{self.gateway}/v1/chat/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                done = done or line == "data: [DONE]"
+                if line.startswith("data: {"):
+                    text += [c["delta"].get("content") or "" for c in json.loads(line[6:])["choices"]]
+        assert done, "the stream ended without its [DONE]"
+        return "".join(text)
+
     def journaled(self) -> None:
         """Wait for a journal write of the state as it is now (the next tick's)."""
         now = time.time()
@@ -63,18 +76,31 @@ def kept(programs: dict[str, dict[str, Any]]) -> dict[str, tuple]:
     return {i: tuple(p[key] for key in KEPT) for i, p in programs.items()}
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory):
-    directory: Path = tmp_path_factory.mktemp("journal")
+def up(directory: Path, workers: int, tick_s: float) -> Cluster:
     name = f"journal-{secrets.token_hex(3)}"
-    profile = sim_profile(name, 2, time_scale=0.1)
-    profile["scheduler"] = {"tick_interval_s": TICK_S}
+    profile = sim_profile(name, workers, time_scale=0.1)
+    profile["scheduler"] = {"tick_interval_s": tick_s}
     path = directory / "profile.yaml"
     path.write_text(yaml.safe_dump(profile))
     cli = Cli(directory / "state")
     cli("up", "-f", str(path))
-    yield Cluster(cli, path, name)
-    cli("down", check=False)
+    return Cluster(cli, path, name)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    cluster = up(tmp_path_factory.mktemp("journal"), 2, TICK_S)
+    yield cluster
+    cluster.cli("down", check=False)
+
+
+@pytest.fixture(scope="module")
+def untick(tmp_path_factory: pytest.TempPathFactory):
+    """A cluster whose tick (and so the journal's whole write) comes once in ten minutes: what the
+    next daemon finds of an answer was written at the answer."""
+    cluster = up(tmp_path_factory.mktemp("untick"), 1, 600.0)
+    yield cluster
+    cluster.cli("down", check=False)
 
 
 def test_a_daemon_killed_between_two_ticks_comes_back_with_the_same_programs(cluster: Cluster) -> None:
@@ -131,3 +157,29 @@ def test_a_program_whose_worker_died_with_the_daemon_waits_in_the_queue_not_lost
     program_id = next(iter(moved))
     cluster.ask([{"role": "user", "content": "and on"}], program_id=program_id)  # served, on the worker left
     assert cluster.programs()[program_id]["steps"] == moved[program_id]["steps"] + 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_derived_answer_the_client_has_is_found_by_a_daemon_killed_right_after(untick: Cluster, stream) -> None:
+    history = [{"role": "system", "content": "You fix bugs."}, {"role": "user", "content": f"Fix io.py ({stream})"}]
+    known = set(untick.programs())
+    answer = untick.ask_streamed(history) if stream else untick.ask(history)["content"]
+    (derived,) = set(untick.programs()) - known
+
+    untick.kill_daemon()  # no tick since the answer
+    history += [{"role": "assistant", "content": answer}, {"role": "user", "content": "ran: 1 failed"}]
+    untick.ask(history)
+    programs = untick.programs()
+    assert set(programs) - known == {derived}
+    assert programs[derived]["steps"] == 2 and programs[derived]["derived"]
+
+
+def test_a_responses_chain_goes_on_from_a_daemon_killed_right_after_its_answer(untick: Cluster) -> None:
+    turn = {"model": MODEL, "max_output_tokens": 8, "input": "List the files."}
+    first = httpx.post(f"{untick.gateway}/v1/responses", json=turn, timeout=120)
+    assert first.status_code == 200, first.text
+
+    untick.kill_daemon()
+    then = {**turn, "input": "Now the tests.", "previous_response_id": first.json()["id"]}
+    second = httpx.post(f"{untick.gateway}/v1/responses", json=then, timeout=120)
+    assert second.status_code == 200, second.text

@@ -1,12 +1,15 @@
 """The daemon's journal: what its gateway must not lose when the daemon dies, in the state directory's
-`journal.sqlite` (SQLite in WAL mode), written once a scheduler tick and read back by the next daemon.
+`journal.sqlite` (SQLite in WAL mode), written once a scheduler tick, and at each answer for what the
+answer taught the gateway, and read back by the next daemon.
 
 It holds every live program (the scheduler's snapshot: ids, workers, tokens, phases, groups, parents,
 steps, each program's tool times) and what the laws learnt, the derived programs' conversations (hashes
 only) and the Responses chains. A write is one transaction: a daemon killed at any moment leaves the
 last whole write, never part of one. The scheduler's state is small (a row a program, a few hundred
 samples) and written whole, each program's row only when it changed; the conversations (up to
-`remembered_conversations`) and the responses are written by their changes since the last write.
+`remembered_conversations`) and the responses are written by their changes since the last write, at
+the tick and before the end of each answer that changed them reaches its client (`keep`): an
+unchanged client that has its answer is found again by the next daemon.
 
 The gateway's state is read on the event loop (the scheduler is not thread-safe) and encoded and
 written on a thread of the journal's own: requests are served meanwhile. docs/architecture.md
@@ -16,11 +19,12 @@ written on a thread of the journal's own: requests are served meanwhile. docs/ar
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import sqlite3
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,7 +56,8 @@ CREATE TABLE IF NOT EXISTS responses (id TEXT PRIMARY KEY, touched INTEGER NOT N
 class Capture:
     """What one write takes from the gateway, read on the event loop."""
 
-    scheduler: SchedulerSnapshot
+    # None: an answers' write (`keep`), of the conversations and chains alone.
+    scheduler: SchedulerSnapshot | None
     written_at: float  # wall clock: a later daemon's clock may be another
     derived: list[str]
     index: tuple[str, int] | None  # the conversation index's id prefix and count, with derivation on
@@ -61,6 +66,9 @@ class Capture:
     responses: list[tuple[str, Kept]]
     forgotten_responses: list[str]
     whole: bool  # conversations and responses are all of them, not changes: the tables are rewritten
+    # An answers' write's programs, in their state after the answer (the scheduler's whole state
+    # waits for the tick).
+    answered: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -85,10 +93,15 @@ class Journal:
     _written: dict[str, str] = field(default_factory=dict)  # each program's record as last written
     _learnt: str = ""  # the learnt state as last written
     _whole: bool = True  # the next write rewrites the conversations and responses whole
+    _asked: int = 0  # answers that asked to be kept (`keep`), and how many of them are
+    _kept: int = 0
+    _answered: set[str] = field(default_factory=set)  # the programs of the answers not yet kept
 
     def __post_init__(self) -> None:
-        # One thread writes: the connection is used by it alone once the daemon runs.
+        # One thread writes, in the order the writes were taken: the connection is used by it alone
+        # once the daemon runs, and a later state is never overwritten by an earlier one.
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="journal")
+        self._keeping = asyncio.Lock()
         try:
             self._db = self._open()
         except sqlite3.DatabaseError as exc:  # not a database: the daemon starts, without it
@@ -172,12 +185,35 @@ class Journal:
         gateway.chains.changes.follow()
 
     async def run(self, gateway: Gateway, interval_s: float) -> None:
-        """Write every `interval_s` (the scheduler's tick) until cancelled; a failed write is logged
-        and the next writes everything again."""
+        """Write now, then every `interval_s` (the scheduler's tick) until cancelled, and the answers'
+        conversations and chains as they come (`keep`); a failed write is logged and the next
+        writes everything again."""
         self.follow(gateway)
+        gateway.keep_answers = lambda program_id: self.keep(gateway, program_id)
         while True:
-            await asyncio.sleep(interval_s)
             await self.write(gateway)
+            await asyncio.sleep(interval_s)
+
+    async def keep(self, gateway: Gateway, program_id: str | None) -> None:
+        """Write the conversations and chains changed so far, with the program of each answer that
+        asked, and return once they are written (or the write failed). The answers that ask while a
+        write runs share the next one: one transaction for all of them, however many end at once."""
+        if program_id is not None:
+            self._answered.add(program_id)
+        self._asked += 1
+        asked = self._asked
+        async with self._keeping:
+            if self._kept >= asked:
+                return  # written by the write this one waited for
+            covered = self._asked
+            capture = self.capture_answers(gateway)
+            try:
+                await asyncio.get_running_loop().run_in_executor(self._thread, self._write_answers, capture)
+            except (sqlite3.Error, RuntimeError) as exc:  # RuntimeError: the journal closed under it
+                self.stats.failures += 1
+                self._whole = True
+                log.warning("journal %s not written: %s", self.path, exc)
+            self._kept = covered
 
     async def write(self, gateway: Gateway) -> None:
         started = time.perf_counter()
@@ -199,6 +235,16 @@ class Journal:
         """The gateway's state now: whole for the scheduler, the changes since the last capture for the
         conversations and the responses (all of them at the first, or after a failed write)."""
         whole, self._whole = self._whole, False
+        return self._capture(gateway, gateway.scheduler.snapshot(), whole)
+
+    def capture_answers(self, gateway: Gateway) -> Capture:
+        """The conversations and responses changed since the last capture, and the programs answered."""
+        capture = self._capture(gateway, None, whole=False)
+        capture.answered = gateway.scheduler.program_records(self._answered)
+        self._answered = set()
+        return capture
+
+    def _capture(self, gateway: Gateway, scheduler: SchedulerSnapshot | None, whole: bool) -> Capture:
         index = gateway.derived.conversations
         if index is None:
             conversations: list[Remembered] = []
@@ -214,13 +260,13 @@ class Journal:
         else:
             responses, forgotten_responses = gateway.chains.changed()
         return Capture(
-            gateway.scheduler.snapshot(), time.time(), gateway.derived.ids(),
-            (index.numbering() if index is not None else None), conversations, forgotten,
-            responses, forgotten_responses, whole,
+            scheduler, time.time(), gateway.derived.ids(), (index.numbering() if index is not None else None),
+            conversations, forgotten, responses, forgotten_responses, whole,
         )  # fmt: skip
 
     def _write(self, capture: Capture) -> None:
         """One transaction: the scheduler's changed rows, the changes of the other stores, the meta rows."""
+        assert capture.scheduler is not None
         records = {p["id"]: json.dumps(p, separators=(",", ":")) for p in capture.scheduler.programs}
         changed = [(i, r) for i, r in records.items() if self._written.get(i) != r]
         gone = [(i,) for i in self._written.keys() - records.keys()]
@@ -234,30 +280,50 @@ class Journal:
         }
         if learnt != self._learnt:
             meta["learnt"] = learnt
+        with self._transaction() as db:
+            db.executemany("DELETE FROM programs WHERE id = ?", gone)
+            db.executemany("INSERT OR REPLACE INTO programs VALUES (?, ?)", changed)
+            self._write_stores(db, capture)
+            db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", meta.items())
+        self._written = records
+        self._learnt = learnt
+        self.stats.programs = len(records)
+        self.stats.conversations = self._db.execute("SELECT count(*) FROM conversations").fetchone()[0]
+        self.stats.responses = self._db.execute("SELECT count(*) FROM responses").fetchone()[0]
+
+    def _write_answers(self, capture: Capture) -> None:
+        """One transaction: the answered programs' rows (their times in the scheduler's clock, as the
+        last whole write's are), the conversations' and responses' changes, and the index's
+        numbering (so that the next daemon derives no id this one gave out)."""
+        records = {p["id"]: json.dumps(p, separators=(",", ":")) for p in capture.answered}
+        with self._transaction() as db:
+            db.executemany("INSERT OR REPLACE INTO programs VALUES (?, ?)", records.items())
+            self._write_stores(db, capture)
+            db.execute("INSERT OR REPLACE INTO meta VALUES ('index', ?)", (json.dumps(capture.index),))
+        self._written.update(records)
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
         db = self._db
         db.execute("BEGIN")
         try:
-            db.executemany("DELETE FROM programs WHERE id = ?", gone)
-            db.executemany("INSERT OR REPLACE INTO programs VALUES (?, ?)", changed)
-            if capture.whole:
-                db.execute("DELETE FROM conversations")
-                db.execute("DELETE FROM responses")
-            db.executemany("DELETE FROM conversations WHERE program_id = ?", _rows(capture.forgotten_conversations))
-            db.executemany("INSERT OR REPLACE INTO conversations VALUES (?, ?, ?, ?, ?, ?)",
-                           (_conversation_row(c) for c in capture.conversations))  # fmt: skip
-            db.executemany("DELETE FROM responses WHERE id = ?", _rows(capture.forgotten_responses))
-            db.executemany("INSERT OR REPLACE INTO responses VALUES (?, ?, ?)",
-                           (_response_row(i, k) for i, k in capture.responses))  # fmt: skip
-            db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", meta.items())
+            yield db
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")
             raise
-        self._written = records
-        self._learnt = learnt
-        self.stats.programs = len(records)
-        self.stats.conversations = db.execute("SELECT count(*) FROM conversations").fetchone()[0]
-        self.stats.responses = db.execute("SELECT count(*) FROM responses").fetchone()[0]
+
+    @staticmethod
+    def _write_stores(db: sqlite3.Connection, capture: Capture) -> None:
+        if capture.whole:
+            db.execute("DELETE FROM conversations")
+            db.execute("DELETE FROM responses")
+        db.executemany("DELETE FROM conversations WHERE program_id = ?", _rows(capture.forgotten_conversations))
+        db.executemany("INSERT OR REPLACE INTO conversations VALUES (?, ?, ?, ?, ?, ?)",
+                       (_conversation_row(c) for c in capture.conversations))  # fmt: skip
+        db.executemany("DELETE FROM responses WHERE id = ?", _rows(capture.forgotten_responses))
+        db.executemany("INSERT OR REPLACE INTO responses VALUES (?, ?, ?)",
+                       (_response_row(i, k) for i, k in capture.responses))  # fmt: skip
 
 
 def _rows(ids: Iterable[str]) -> Iterable[tuple[str]]:

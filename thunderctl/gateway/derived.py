@@ -25,10 +25,12 @@ class DerivedPrograms:
         return list(self._ids)
 
     def restore(self, ids: Iterable[str], conversations: IndexSnapshot | None) -> None:
-        """Back to a journal's derived programs and conversations (with derivation off, none are found again)."""
+        """Back to a journal's derived programs and conversations (with derivation off, none are found
+        again). A conversation's program was derived, even one derived after the journal's last list."""
         self._ids.update(ids)
         if self.conversations is not None and conversations is not None:
             self.conversations.restore(conversations)
+            self._ids.update(c.program_id for c in conversations.conversations)
 
     def claim(self, turn: Turn) -> Claim | None:
         """The program of a request that names none: the one whose conversation it continues, or a

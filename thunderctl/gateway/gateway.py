@@ -11,7 +11,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,6 +123,11 @@ class Gateway:
         self.admitting.set()
         self._tasks: list[asyncio.Task[None]] = []
         self.client_disconnects = 0  # clients gone before their request's body had arrived
+        # Awaited once an answer's derived conversation or chain is remembered, with the answer's
+        # program, before the answer's end reaches its client: the daemon's journal writes them
+        # there, so that a client that has its answer whole can count on a restarted daemon knowing
+        # it. None: nothing is kept.
+        self.keep_answers: Callable[[str | None], Awaitable[None]] | None = None
         # Each worker's endpoints parsed once: httpx parses a URL given as text on every request.
         self._endpoints: dict[tuple[str, str], httpx.URL] = {}
         # Every call to a worker (relay, health, metrics) carries the cluster's worker key.
@@ -420,7 +425,9 @@ class Gateway:
                     if response.status_code == 200 and stream:
                         followed = program_id is not None or on_answer is not None
                         relay = StreamRelay(answer if followed else None, client_wants_usage, self._clock, api.usage_of)
-                        lines = self._relay_stream(response, link, program_id, shape, relay, answer, claim, on_answer)
+                        lines = self._relay_stream(
+                            response, link, program_id, shape, relay, answer, claim, on_answer, api.final_events
+                        )
                         return Relayed(200, response.headers.get("content-type", "text/event-stream"), lines)
                     content = await response.aread()
                 break
@@ -442,6 +449,8 @@ class Gateway:
                 usage, tool = answered.usage, answered.tool
                 self._answered(claim, answered, on_answer)
         self._finish(link, program_id, shape, usage, tool)
+        if response.status_code == 200:
+            await self._keep(program_id, claim, on_answer)
         media_type = response.headers.get("content-type", "application/json")
         return Relayed(response.status_code, media_type, content)
 
@@ -455,14 +464,23 @@ class Gateway:
         answer: StreamedAnswer,
         claim: Claim | None,
         on_answer: Callable[[Answer], None] | None,
+        final_events: tuple[bytes, ...],
     ) -> AsyncGenerator[bytes, None]:
         ended = False
+        holds = self.keep_answers is not None and (claim is not None or on_answer is not None)
+        held = b""  # the stream's last event and anything after it, until the answer is kept
         try:
             async for data in reads(response):
                 if relayed := relay.feed(data):
-                    yield relayed
+                    if holds and (held or any(event in relayed for event in final_events)):
+                        held += relayed
+                    else:
+                        yield relayed
             if rest := relay.end():
-                yield rest
+                if held:
+                    held += rest
+                else:
+                    yield rest
             ended = True
         finally:
             # Runs on normal end, worker error and client disconnect alike: the slot is freed.
@@ -474,11 +492,21 @@ class Gateway:
             if ended and whole is not None:
                 # Only a whole answer: a client whose stream was cut does not echo it back.
                 self._answered(claim, whole, on_answer)
+        if held:
+            await self._keep(program_id, claim, on_answer)
+            yield held
 
     def _answered(self, claim: Claim | None, answer: Answer, on_answer: Callable[[Answer], None] | None) -> None:
         self.derived.remember(claim, answer)
         if on_answer is not None:
             on_answer(answer)
+
+    async def _keep(
+        self, program_id: str | None, claim: Claim | None, on_answer: Callable[[Answer], None] | None
+    ) -> None:
+        """Wait until what an answer taught the gateway (`_answered`) is kept, where something keeps it."""
+        if self.keep_answers is not None and (claim is not None or on_answer is not None):
+            await self.keep_answers(program_id)
 
     def _endpoint(self, link: WorkerLink, path: str) -> httpx.URL:
         url = self._endpoints.get((link.url, path))

@@ -8,6 +8,7 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict
+from typing import Any
 
 from thunderctl.scheduler.admission import AdmissionTuner
 from thunderctl.scheduler.capacity import decode_fits, gpu_binds, gpu_room, headroom
@@ -234,10 +235,7 @@ class Scheduler:
     def snapshot(self) -> SchedulerSnapshot:
         """Every live program and what the laws learnt, as plain data (snapshot.py)."""
         tool_times, retention = self.retention.tool_times, self.retention
-        programs = []
-        for program in self.programs.values():
-            gaps = tool_times.by_program.get(program.id)
-            programs.append(program_record(program, gaps.samples() if gaps is not None else []))
+        programs = self.program_records(self.programs)
         learnt = {
             "tool_times": tool_times.snapshot(),
             "prefill_tokens_per_s": retention.prefill.tokens_per_s,
@@ -251,6 +249,15 @@ class Scheduler:
             "counters": asdict(self.counters),
         }
         return SchedulerSnapshot(self.clock(), programs, learnt)
+
+    def program_records(self, ids: Iterable[str]) -> list[dict[str, Any]]:
+        """The live programs among `ids`, as plain data (snapshot.py)."""
+        by_program = self.retention.tool_times.by_program
+        return [
+            program_record(program, gaps.samples() if (gaps := by_program.get(program.id)) is not None else [])
+            for program in (self.programs.get(i) for i in ids)
+            if program is not None
+        ]
 
     def restore(self, snapshot: SchedulerSnapshot, elapsed_s: float = 0.0) -> None:
         """Take back a snapshot taken `elapsed_s` ago, into this scheduler with its workers added and

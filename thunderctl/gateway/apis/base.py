@@ -73,6 +73,10 @@ class Api(ABC):
     fields: ClassVar[type[BaseModel]]  # the fields the gateway acts on, with their types
     # Its answers continue by reference (`previous_response_id`): the gateway keeps them (chains.py).
     chained: ClassVar[bool] = False
+    # How its stream's last event begins: the gateway holds that event back until what the answer
+    # taught it (a derived conversation, a chain) is kept, so a client that has its answer whole
+    # can count on a restarted daemon knowing it.
+    final_events: ClassVar[tuple[bytes, ...]] = (b"data: [DONE]",)
 
     def check(self, body: dict[str, Any]) -> None:
         """A BadRequest naming the first field of `fields` the body gets wrong, and what it must be."""

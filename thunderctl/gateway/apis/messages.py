@@ -97,6 +97,7 @@ class MessageEvents(StreamedAnswer):
 
 class MessagesApi(Api):
     name = "messages"
+    final_events = (b"event: message_stop",)
     fields = MessagesFields
 
     def program_hints(self, body: dict[str, Any]) -> list[tuple[str, Any]]:

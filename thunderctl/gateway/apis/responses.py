@@ -105,6 +105,7 @@ class ResponsesApi(Api):
     name = "responses"
     fields = ResponsesFields
     chained = True
+    final_events = tuple(f"event: {event}".encode() for event in sorted(ENDING_EVENTS))
 
     def program_hints(self, body: dict[str, Any]) -> list[tuple[str, Any]]:
         # Codex CLI's thread id; the OpenAI SDKs pass it through unchanged.
