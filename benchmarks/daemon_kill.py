@@ -11,7 +11,7 @@ next answer came under the program id of their last one before the kill (the `x-
 gateway answers with), and the steps the new daemon lost; the workers' prefix-cache hit rate in the
 30 s before the kill and in 10 s windows after it. Then `down`.
 
-`python benchmarks/daemon_kill.py [--local] [--derived] [--programs 48] [--workers 4] [--duration 40] [--kill-after 15]`
+`python benchmarks/daemon_kill.py [--local] [--derived] [--no-kill] [--programs 48] [--workers 4] [--duration 40] [--kill-after 15]`
 """
 
 from __future__ import annotations
@@ -133,9 +133,10 @@ async def run(args: argparse.Namespace, state: ClusterState, model: str) -> None
     assert pid is not None
     written = fetch_status(state).daemon.journal
     killed_at = time.monotonic()
-    os.kill(pid, signal.SIGKILL)
+    if not args.no_kill:
+        os.kill(pid, signal.SIGKILL)
     before = {p: len(ends) for p, ends in load.answered.items()}
-    while pid_alive(pid):
+    while pid_alive(pid) and not args.no_kill:
         await asyncio.sleep(0.002)
     died_at = time.monotonic()
     while not await asyncio.to_thread(daemon_answers, state):
@@ -163,7 +164,8 @@ async def run(args: argparse.Namespace, state: ClusterState, model: str) -> None
         f"written every {args.tick:g} s (last write {written.write_ms:.1f} ms on its thread, "
         f"{written.capture_ms:.1f} ms on the loop) and at each answer it must keep"
     )
-    print(f"kill -9 of the daemon after {args.kill_after:g} s ({sum(before.values())} answers by then)")
+    fault = "no kill (the baseline)" if args.no_kill else "kill -9 of the daemon"
+    print(f"{fault} after {args.kill_after:g} s ({sum(before.values())} answers by then)")
     print(
         f"next daemon answering {back_s:.2f} s after the kill; the first request sent after the daemon's death answered "
         f"{(first_after - killed_at) if first_after else float('nan'):.2f} s after the kill; "
@@ -193,6 +195,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=4, help="simulated workers (without --local)")
     parser.add_argument("--duration", type=float, default=40.0)
     parser.add_argument("--kill-after", type=float, default=15.0)
+    parser.add_argument("--no-kill", action="store_true", help="the same run with no kill: the hit rate's baseline")
     parser.add_argument("--tick", type=float, help="the scheduler's tick_interval_s (default: the profile's)")
     args = parser.parse_args()
     args.engine = "vLLM-CPU" if args.local else "simulated"

@@ -1,6 +1,7 @@
 """What a journal write costs (daemon/journal.py): a gateway holding PROGRAMS programs, each with its
 tool times, and REMEMBERED derived conversations, written whole (a daemon's first write) and then by a
-tick's changes (each program one step further: its conversation continued and answered).
+tick's changes (each program one step further: its conversation continued and answered), and each
+answer's own write before its end reaches the client, alone and many at once.
 
 `python benchmarks/journal_cost.py [PROGRAMS] [REMEMBERED] [TICKS]`
 """
@@ -75,6 +76,24 @@ async def measure(programs: int, remembered: int, ticks: int) -> None:
         print(f"a tick's write, every program one step on ({ticks} ticks): on the loop median "
               f"{statistics.median(loop_ms):.1f} ms (max {max(loop_ms):.1f}), on the thread median "
               f"{statistics.median(thread_ms):.0f} ms (max {max(thread_ms):.0f})")  # fmt: skip
+        # An answer's own write (Journal.keep), awaited before its end reaches the client: one answer at
+        # a time (each its own transaction), then every program's answer at once (they share writes).
+        alone_ms = []
+        for n, program in enumerate(list(gateway.scheduler.programs)):
+            step(gateway, clock, program)
+            index.answered_chat(live[n], {"content": f"kept {clock.now}"})
+            started = time.perf_counter()
+            await journal.keep(gateway, program)
+            alone_ms.append(1000 * (time.perf_counter() - started))
+        alone_ms.sort()
+        print(f"an answer kept alone ({len(alone_ms)} answers): median {statistics.median(alone_ms):.2f} ms, "
+              f"p99 {alone_ms[int(0.99 * len(alone_ms))]:.2f} ms")  # fmt: skip
+        for n, program in enumerate(list(gateway.scheduler.programs)):
+            step(gateway, clock, program)
+            index.answered_chat(live[n], {"content": f"together {clock.now}"})
+        started = time.perf_counter()
+        await asyncio.gather(*(journal.keep(gateway, p) for p in list(gateway.scheduler.programs)))
+        print(f"{programs} answers kept at once: {1000 * (time.perf_counter() - started):.0f} ms for all")
         size = sum(f.stat().st_size for f in Path(directory).iterdir())
         print(f"journal on disk: {size / 1e6:.1f} MB")
         journal.close()
