@@ -11,7 +11,7 @@ next answer came under the program id of their last one before the kill (the `x-
 gateway answers with), and the steps the new daemon lost; the workers' prefix-cache hit rate in the
 30 s before the kill and in 10 s windows after it. Then `down`.
 
-`python benchmarks/daemon_kill.py [--local] [--derived] [--no-kill] [--programs 48] [--workers 4] [--duration 40] [--kill-after 15]`
+`python benchmarks/daemon_kill.py [--local] [--derived] [--no-kill] [--kv-blocks N] [--programs 48] [--workers 4] [--duration 40] [--kill-after 15]`
 """
 
 from __future__ import annotations
@@ -195,6 +195,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=4, help="simulated workers (without --local)")
     parser.add_argument("--duration", type=float, default=40.0)
     parser.add_argument("--kill-after", type=float, default=15.0)
+    parser.add_argument("--kv-blocks", type=int, help="the workers' KV blocks (default: the profile's)")
     parser.add_argument("--no-kill", action="store_true", help="the same run with no kill: the hit rate's baseline")
     parser.add_argument("--tick", type=float, help="the scheduler's tick_interval_s (default: the profile's)")
     args = parser.parse_args()
@@ -210,6 +211,8 @@ def main() -> None:
         ]
         profile["gateway"]["port"] = pick_free_port()
         profile["sandboxes"] = {"enabled": False}
+        if args.kv_blocks is not None:
+            profile["engine"]["kv_blocks"] = args.kv_blocks
         scheduler = profile.setdefault("scheduler", {})
         if args.tick is not None:
             scheduler["tick_interval_s"] = args.tick
