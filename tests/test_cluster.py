@@ -245,9 +245,10 @@ def test_the_daemon_killed_under_an_sdk_request_comes_back_with_its_program_and_
     # A long answer (ignore_eos: all of max_tokens), in flight as the daemon dies; the SDK retries it.
     long = {**chat, "extra_body": {"program_id": "kept", "ignore_eos": True}}
     answer: list[object] = []
-    thread = threading.Thread(target=lambda: answer.append(client.chat.completions.create(max_tokens=4000, **long)))
+    # Half a worker's cache: 4,000 tokens would wait for all of it, which earlier tests' programs may hold.
+    thread = threading.Thread(target=lambda: answer.append(client.chat.completions.create(max_tokens=2000, **long)))
     thread.start()
-    # Killed as soon as a worker decodes it: 4,000 tokens take seconds even on a quiet machine.
+    # Killed as soon as a worker decodes it: 2,000 tokens take about 2 s on a quiet machine.
     wait_for(lambda: sum(engine_requests_running(w.url) for w in status.workers) >= 1, 60, "the answer on a worker")
     os.kill(status.daemon_pid, signal.SIGKILL)
     thread.join(timeout=600)
