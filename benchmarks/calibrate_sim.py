@@ -78,7 +78,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--resimulate", action="store_true", help="Redo the simulated side of the rows in --out; no engine."
     )
     parser.add_argument(
-        "--markdown", action="store_true", help="Print the table as Markdown too (for docs/simulator.md)."
+        "--markdown", action="store_true", help="Print the table as Markdown too (for docs/evidence/sim-fidelity.md)."
     )
     parser.add_argument(
         "--sim-engine", action="store_true", help="Run each row's arm against `thunderctl engine sim` too."

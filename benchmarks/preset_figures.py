@@ -2,7 +2,7 @@
 
     python benchmarks/preset_figures.py
 
-Prints the tables of docs/simulator.md ("Cost model and presets"): each preset's KV capacity,
+Prints the tables of docs/sim-presets.md: each preset's KV capacity,
 prefill throughput and decode step times, then the calibration cases. Pure arithmetic on
 thunderctl/sim/presets.py, no engine needed.
 """

@@ -17,7 +17,7 @@ from thunderctl.sim.clock import VirtualClock
 from thunderctl.sim.presets import get_preset
 
 # The simulator's `reference` arm as it was written out before the policy had a name: the
-# figures of docs/simulator.md and docs/admission.md were measured with it.
+# figures of docs/evidence/sim-*.md and docs/admission.md were measured with it.
 PAPERS_ARM = SchedulerConfig(
     adaptive=False, retention=False, resume_aging_tokens_per_s=None, pause_target=0.85,
     pause_order=PauseOrder.SHORTEST, wait_bound_s=None, placement=PlacementRule.ROOMIEST,

@@ -4,7 +4,7 @@ Where `swe-lite` programs (mini-swe-agent) end at ~20k tokens after ~36 steps wi
 seconds, an OpenHands-style agent carries a large system prompt with its tool schemas, reads
 whole files and test logs into its context, runs 30–90 steps, grows to about 100k tokens, and
 now and then waits minutes for a build or a test suite. The shape (an assumption, not a fit to
-published runs; docs/simulator.md, `bench simulate`):
+published runs; docs/sim-arms.md, "Workloads"):
 
 - steps: uniform over 30–90;
 - first prompt: a shared system prompt of 5,000 tokens plus a task of median 600;

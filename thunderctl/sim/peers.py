@@ -1,7 +1,7 @@
 """Published peers as arms: llm-d's prefix-aware router, Dynamo's ThunderAgent router, and the
 engine modes of Continuum (TTL pinning, program-level FCFS) and Autellix (PLAS, preemption,
 program-aware balancing). Sources, and what is modelled and what approximated:
-docs/simulator.md, "Peer arms".
+docs/sim-arms.md, "The peers".
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Named workers the simulator can stand in for: a cost model and an engine shape each.
 
-Sources of every figure are in docs/simulator.md, "Cost model and presets".
+Sources of every figure are in docs/sim-presets.md.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ GLM_4_6_FP8 = ModelConfig(
 )
 
 # Calibrated on vLLM 0.11 serving Qwen3-32B on one H100 (gpustack performance lab, 32k-token
-# prompts, one request at a time): see docs/simulator.md for the derivation.
+# prompts, one request at a time): see docs/sim-presets.md for the derivation.
 H100_COMPUTE_EFFICIENCY = 0.38
 H100_MEMORY_EFFICIENCY = 0.53
 H100_STEP_OVERHEAD_S = 2e-3
@@ -77,7 +77,7 @@ H100_ALLREDUCE = AllReduce(
     ring_efficiency=0.8,
 )
 
-# vLLM's API server in front of a GPU worker (docs/simulator.md, "The frontend cost"): ~10 ms a
+# vLLM's API server in front of a GPU worker (docs/sim-presets.md, "The frontend"): ~10 ms a
 # request, client minus server TTFT of `vllm bench serve` at 512-token prompts (vLLM PR #54628);
 # 1.7 µs a prompt token, a byte-level BPE encoding a 100k-token prompt on this machine
 # (benchmarks/tokenizer_throughput.py); ~20 µs an output token, vLLM's incremental detokenizer
@@ -112,7 +112,7 @@ CPU_TINY_COST = LinearStepCost(
 # beyond the engine per request and per prompt token. Per output token, the CPU streaming takes on
 # the engine's cores: the API server's 0.64 ms and the load generator's 0.35 ms per generated token
 # at 16 closed-loop programs (1.3 ms for one stream at a time). The share is fitted to the
-# calibration table (docs/simulator.md): the engine's two busy processes hold both cores, and
+# calibration table (docs/evidence/sim-fidelity.md): the engine's two busy processes hold both cores, and
 # its threads wait for each other, so work beside them slows it more than in proportion.
 CPU_TINY_FRONTEND = FrontendCost(
     per_request_s=11.6e-3, per_prompt_token_s=1.64e-6, per_output_token_s=1.0e-3, engine_cpu_share=0.7
