@@ -33,6 +33,7 @@ from support import (
 from thunderctl.processes import pick_free_port, pid_alive
 
 BASH_SCHEMA = BASH_TOOLS[0]["function"]["parameters"]
+STREAM_INTERVAL = 4  # the cluster's engine.stream_interval: its workers send 4 tokens a chunk
 SYSTEM = "You are a coding agent."
 TASK = "What is in this directory?"
 # One conversation as each API spells it: the tools offered with tool_choice "auto", a call the model
@@ -90,6 +91,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, engine_home):
         nodes=nodes,
         gateway={"host": "127.0.0.1", "port": pick_free_port()},
         restart={"enabled": False},
+        engine={"stream_interval": STREAM_INTERVAL},
     )
     up = cli("up", "-f", str(profile))
     yield cli, profile, up
@@ -122,6 +124,53 @@ def test_programs_through_the_endpoint_show_in_status(cluster) -> None:
     assert status.scheduler.programs.acting >= 1
     assert sum(w.programs_active for w in status.workers) >= 1
     httpx.post(endpoint.removesuffix("/v1") + "/programs/release", json={"program_id": "visible"})
+
+
+def streamed_chunks(endpoint: str, body: dict) -> list[dict]:
+    """A streamed chat's chunks through the endpoint, each with its usage so far (vLLM's
+    continuous_usage_stats), [DONE] left out."""
+    stream = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", f"{endpoint}/chat/completions", json=body | stream, timeout=60) as response:
+        assert response.status_code == 200, response.read()
+        lines = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    return [json.loads(line) for line in lines if line != "[DONE]"]
+
+
+def test_workers_stream_the_profiles_interval_with_the_first_token_at_once_and_the_usage_as_before(cluster) -> None:
+    cli, _, _ = cluster
+    body = {"model": "tiny", "max_tokens": 18, "ignore_eos": True, "messages": [{"role": "user", "content": "hi"}]}
+    chunks = streamed_chunks(cli.status().endpoint, body | {"program_id": "interval"})
+    sampled = [
+        c["usage"]["completion_tokens"] for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")
+    ]
+    # The first token alone (the scheduler learns the prefill's time from it), then 4 at a time.
+    assert sampled == [1, 5, 9, 13, 17, 18]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 18
+    httpx.post(cli.status().endpoint.removesuffix("/v1") + "/programs/release", json={"program_id": "interval"})
+
+
+def test_an_answer_with_tools_streamed_in_chunks_of_the_interval_is_the_answer_not_streamed(cluster) -> None:
+    cli, _, _ = cluster
+    endpoint = cli.status().endpoint
+    body = {
+        "model": "tiny",
+        "max_tokens": 120,
+        "temperature": 0,  # the same answer streamed and not
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}],
+        "tools": BASH_TOOLS,
+        "tool_choice": "auto",
+        "program_id": "streamed-tools",
+    }
+    chunks = streamed_chunks(endpoint, body)
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    calls = [call for delta in deltas for call in delta.get("tool_calls") or []]
+    whole = httpx.post(f"{endpoint}/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+    assert "".join(d.get("content") or "" for d in deltas) == (whole["content"] or "")
+    assert "".join(c["function"].get("arguments") or "" for c in calls) == "".join(
+        c["function"]["arguments"] for c in whole.get("tool_calls") or []
+    )
+    assert len(deltas) < chunks[-1]["usage"]["completion_tokens"]  # in pieces of several tokens
+    httpx.post(endpoint.removesuffix("/v1") + "/programs/release", json={"program_id": "streamed-tools"})
 
 
 @pytest.mark.parametrize("path", TOOL_CONVERSATIONS)

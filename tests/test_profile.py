@@ -44,6 +44,11 @@ def test_shipped_profiles_are_valid() -> None:
             lambda p: p["engine"].update(args=["--tool-call-parser", "llama3_json"]),
             "engine.tool_call_parser: 'hermes' but args pass --tool-call-parser llama3_json",
         ),
+        (
+            lambda p: p["engine"].update(stream_interval=8, args=["--stream-interval=4"]),
+            "engine.stream_interval: 8 but args pass --stream-interval 4; give it in one of the two",
+        ),
+        (lambda p: p["engine"].update(stream_interval=0), "engine.stream_interval: 0"),
     ],
 )
 def test_invalid_profile_names_the_field_the_value_and_the_fix(edit, message) -> None:
@@ -122,6 +127,14 @@ def test_every_worker_of_a_shipped_vllm_profile_parses_tool_calls(tmp_path: Path
     for plan in plan_workers(profile, EngineHome(tmp_path)):
         line = " ".join(plan.command)
         assert "--enable-auto-tool-choice --tool-call-parser hermes" in line, plan.id
+
+
+@pytest.mark.parametrize("shipped", ["local.yaml", "2xh100.yaml", "sim.yaml"])
+def test_every_kind_of_worker_is_started_with_the_profiles_stream_interval(tmp_path: Path, shipped: str) -> None:
+    data = yaml.safe_load((PROFILES_DIR / shipped).read_text())
+    data["engine"]["stream_interval"] = 8
+    for plan in plan_workers(parse_profile(data, shipped), EngineHome(tmp_path)):
+        assert " --stream-interval 8" in " ".join(plan.command), plan.id
 
 
 def test_tool_call_flags_the_engine_args_pass_already_are_not_passed_twice(tmp_path: Path) -> None:

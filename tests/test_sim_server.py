@@ -146,6 +146,17 @@ def test_tokens_stream_as_the_engine_steps_produce_them(start_sim) -> None:
     assert len(content) >= 2  # the answer came in pieces, not at the end
 
 
+def test_a_stream_interval_sends_the_first_token_alone_then_that_many_a_chunk_as_vllm_does(start_sim) -> None:
+    sim = start_sim(*SMALL_SIM, "--stream-interval", "4")
+    messages = [{"role": "user", "content": "hi"}]
+    events, _ = stream_chat(sim.url, messages, max_tokens=18, include_usage=True)
+    pieces = [e["choices"][0]["delta"]["content"] for e in events[1:-2]]
+    sizes = [len(piece.split()) for piece in pieces]  # a simulated token is a word
+    assert sizes[0] == 1 and all(size >= 4 for size in sizes[1:-1]) and sum(sizes) == 18
+    assert "".join(pieces) == chat(sim.url, messages, max_tokens=18).json()["choices"][0]["message"]["content"]
+    assert events[-2]["usage"]["completion_tokens"] == 18
+
+
 def answering(url: str) -> bool:
     """Whether the engine holds a request (running or waiting) or any KV block."""
     now = metrics(url)

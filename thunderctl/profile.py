@@ -11,7 +11,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from thunderctl.engines.local import VLLM_CPU_VERSION
-from thunderctl.engines.vllm import AUTO_TOOL_CHOICE_FLAG, TOOL_CALL_PARSER_FLAG, TOOL_CALL_PARSERS, flag_value
+from thunderctl.engines.vllm import (
+    AUTO_TOOL_CHOICE_FLAG,
+    STREAM_INTERVAL_FLAG,
+    TOOL_CALL_PARSER_FLAG,
+    TOOL_CALL_PARSERS,
+    flag_value,
+)
 from thunderctl.gateway.auth import API_KEY_ENV, GatewayAuth, exposure_problem
 from thunderctl.gateway.identity import IdentityConfig
 from thunderctl.gateway.server import AGENT_BACKLOG
@@ -69,6 +75,13 @@ class EngineSpec(Strict):
         'without one, a request with tools and tool_choice: "auto" gets a 400. docs/profiles.md names one per '
         "model family",
     )
+    stream_interval: int | None = Field(
+        None,
+        ge=1,
+        description=f"tokens per streamed chunk past the first ({STREAM_INTERVAL_FLAG}; the first and the last "
+        "go at once): fewer, larger chunks for the gateway to relay. Default: the engine's, 1. docs/profiles.md "
+        "says what to set on GPU workers",
+    )
     kv_blocks: int | None = Field(None, gt=0, description="--num-gpu-blocks-override")
     block_size: int | None = Field(None, gt=0)
     max_model_len: int | None = Field(None, gt=0)
@@ -117,6 +130,16 @@ class EngineSpec(Strict):
             raise ValueError(
                 f"tool_call_parser: {parser!r} but args pass {TOOL_CALL_PARSER_FLAG} {given}; "
                 "name the parser in one of the two"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _stream_interval(self) -> EngineSpec:
+        given = flag_value(self.args, STREAM_INTERVAL_FLAG)
+        if self.stream_interval is not None and given is not None:
+            raise ValueError(
+                f"stream_interval: {self.stream_interval} but args pass {STREAM_INTERVAL_FLAG} {given}; "
+                "give it in one of the two"
             )
         return self
 

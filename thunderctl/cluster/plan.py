@@ -16,7 +16,7 @@ from thunderctl.engines.local import (
     vllm_server_env,
 )
 from thunderctl.engines.simulated.process import sim_command
-from thunderctl.engines.vllm import API_KEY_ENV, DEV_MODE_ENV, dev_mode_env, tool_call_args
+from thunderctl.engines.vllm import API_KEY_ENV, DEV_MODE_ENV, STREAM_INTERVAL_FLAG, dev_mode_env, tool_call_args
 from thunderctl.gateway.auth import is_loopback_host
 from thunderctl.profile import BUILTIN_TINY_MODEL, NodeSpec, Profile
 
@@ -93,10 +93,11 @@ def model_path(profile: Profile, home: EngineHome) -> str:
 
 
 def engine_args(profile: Profile) -> list[str]:
-    """The profile's `vllm serve` arguments after thunderctl's own: the tool-call flags it asks for, then
-    engine.args as given (a flag those pass is not added again)."""
+    """The profile's `vllm serve` arguments after thunderctl's own: the tool-call flags it asks for, its
+    stream interval, then engine.args as given (a flag those pass is not added again)."""
     engine = profile.engine
-    return [*tool_call_args(engine.tool_call_parser, engine.args), *engine.args]
+    interval = [] if engine.stream_interval is None else [STREAM_INTERVAL_FLAG, str(engine.stream_interval)]
+    return [*tool_call_args(engine.tool_call_parser, engine.args), *interval, *engine.args]
 
 
 def cpu_worker(profile: Profile, node: NodeSpec, port: int, home: EngineHome) -> tuple[list[str], dict[str, str]]:
@@ -124,6 +125,7 @@ def sim_worker(profile: Profile, node: NodeSpec, port: int) -> list[str]:
         ("--kv-blocks", engine.kv_blocks),
         ("--block-size", engine.block_size),
         ("--max-model-len", engine.max_model_len),
+        (STREAM_INTERVAL_FLAG, engine.stream_interval),
     ):
         if value is not None:
             options += [flag, str(value)]

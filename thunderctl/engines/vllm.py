@@ -232,6 +232,9 @@ def flag_value(args: Sequence[str], flag: str) -> str | None:
     return value
 
 
+STREAM_INTERVAL_FLAG = "--stream-interval"
+
+
 def tool_call_args(parser: str | None, args: Sequence[str]) -> list[str]:
     """The flags that make a server parse tool calls with `parser`, less those `args` already pass:
     `args` go on the command line as given, so a flag is never there twice."""

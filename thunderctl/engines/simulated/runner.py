@@ -25,6 +25,7 @@ class Generation:
     request: Request
     words: list[str]
     block_size: int
+    stream_interval: int = 1  # vLLM's --stream-interval: tokens a streamed piece waits for, past the first
     _progress: asyncio.Event = field(default_factory=asyncio.Event)
     _finished: bool = False
     _sampled: int = 0
@@ -72,26 +73,33 @@ class Generation:
 
     async def pieces(self) -> AsyncIterator[tuple[list[str], bool]]:
         """The answer's words as steps sample them (several at once if the reader fell behind),
-        each with whether it ends the answer."""
+        each with whether it ends the answer. As vLLM's output processor: the first token and the
+        last go at once, the rest in pieces of at least `stream_interval` tokens."""
         sent = 0
         while True:
-            if self._sampled == sent and not self._finished:
+            if not self._due(sent):
                 self._progress.clear()
                 await self._progress.wait()
             upto = self._sampled
-            if upto > sent or self._finished:
+            if self._due(sent):
                 yield self.words[sent:upto], self._finished and upto == len(self.words)
                 sent = upto
             if self._finished and sent == len(self.words):
                 return
 
+    def _due(self, sent: int) -> bool:
+        if self._finished:
+            return True
+        return self._sampled > sent and (sent == 0 or self._sampled - sent >= self.stream_interval)
+
 
 class RealTimeEngine:
     """Owns an `Engine` and its step loop; `submit` from request handlers, `run` as a task."""
 
-    def __init__(self, engine: Engine, time_scale: float) -> None:
+    def __init__(self, engine: Engine, time_scale: float, stream_interval: int = 1) -> None:
         self.engine = engine
         self.time_scale = time_scale
+        self.stream_interval = stream_interval
         self._streaming: set[Generation] = set()
         self._aborted: list[Request] = []  # to leave the engine at the next step boundary
         self._in_frontend: set[Request] = set()  # not in the engine yet: the frontend has their prompts
@@ -109,7 +117,7 @@ class RealTimeEngine:
         request = Request(
             content, prompt_tokens=len(prompt), max_tokens=max_tokens, arrival_s=asyncio.get_running_loop().time()
         )
-        generation = Generation(request, words, self.engine.block_size)
+        generation = Generation(request, words, self.engine.block_size, self.stream_interval)
         request.on_finish = lambda _: self._finished(generation)
         if stream:
             self._streaming.add(generation)

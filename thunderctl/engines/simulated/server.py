@@ -71,6 +71,9 @@ class SimEngineConfig:
     max_model_len: int | None = setting(None, "Longest prompt + answer (default: the preset's).", min=2)
     served_model_name: str = setting("tiny", "The model name clients send.")
     time_scale: float = setting(1.0, "Wall seconds per simulated second of engine time (0: as fast as it can).", min=0)
+    stream_interval: int = setting(
+        1, "Tokens per streamed chunk past the first, as vLLM's --stream-interval (the last goes at once).", min=1
+    )
 
     def preset_and_shape(self) -> tuple[Preset, EngineShape]:
         try:
@@ -138,7 +141,7 @@ class SimServer:
         self.preset, self.shape = config.preset_and_shape()
         # The engine is given loop times: its frontend works in them too.
         self.engine = Engine(self.shape, self.preset.cost, frontend=self.preset.frontend.scaled(config.time_scale))
-        self.runner = RealTimeEngine(self.engine, config.time_scale)
+        self.runner = RealTimeEngine(self.engine, config.time_scale, config.stream_interval)
         self.registry: CollectorRegistry = metrics_registry(self.engine, config.served_model_name)
         self.started = int(time.time())
         self.admitting = asyncio.Event()  # cleared while paused: new requests queue, as vLLM queues them
