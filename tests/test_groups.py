@@ -1,6 +1,5 @@
 """Groups of programs (the samples of one task in an RL rollout): named or derived, known to the
-scheduler, shown by `/programs` and `status`, and admitted so that nearly finished groups finish
-first without starving the others."""
+scheduler, shown by `/programs` and `status`."""
 
 from __future__ import annotations
 
@@ -19,89 +18,13 @@ from thunderctl.daemon.control import build_control_app
 from thunderctl.daemon.status import ClusterStatus
 from thunderctl.gateway.identity import ConversationIndex, Turn
 from thunderctl.gateway.requests import BadRequest, pop_group_id
-from thunderctl.scheduler import Scheduler, SchedulerConfig, Status
-from thunderctl.sim.clock import VirtualClock
 from thunderctl.sim.rollout import GroupFigures, Rollout, sample_of
 from thunderctl.status_screen import status_renderable
-
-HEAD_START_S = 300.0
 
 
 @pytest.fixture(scope="module")
 def anyio_backend() -> str:
     return "asyncio"
-
-
-def one_worker(head_start_s: float | None) -> tuple[Scheduler, VirtualClock]:
-    """A worker of 1,000 tokens (900 admitted), the group law alone deciding who waits least: no
-    wait bound, no forced resume, no ending, no priced retention."""
-    clock = VirtualClock(1000.0)
-    config = SchedulerConfig(
-        adaptive=False, retention=False, buffer_tokens=0, resume_timeout_s=100_000, end_floor_s=100_000,
-        new_program_delay_s=0, wait_bound_s=None, tool_time_min_samples=100_000, group_head_start_s=head_start_s,
-    )  # fmt: skip
-    sched = Scheduler(config, clock)
-    sched.add_worker("a", 1000)
-    return sched, clock
-
-
-def finish(sched: Scheduler, group: str, count: int) -> None:
-    """`count` programs of `group` that ran and ended."""
-    for index in range(count):
-        program = f"{group}-done-{index}"
-        assert sched.on_request(program, 10, group=group) == "a"
-        sched.on_response(program, 10, 1)
-        sched.release(program)
-
-
-def first_resumed(head_start_s: float | None) -> str:
-    """A fresh group's program starts waiting 10 s before the last program of a group whose other
-    three ended; room for one of them frees: which goes first?"""
-    sched, clock = one_worker(head_start_s)
-    finish(sched, "nearly", 3)
-    assert sched.on_request("hog", 400) == "a" and sched.on_request("stay", 500) == "a"
-    assert sched.on_request("fresh-0", 300, group="fresh") is None
-    clock.now += 10
-    assert sched.on_request("nearly-last", 300, group="nearly") is None
-    sched.release("hog")
-    active = [p for p in ("fresh-0", "nearly-last") if sched.programs[p].status is Status.ACTIVE]
-    assert len(active) == 1, "room for one"
-    return active[0]
-
-
-def test_a_nearly_done_groups_program_resumes_before_a_fresh_groups_that_waited_longer() -> None:
-    assert first_resumed(HEAD_START_S) == "nearly-last"
-
-
-def test_without_the_group_law_the_one_that_waited_longer_resumes_first() -> None:
-    assert first_resumed(None) == "fresh-0"
-
-
-def test_no_group_starves_behind_a_stream_of_nearly_done_groups() -> None:
-    """One program fits at a time; every 10 s the running one ends and a program of a group of which
-    99 ended asks. A fresh group's program that asked at 5 s is admitted within its head-start bound."""
-    sched, clock = one_worker(HEAD_START_S)
-    finish(sched, "nearly", 99)
-    start = clock.now
-    sched.on_request("stream-0", 800, group="nearly")
-    admitted_at = None
-    for second in range(1, 1000):
-        clock.now = start + second
-        if second == 5:
-            assert sched.on_request("fresh-0", 800, group="fresh") is None
-        if second % 10 == 0:
-            sched.on_request(f"stream-{second}", 800, group="nearly")
-            running = next(iter(sched.workers["a"].programs))
-            sched.on_response(running, 800, 1)
-            sched.release(running)
-        sched.tick()
-        if sched.programs.get("fresh-0") and sched.programs["fresh-0"].status is Status.ACTIVE:
-            admitted_at = second
-            break
-    assert admitted_at is not None, "the fresh group starved"
-    assert admitted_at > 100, "programs of the nearly done group did go first for a while"
-    # Behind none that asked more than its head start (plus its aging, 800 / 150 s) after it, plus one run.
-    assert admitted_at - 5 <= HEAD_START_S + 800 / 150 + 10
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from support import write_profile
 from thunderctl.cli import app
-from thunderctl.profile import load_profile
+from thunderctl.profile import ProfileError, load_profile
 from thunderctl.scheduler import PauseOrder, PlacementRule, SchedulerConfig
 from thunderctl.settings import allowed, shown
 from thunderctl.sim.arms import ArmName, build_router
@@ -63,3 +63,8 @@ def test_serve_help_lists_every_scheduler_setting_with_its_default_and_descripti
     for name, field in SchedulerConfig.model_fields.items():
         assert field.description, f"{name} has no description for --help"
         assert f"{name} = {shown(field.default)}: {allowed(field)}; {field.description}" in text
+
+
+def test_a_profile_that_sets_a_removed_setting_is_told_it_was_removed_and_why(tmp_path: Path) -> None:
+    with pytest.raises(ProfileError, match="group_head_start_s was removed: the group head start never shortened"):
+        load_profile(write_profile(tmp_path, scheduler={"group_head_start_s": 300}))

@@ -29,6 +29,12 @@ class Policy(StrEnum):
     REFERENCE = "reference"  # the ThunderAgent paper's (arXiv 2602.13692)
 
 
+# Settings removed because they never helped where measured (docs/evidence/removed-laws.md): a
+# profile that still sets one is told so, not given pydantic's bare "extra inputs are not permitted".
+REMOVED_SETTINGS = {
+    "group_head_start_s": "the group head start never shortened a batch (docs/evidence/removed-laws.md)",
+}
+
 # The paper's policy, where it differs from the defaults; docs/scheduler.md's table says why they differ.
 REFERENCE_SETTINGS: dict[str, Any] = {
     "adaptive": False,
@@ -142,14 +148,6 @@ class SchedulerConfig(BaseModel):
     nearest_end_min_samples: int = Field(
         16, ge=1, description="programs (ended or running) seen before nearest_end_s orders anything"
     )
-    group_head_start_s: float | None = Field(
-        None,
-        ge=0,
-        description="a waiting program of a group (group_id, X-Group-Id, or a shared first prompt) queues up to "
-        "this many seconds ahead of its aged place, in proportion to the share of its group that has ended, "
-        "so a batch's nearly finished groups finish first (300 measured: no gain on a batch's makespan; "
-        "docs/admission.md, Groups); none: groups do not change the order (the default)",
-    )
     groups_remembered: int = Field(
         1024, ge=0, description="groups whose programs all ended kept for their counts (status, /programs)"
     )
@@ -190,6 +188,10 @@ class SchedulerConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _policy_gives_the_rest(cls, data: Any) -> Any:
+        given = data if isinstance(data, dict) else {}
+        removed = [f"{key} was removed: {why}; delete it" for key, why in REMOVED_SETTINGS.items() if key in given]
+        if removed:
+            raise ValueError("; ".join(removed))
         if isinstance(data, dict) and data.get("policy") == Policy.REFERENCE:
             return REFERENCE_SETTINGS | data
         return data

@@ -2,10 +2,7 @@
 a batch sooner (docs/admission.md, "Groups").
 
 A program names its group once (its first request that names one); the book counts each group's
-programs that ended (released or expired) against all it has seen. A waiting program of a group
-most of whose programs have ended gets a head start in the queue, up to `group_head_start_s`:
-its group, and with it the batch, waits on it alone. The head start is taken when the program
-begins to wait and kept until it is admitted, so the waiting queue stays sorted by insertion.
+programs that ended (released or expired) against all it has seen, for `status` and `/programs`.
 Pure and synchronous, as the policy is.
 """
 
@@ -68,15 +65,6 @@ class GroupBook:
 
     def restore(self, groups: list[list[Any]]) -> None:
         self.groups = OrderedDict((group_id, Group(group_id, set(live), done)) for group_id, live, done in groups)
-
-    def head_start_s(self, program: Program) -> float:
-        """How far ahead of its aged place the program queues: `group_head_start_s` times the share
-        of its group that ended (0 without a group, or with the law off)."""
-        group = self.groups.get(program.group or "")
-        head_start = self.config.group_head_start_s
-        if group is None or head_start is None:
-            return 0.0
-        return head_start * group.progress
 
     def counts(self) -> list[tuple[str, int, int]]:
         """(group id, programs ended, programs seen) of every group kept, the nearest done first."""

@@ -601,8 +601,8 @@ class Scheduler:
 
     def _queue_delay_s(self, program: Program) -> float:
         """How far behind its aged place a program that begins to wait queues: later the more
-        steps it has left (nearest the end first), sooner the more of its group has ended."""
-        return self.lengths.queue_delay_s(program) - self.groups.head_start_s(program)
+        steps it has left (nearest the end first)."""
+        return self.lengths.queue_delay_s(program)
 
     def _adopt(self, program: Program, parent_id: str | None) -> None:
         """A new program started from a live one: its parent is not silent while it lives."""
