@@ -6,7 +6,7 @@
     python benchmarks/relay_throughput.py --streams 64 --turns 8 --observation-words 400 --answer-tokens 16
                                                                    # conversations: the per-request cost
     python benchmarks/relay_throughput.py --baseline-tree /tmp/main # a second gateway arm, another tree's code
-    python benchmarks/relay_throughput.py --baseline-tree . --baseline-arg=--stream-interval-ms=0  # one setting's effect
+    python benchmarks/relay_throughput.py --engine-arg=--stream-interval=4  # the workers' stream interval
 
 A simulated engine (`thunderctl engine sim --time-scale 0`: every step as fast as Python can
 take it, so its answer is paced by the machine, not by a model) and a gateway in front of it,

@@ -211,33 +211,3 @@ async def test_a_silent_worker_is_a_read_timeout_and_a_closed_port_a_connect_err
             await client.get(f"{silent_server}/health", timeout=httpx.Timeout(None, read=0.3))
         with pytest.raises(httpx.ConnectError):
             await client.get(f"http://127.0.0.1:{pick_free_port()}/health")
-
-
-@pytest.fixture
-async def fast_event_stream(anyio_backend: str) -> AsyncIterator[str]:
-    """Streams 40 SSE events 5 ms apart, each in its own write, as an engine streams a token a step."""
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n")
-        for i in range(40):
-            writer.write(b'data: {"n": %d}\n\n' % i)
-            await writer.drain()
-            await asyncio.sleep(0.005)
-        writer.write(b"data: [DONE]\n\n")
-        writer.close()
-
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    server.close()
-
-
-async def test_a_fast_event_stream_arrives_whole_in_a_few_reads(fast_event_stream: str) -> None:
-    transport = AiohttpTransport(keepalive_s=4.0, stream_interval_s=1.0)
-    async with httpx.AsyncClient(transport=transport) as client:
-        async with client.stream("POST", f"{fast_event_stream}/v1/chat/completions", content=b"{}") as response:
-            reads = [data async for data in response.aiter_raw()]
-    assert b"".join(reads) == b"".join(b'data: {"n": %d}\n\n' % i for i in range(40)) + b"data: [DONE]\n\n"
-    # 40 events over about 200 ms (however a busy machine stretches that), read at most once a
-    # second once they came fast: a few reads, where each event was one.
-    assert len(reads) <= 6

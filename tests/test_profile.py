@@ -49,6 +49,10 @@ def test_shipped_profiles_are_valid() -> None:
             "engine.stream_interval: 8 but args pass --stream-interval 4; give it in one of the two",
         ),
         (lambda p: p["engine"].update(stream_interval=0), "engine.stream_interval: 0"),
+        (
+            lambda p: p["gateway"].update(stream_interval_ms=5),
+            "stream_interval_ms was removed (no gain measured, docs/evidence/removed-laws.md); delete it",
+        ),
     ],
 )
 def test_invalid_profile_names_the_field_the_value_and_the_fix(edit, message) -> None:

@@ -21,7 +21,6 @@ from thunderctl.engines.vllm import (
 from thunderctl.gateway.auth import API_KEY_ENV, GatewayAuth, exposure_problem
 from thunderctl.gateway.identity import IdentityConfig
 from thunderctl.gateway.server import AGENT_BACKLOG
-from thunderctl.gateway.transport import RelayConfig
 from thunderctl.jsonapi import DEFAULT_MAX_BODY_BYTES
 from thunderctl.sandbox.config import SandboxConfig
 from thunderctl.scheduler import SchedulerConfig
@@ -194,9 +193,9 @@ class NodeSpec(Strict):
         return self
 
 
-class GatewaySpec(IdentityConfig, RelayConfig, Strict):
+class GatewaySpec(IdentityConfig, Strict):
     """The gateway's address and bounds; derive_programs and remembered_conversations are
-    IdentityConfig's, stream_interval_ms RelayConfig's."""
+    IdentityConfig's."""
 
     host: str = "127.0.0.1"
     port: int = Field(8300, ge=1, le=65535)
@@ -213,11 +212,18 @@ class GatewaySpec(IdentityConfig, RelayConfig, Strict):
         "more than the agents that may connect at once",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _removed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "stream_interval_ms" in data:
+            raise ValueError(
+                "stream_interval_ms was removed (no gain measured, docs/evidence/removed-laws.md); delete it, "
+                "and set engine.stream_interval for fewer, larger chunks from the workers"
+            )
+        return data
+
     def identity(self) -> IdentityConfig:
         return IdentityConfig.model_validate(self.model_dump(include=set(IdentityConfig.model_fields)))
-
-    def relay(self) -> RelayConfig:
-        return RelayConfig.model_validate(self.model_dump(include=set(RelayConfig.model_fields)))
 
     def auth(self, environ: Mapping[str, str] = os.environ) -> GatewayAuth:
         """The key clients must send: the profile's, else the environment's."""

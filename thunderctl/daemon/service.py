@@ -71,7 +71,7 @@ class Daemon:
         self.gateway = Gateway(
             links, self.profile.scheduler, worker_key=self.worker_key,
             resumed_priority=resume_priority(self.profile.engine.args),
-            identity=self.profile.gateway.identity(), relay=self.profile.gateway.relay(),
+            identity=self.profile.gateway.identity(),
         )  # fmt: skip
         self.auth = self.profile.gateway.auth()
         self.weights = WeightSync(self.gateway, self.profile.admin)

@@ -19,7 +19,6 @@ from thunderctl.gateway import Gateway, WorkerUnreachable, parse_worker, serve_g
 from thunderctl.gateway.auth import API_KEY_ENV, GatewayAuth, exposure_problem
 from thunderctl.gateway.identity import IdentityConfig
 from thunderctl.gateway.recorder import TraceRecorder
-from thunderctl.gateway.transport import RelayConfig
 from thunderctl.jsonapi import DEFAULT_MAX_BODY_BYTES, BodyLimits
 from thunderctl.processes import pick_free_port
 from thunderctl.scheduler import Policy, SchedulerConfig
@@ -31,7 +30,6 @@ from thunderctl.terminal import err, fail, out
 SCHEDULER_HELP = settings_help(SchedulerConfig, "--scheduler") + "\n\n" + settings_help(AdminConfig, "--admin")
 IDENTITY = IdentityConfig()
 IDENTITY_HELP = {name: info.description for name, info in IdentityConfig.model_fields.items()}
-RELAY = RelayConfig()
 
 
 def serve(
@@ -74,10 +72,6 @@ def serve(
     remembered_conversations: Annotated[
         int, typer.Option(min=1, help=f"With --derive-programs: {IDENTITY_HELP['remembered_conversations']}.")
     ] = IDENTITY.remembered_conversations,
-    stream_interval_ms: Annotated[
-        float,
-        typer.Option(min=0, help=f"{RelayConfig.model_fields['stream_interval_ms'].description.capitalize()}."),
-    ] = RELAY.stream_interval_ms,
     kv_blocks: Annotated[int, typer.Option(help="With --local-engine: KV cache blocks.")] = 256,
     record_trace: Annotated[
         Path | None,
@@ -162,10 +156,7 @@ def serve(
             identity = IdentityConfig(
                 derive_programs=derive_programs, remembered_conversations=remembered_conversations
             )
-            relay = RelayConfig(stream_interval_ms=stream_interval_ms)
-            gateway = Gateway(
-                links, config, recorder=recorder, worker_key=worker_api_key, identity=identity, relay=relay
-            )
+            gateway = Gateway(links, config, recorder=recorder, worker_key=worker_api_key, identity=identity)
             limits = BodyLimits(max_bytes=max_body_bytes)
             aio.run(serve_gateway(gateway, host, port, ready, auth, limits, admin_config))
         except WorkerUnreachable as exc:

@@ -31,7 +31,7 @@ from thunderctl.gateway.restored import Restored
 from thunderctl.gateway.sse import StreamRelay
 from thunderctl.gateway.stalls import StallWatch, UnansweredRequests, WorkerStalled
 from thunderctl.gateway.timings import GatewayTimings, watch_loop_lag
-from thunderctl.gateway.transport import AiohttpTransport, RelayConfig
+from thunderctl.gateway.transport import AiohttpTransport
 from thunderctl.jsonapi import bearer_headers
 from thunderctl.scheduler import EventKind, ProgramEvent, Scheduler, SchedulerConfig
 from thunderctl.scheduler.front import (
@@ -97,7 +97,6 @@ class Gateway:
         transport: httpx.AsyncBaseTransport | None = None,  # the workers' HTTP; tests pass a fake
         connect_timeout_s: float = WORKER_CONNECT_TIMEOUT_S,
         identity: IdentityConfig | None = None,
-        relay: RelayConfig | None = None,
     ) -> None:
         if not links:
             raise ValueError("the gateway needs at least one backend")
@@ -131,8 +130,7 @@ class Gateway:
         # Each worker's endpoints parsed once: httpx parses a URL given as text on every request.
         self._endpoints: dict[tuple[str, str], httpx.URL] = {}
         # Every call to a worker (relay, health, metrics) carries the cluster's worker key.
-        stream_interval_s = (relay or RelayConfig()).stream_interval_ms / 1000
-        self._transport = transport or AiohttpTransport(WORKER_KEEPALIVE_S, stream_interval_s)
+        self._transport = transport or AiohttpTransport(WORKER_KEEPALIVE_S)
         self._client = httpx.AsyncClient(
             headers=bearer_headers(worker_key),
             timeout=httpx.Timeout(None, connect=connect_timeout_s),
