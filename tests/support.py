@@ -147,9 +147,11 @@ class RunningCluster:
         return ClusterState.load(self.state_dir)
 
 
-def write_profile(directory: Path, restart: dict | None = None, engine: dict | None = None, **changes) -> Path:
+def write_profile(directory: Path, restart: dict | None = None, engine_settings: dict | None = None, **changes) -> Path:
+    """The embedded default profile, small, with `changes` replacing its sections whole and
+    `engine_settings` added to its engine."""
     profile = yaml.safe_load(DEFAULT_PROFILE.read_text())
-    profile["engine"].update(kv_blocks=128, block_size=32, max_model_len=4064, **(engine or {}))
+    profile["engine"].update({"kv_blocks": 128, "block_size": 32, "max_model_len": 4064, **(engine_settings or {})})
     if restart is not None:
         profile["engine"]["restart"] = restart
     profile["scheduler"] = {"tick_interval_s": 0.5, "buffer_tokens": 64}

@@ -91,7 +91,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, engine_home):
         nodes=nodes,
         gateway={"host": "127.0.0.1", "port": pick_free_port()},
         restart={"enabled": False},
-        engine={"stream_interval": STREAM_INTERVAL},
+        engine_settings={"stream_interval": STREAM_INTERVAL},
     )
     up = cli("up", "-f", str(profile))
     yield cli, profile, up
