@@ -256,6 +256,7 @@ def test_ctrl_c_stops_the_batch_and_releases_every_program(
     assert agents_cluster.wait_for_no_containers() == []
 
 
+@pytest.mark.slow
 def test_a_config_setting_alone_applies_on_top_of_the_default_config(integration: ModuleType) -> None:
     # `agents run --config agent.step_limit=4`: mini-swe-agent's own -c would drop the default
     # config, and every agent would then fail on its missing prompts ("system_template: Field required").

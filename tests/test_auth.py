@@ -295,6 +295,7 @@ async def test_a_worker_started_with_a_key_refuses_requests_without_it_and_serve
         engine.stop()
 
 
+@pytest.mark.slow
 def test_bench_sends_the_gateway_key_and_the_engines_key(fake_backend, start_gateway, tmp_path: Path) -> None:
     worker = fake_backend("engine-key")
     gateway = start_gateway([worker.url], "--worker-api-key", "engine-key", api_key=KEY)

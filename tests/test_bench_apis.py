@@ -156,6 +156,7 @@ def steps_sent(url: str, api: Api, stream: bool) -> list[tuple[int, int, int | N
 
 
 @pytest.mark.parametrize("api", [Api.RESPONSES, Api.MESSAGES])
+@pytest.mark.slow
 def test_every_api_sends_the_steps_chat_sends_token_for_token(start_sim, api: Api) -> None:
     sim = start_sim("--time-scale", "0")
     chat = steps_sent(sim.url, Api.CHAT, stream=True)
@@ -165,6 +166,7 @@ def test_every_api_sends_the_steps_chat_sends_token_for_token(start_sim, api: Ap
 
 
 @pytest.mark.parametrize("api", [Api.RESPONSES, Api.MESSAGES])
+@pytest.mark.slow
 def test_a_comparison_over_an_api_serves_both_arms_and_names_the_api(
     start_sim, start_gateway, tmp_path: Path, api: Api
 ) -> None:

@@ -67,6 +67,7 @@ def test_a_direct_arm_names_nothing_whatever_the_client() -> None:
     assert not loop.names_programs and not loop.releases_programs
 
 
+@pytest.mark.slow
 def test_completed_programs_are_timed_whole_and_never_count_more_steps_than_were_served(start_sim) -> None:
     sim = start_sim("--time-scale", "0")
     shape = AgentShape(

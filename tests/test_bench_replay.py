@@ -169,6 +169,7 @@ def chat(gateway, program_id: str, words: int) -> httpx.Response:
     return gateway.http.post("/v1/chat/completions", json=body)
 
 
+@pytest.mark.slow
 def test_programs_left_in_their_tools_by_clients_that_never_release_do_not_hold_up_the_next_slice(
     start_sim, start_gateway
 ) -> None:
@@ -180,6 +181,7 @@ def test_programs_left_in_their_tools_by_clients_that_never_release_do_not_hold_
     assert {"left-1", "left-2"} <= set(gateway.programs())
 
 
+@pytest.mark.slow
 def test_a_request_waiting_in_the_gateway_holds_up_the_next_slice(start_sim, start_gateway) -> None:
     # A cache of 1,024 tokens, programs charged their tokens only: the second request waits for room.
     sim = start_sim("--time-scale", "0", "--kv-blocks", "64", "--block-size", "16", "--max-model-len", "1024")

@@ -58,6 +58,7 @@ def test_max_steps_cuts_the_tasks_and_the_samples_vary_around_the_cut() -> None:
     assert all(workload.program(seed=0, index=i).steps[-1].tool_s == 0.0 for i in range(40))
 
 
+@pytest.mark.slow
 def test_through_the_gateway_samples_name_their_group_and_send_their_task_text() -> None:
     first_requests: dict[str, tuple[str | None, str]] = {}
 
@@ -93,6 +94,7 @@ def test_through_the_gateway_samples_name_their_group_and_send_their_task_text()
     assert len({text for texts in groups.values() for text in texts}) == TASKS
 
 
+@pytest.mark.slow
 def test_a_short_batch_runs_through_the_gateway_and_straight_to_the_engine(start_sim, start_gateway) -> None:
     sim = start_sim("--time-scale", "0")
     gateway = start_gateway([sim.url])

@@ -201,6 +201,7 @@ def test_long_tail_programs_are_long_grow_to_about_100k_and_have_heavy_tailed_to
 
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(min_value=0, max_value=2**32))
+@pytest.mark.slow
 def test_mixed_programs_differ_in_size_far_more_than_the_recorded_runs_alone(seed: int) -> None:
     recorded = tuple(recorded_swe_lite())
     mixed = [Mixed(recorded=recorded).program(seed, index) for index in range(200)]

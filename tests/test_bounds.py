@@ -433,6 +433,7 @@ def generated(examples: int) -> settings:
     "gateway_cases",
     [pytest.param(100, id="a-hundred"), pytest.param(1000, marks=pytest.mark.slow, id="a-thousand")],
 )
+@pytest.mark.slow
 def test_malformed_requests_get_4xx_and_the_gateway_still_serves(
     fake_backend, start_gateway, unreached_pool, daemon_of, gateway_cases: int
 ) -> None:

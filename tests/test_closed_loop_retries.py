@@ -40,6 +40,7 @@ def load_in_background(url: str, spec: LoadSpec) -> tuple[threading.Thread, list
     return thread, results
 
 
+@pytest.mark.slow
 def test_a_refused_request_is_sent_again_until_the_server_answers(tmp_path: Path) -> None:
     port = pick_free_port()
     spec = LoadSpec(concurrency=1, programs=1, shape=ONE_STEP, retry_unanswered_s=60)
@@ -58,6 +59,7 @@ def test_a_refused_request_is_sent_again_until_the_server_answers(tmp_path: Path
     assert result.unanswered_retries >= 2
 
 
+@pytest.mark.slow
 def test_a_request_cut_mid_answer_fails_and_is_not_sent_again(start_sim) -> None:
     sim = start_sim("--time-scale", "40")  # each token ~0.6 s: the answer is still streaming when it dies
     spec = LoadSpec(concurrency=1, programs=1, shape=ONE_STEP, stream=True, retry_unanswered_s=60)
@@ -150,6 +152,7 @@ def test_a_client_that_keeps_no_idle_connection_is_refused_with_the_reason() -> 
         LoadSpec(concurrency=1, programs=1, keepalive_s=0)
 
 
+@pytest.mark.slow
 def test_a_release_cut_off_by_the_deadline_is_sent_again_at_the_end() -> None:
     answered: list[str] = []  # programs whose release the gateway finished answering
     asked: list[str] = []

@@ -103,6 +103,7 @@ def untick(tmp_path_factory: pytest.TempPathFactory):
     cluster.cli("down", check=False)
 
 
+@pytest.mark.slow
 def test_a_daemon_killed_between_two_ticks_comes_back_with_the_same_programs(cluster: Cluster) -> None:
     for n in range(4):
         for step in range(n + 1):
@@ -120,6 +121,7 @@ def test_a_daemon_killed_between_two_ticks_comes_back_with_the_same_programs(clu
     assert cluster.programs()["named-3"]["steps"] == before["named-3"]["steps"] + 1
 
 
+@pytest.mark.slow
 def test_a_derived_conversation_continued_after_the_restart_stays_its_program(cluster: Cluster) -> None:
     history = [{"role": "system", "content": "You fix bugs."}, {"role": "user", "content": "Fix utils.py, please"}]
     known = set(cluster.programs())
@@ -135,6 +137,7 @@ def test_a_derived_conversation_continued_after_the_restart_stays_its_program(cl
     assert programs[derived]["steps"] == 2 and programs[derived]["derived"]
 
 
+@pytest.mark.slow
 def test_a_program_whose_worker_died_with_the_daemon_waits_in_the_queue_not_lost(cluster: Cluster) -> None:
     state = cluster.state()
     victim = state.workers[1]
@@ -160,6 +163,7 @@ def test_a_program_whose_worker_died_with_the_daemon_waits_in_the_queue_not_lost
 
 
 @pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.slow
 def test_a_derived_answer_the_client_has_is_found_by_a_daemon_killed_right_after(untick: Cluster, stream) -> None:
     history = [{"role": "system", "content": "You fix bugs."}, {"role": "user", "content": f"Fix io.py ({stream})"}]
     known = set(untick.programs())
@@ -174,6 +178,7 @@ def test_a_derived_answer_the_client_has_is_found_by_a_daemon_killed_right_after
     assert programs[derived]["steps"] == 2 and programs[derived]["derived"]
 
 
+@pytest.mark.slow
 def test_a_responses_chain_goes_on_from_a_daemon_killed_right_after_its_answer(untick: Cluster) -> None:
     turn = {"model": MODEL, "max_output_tokens": 8, "input": "List the files."}
     first = httpx.post(f"{untick.gateway}/v1/responses", json=turn, timeout=120)

@@ -83,6 +83,7 @@ class Requests:
         return self.outcomes
 
 
+@pytest.mark.slow
 def test_a_killed_daemon_is_started_again_and_no_connection_is_refused_meanwhile(cluster: Cluster) -> None:
     first = cluster.cli.status().daemon_pid
     client = Requests(cluster.gateway)
@@ -101,6 +102,7 @@ def test_a_killed_daemon_is_started_again_and_no_connection_is_refused_meanwhile
     assert f"daemon (pid {first}) ended: killed by SIGKILL" in cluster.state().daemon_log.read_text()
 
 
+@pytest.mark.slow
 def test_up_after_the_supervisor_died_replaces_the_daemon_it_left_with_a_new_supervisor(cluster: Cluster) -> None:
     before, daemon = cluster.state(), cluster.cli.status().daemon_pid
     assert before.supervisor_pid is not None
@@ -154,6 +156,7 @@ def test_a_daemon_that_keeps_dying_is_backed_off_reported_and_serves_once_it_can
     assert daemon is not None and daemon.restarts >= 4 and daemon.last_exit == "exit code 1"
 
 
+@pytest.mark.slow
 def test_down_leaves_no_supervisor_daemon_or_socket_behind(cluster: Cluster) -> None:
     state, status = cluster.state(), cluster.cli.status()
     port = int(status.endpoint.removesuffix("/v1").rsplit(":", 1)[1])
@@ -166,6 +169,7 @@ def test_down_leaves_no_supervisor_daemon_or_socket_behind(cluster: Cluster) -> 
     assert processes_mentioning(str(cluster.state_dir)) == []
 
 
+@pytest.mark.slow
 def test_up_with_the_gateways_port_taken_fails_saying_so_and_starts_nothing(tmp_path: Path) -> None:
     cli, profile, name = simulated_cluster(tmp_path)
     port = yaml.safe_load(profile.read_text())["gateway"]["port"]

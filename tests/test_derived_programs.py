@@ -36,6 +36,7 @@ def served(start_sim, start_gateway):
     return start
 
 
+@pytest.mark.slow
 def test_the_openai_sdks_tool_calling_loop_is_one_program_per_conversation(served) -> None:
     gateway = served()
     client = OpenAI(base_url=f"{gateway.url}/v1", api_key="-")
@@ -53,6 +54,7 @@ def test_the_openai_sdks_tool_calling_loop_is_one_program_per_conversation(serve
     assert all(p["derived"] for p in programs.values())
 
 
+@pytest.mark.slow
 def test_each_program_is_listed_with_the_tool_its_last_answer_called(served) -> None:
     gateway = served()
     client = OpenAI(base_url=f"{gateway.url}/v1", api_key="-")
@@ -66,6 +68,7 @@ def test_each_program_is_listed_with_the_tool_its_last_answer_called(served) -> 
     assert {program_id: p["tool"] for program_id, p in gateway.programs().items()} == called
 
 
+@pytest.mark.slow
 def test_64_conversations_at_once_are_64_programs_each_step_its_own(served) -> None:
     gateway = served()
     # 8 of them are the n samples of one task: the same first request.
@@ -101,6 +104,7 @@ def test_64_conversations_at_once_are_64_programs_each_step_its_own(served) -> N
     assert len(set(groups[:8])) == 1 and len(set(groups)) == 57
 
 
+@pytest.mark.slow
 def test_a_token_id_prompt_that_extends_the_last_one_continues_its_program(served) -> None:
     gateway = served()
     prompt = list(range(100, 400))
@@ -112,6 +116,7 @@ def test_a_token_id_prompt_that_extends_the_last_one_continues_its_program(serve
     assert [p["steps"] for p in gateway.programs().values()] == [3]
 
 
+@pytest.mark.slow
 def test_with_derivation_off_unnamed_requests_are_served_unscheduled(served) -> None:
     gateway = served("--no-derive-programs")
     messages = [SYSTEM, {"role": "user", "content": "Fix it."}]
@@ -120,6 +125,7 @@ def test_with_derivation_off_unnamed_requests_are_served_unscheduled(served) -> 
     assert gateway.programs() == {}
 
 
+@pytest.mark.slow
 def test_derived_programs_and_requests_are_counted_in_the_metrics(served) -> None:
     gateway = served()
     messages = [SYSTEM, {"role": "user", "content": "Fix it."}]
@@ -134,6 +140,7 @@ def test_derived_programs_and_requests_are_counted_in_the_metrics(served) -> Non
     assert gateway.metric("thunderctl_conversations_remembered") == 2
 
 
+@pytest.mark.slow
 def test_a_named_program_is_not_listed_as_derived(served) -> None:
     gateway = served()
     body = {"model": MODEL, "messages": [SYSTEM], "max_tokens": 4, "program_id": "named-1"}
@@ -141,6 +148,7 @@ def test_a_named_program_is_not_listed_as_derived(served) -> None:
     assert gateway.programs()["named-1"]["derived"] is False
 
 
+@pytest.mark.slow
 def test_a_released_derived_program_is_not_continued(served) -> None:
     gateway = served()
     messages = [SYSTEM, {"role": "user", "content": "Fix it."}]
@@ -171,6 +179,7 @@ async def test_a_clusters_profile_decides_whether_programs_are_derived(daemon_of
     assert view.scheduler.programs.derived == (1 if derive else 0)
 
 
+@pytest.mark.slow
 def test_a_streamed_tool_calling_loop_is_one_program_per_conversation(served) -> None:
     gateway = served()
     client = OpenAI(base_url=f"{gateway.url}/v1", api_key="-")
@@ -191,6 +200,7 @@ def test_a_streamed_tool_calling_loop_is_one_program_per_conversation(served) ->
     assert sorted(p["steps"] for p in gateway.programs().values()) == [3, 3]
 
 
+@pytest.mark.slow
 def test_a_conversation_ended_on_an_answer_that_calls_no_tool_gives_its_room_to_a_waiting_one(
     start_sim, start_gateway
 ) -> None:

@@ -6,8 +6,12 @@ tests/test_gateway_vllm.py."""
 from __future__ import annotations
 
 import psutil
+import pytest
 
 from support import wait_for
+
+# Each test starts a gateway and a simulated worker of its own: seconds, on purpose.
+pytestmark = pytest.mark.slow
 
 MODEL = "sim"
 

@@ -140,6 +140,7 @@ HOMED_FIRST = next(f"p{i}" for i in range(100) if home(f"p{i}", ["full", "other"
 
 
 @pytest.mark.parametrize("program_id", [HOMED_FIRST, None], ids=["scheduled", "unscheduled"])
+@pytest.mark.slow
 async def test_a_connect_to_a_worker_with_a_full_accept_queue_times_out_and_the_other_worker_serves(
     start_sim, caplog, program_id
 ) -> None:

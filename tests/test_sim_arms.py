@@ -45,6 +45,7 @@ def under_pressure() -> dict[str, dict]:
     return {arm.value: run_arm(arm, PRESSURE).summary(PRESSURE.warmup_s) for arm in ArmName}
 
 
+@pytest.mark.slow
 def test_the_engines_alone_thrash_under_pressure(under_pressure: dict[str, dict]) -> None:
     # vLLM admits a request only when its whole sequence fits, so a full engine queues rather
     # than preempts: its thrash is the contexts evicted while their programs are in a tool.

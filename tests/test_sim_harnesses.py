@@ -26,6 +26,7 @@ IMPORTS_FOR_SECONDS = {"agents-sdk", "anthropic-sdk"}
 @pytest.mark.parametrize(
     "client", [pytest.param(c, marks=[pytest.mark.slow] if c in IMPORTS_FOR_SECONDS else []) for c in SDK_LOOPS]
 )
+@pytest.mark.slow
 def test_a_scripted_sdk_agent_over_the_simulated_engine_is_one_program_of_all_its_turns(
     client: str, start_sim, start_gateway
 ) -> None:

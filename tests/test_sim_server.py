@@ -127,6 +127,7 @@ def test_a_stream_gives_the_answer_then_the_usage_chunk_then_done(small_sim: Sim
     assert all("usage" not in e for e in plain[:-1]) and plain[-1] == "[DONE]"
 
 
+@pytest.mark.slow
 def test_tokens_stream_as_the_engine_steps_produce_them(start_sim) -> None:
     sim = start_sim("--preset", "cpu-tiny", "--time-scale", "15")
     events, arrivals = stream_chat(sim.url, [{"role": "user", "content": "hi"}], max_tokens=6, include_usage=False)
@@ -174,6 +175,7 @@ def test_a_stream_whose_client_went_away_is_aborted_and_its_blocks_freed(start_s
     assert metrics(sim.url).generation_tokens < 1000  # it stopped short of its answer
 
 
+@pytest.mark.slow
 def test_a_whole_answer_whose_client_went_away_is_aborted_and_its_blocks_freed(start_sim) -> None:
     sim = start_sim("--preset", "cpu-tiny", "--time-scale", "1")
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
@@ -182,6 +184,7 @@ def test_a_whole_answer_whose_client_went_away_is_aborted_and_its_blocks_freed(s
     assert metrics(sim.url).generation_tokens < 1000  # it stopped short of its answer
 
 
+@pytest.mark.slow
 def test_a_full_cache_queues_and_preempts_and_every_request_still_finishes(start_sim) -> None:
     sim = start_sim(
         "--preset", "cpu-tiny", "--kv-blocks", "8", "--block-size", "16", "--max-model-len", "128", "--time-scale", "1"
@@ -282,6 +285,7 @@ def test_options_it_cannot_start_with_are_named_with_the_fix(options: tuple[str,
     assert done.returncode == 2 and complaint in " ".join(done.stderr.split())  # as wrapped to the terminal
 
 
+@pytest.mark.slow
 def test_sigterm_with_a_request_in_flight_exits_without_waiting_for_it(start_sim) -> None:
     sim = start_sim("--preset", "cpu-tiny", "--time-scale", "50")
     started = threading.Event()

@@ -183,6 +183,7 @@ def ask_in_background(pool: ThreadPoolExecutor, http: httpx.Client, programs: li
     return [pool.submit(http.post, "/v1/chat/completions", json=chat(p)) for p in programs]
 
 
+@pytest.mark.slow
 def test_requests_sent_during_a_pause_wait_and_are_served_after_the_resume(start_sim, start_gateway) -> None:
     sim = start_sim("--time-scale", "0.05")
     gateway = start_gateway([f"sim={sim.url}"], "--scheduler", "stall_timeout_s=1")
@@ -201,6 +202,7 @@ def test_requests_sent_during_a_pause_wait_and_are_served_after_the_resume(start
     assert httpx.get(f"{sim.url}/is_paused").json() == {"is_paused": False}
 
 
+@pytest.mark.slow
 def test_a_pause_nobody_resumes_ends_by_itself_and_lets_the_held_requests_go(start_sim, start_gateway) -> None:
     sim = start_sim("--time-scale", "0.05")
     gateway = start_gateway([f"sim={sim.url}"], "--admin", "max_pause_s=1.5", api_key=KEY)
