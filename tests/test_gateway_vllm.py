@@ -214,3 +214,17 @@ def test_served_programs_are_recorded_as_a_replayable_trace(vllm_pair, start_gat
     (program,) = read_trace(trace)
     assert program.id == "recorded"
     assert [(s.prompt_tokens, s.completion_tokens) for s in program.steps] == usages
+
+
+def test_a_trainer_that_re_tokenizes_each_completion_keeps_one_program(pair_gateway) -> None:
+    # Token in, token out, no program id: the trainer sends the completion back as its own ids for
+    # the text (not the ids vLLM returned), then the observation's.
+    prompt = [100 + i * 7 % 900 for i in range(200)]
+    for turn in range(3):
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "ignore_eos": True, "return_token_ids": True}
+        response = pair_gateway.http.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        returned = response.json()["choices"][0]["token_ids"]
+        prompt = [*prompt, *(t % 900 + 101 for t in returned), 50 + turn]  # never the ids vLLM returned
+        assert prompt[-5:-1] != returned
+    assert [p["steps"] for p in pair_gateway.programs().values()] == [3]

@@ -158,11 +158,42 @@ def test_a_token_id_prompt_whose_completion_ids_are_unknown_continues_by_its_pro
     assert follow is not None and follow.program_id == claim.program_id
 
 
-def test_a_completion_that_does_not_extend_the_earlier_one_starts_a_new_program() -> None:
+def test_a_completion_that_does_not_extend_the_earlier_prompt_starts_a_new_program() -> None:
     index = ConversationIndex(100)
     claim = completed(index, "Task: fix utils.py\nThought:", " read the file")
-    other = index.claim(Turn(prompt="Task: fix utils.py\nThought: write a test first"))
+    other = index.claim(Turn(prompt="Task: fix utils.py\nAction: write a test first"))
     assert other is not None and other.match is Match.NEW and other.program_id != claim.program_id
+
+
+def test_a_text_prompt_that_extends_the_last_prompt_without_its_completion_continues_its_program() -> None:
+    index = ConversationIndex(100)
+    claim = completed(index, "Task: fix utils.py\nThought:", " I will guess")  # dropped: it did not parse
+    retried = index.claim(Turn(prompt="Task: fix utils.py\nThought:\nFormat error: say Action.\nThought:"))
+    assert retried is not None and (retried.program_id, retried.match) == (claim.program_id, Match.RETRIED)
+
+
+def test_token_ids_that_re_tokenize_the_completion_continue_the_program_of_their_prompt() -> None:
+    index = ConversationIndex(100)
+    prompts = [list(range(1000 * k, 1000 * k + 300)) for k in range(3)]
+    claims = [completed(index, p, "", [7, 8, 9]) for p in prompts]
+    follow = index.claim(Turn(prompt=[*prompts[2], 7, 89, 42, 43]))  # the trainer's ids for "7 8 9"
+    assert follow is not None and (follow.program_id, follow.match) == (claims[2].program_id, Match.RETRIED)
+
+
+def test_a_prompt_that_extends_prompt_and_completion_wins_over_a_longer_prompt_alone() -> None:
+    index = ConversationIndex(100)
+    longer = completed(index, [1, 2, 3, 4], "", [50])
+    shorter = completed(index, [1, 2], "", [3])
+    follow = index.claim(Turn(prompt=[1, 2, 3, 4, 6]))
+    assert follow is not None and (follow.program_id, follow.match) == (shorter.program_id, Match.HISTORY)
+    assert longer.program_id != shorter.program_id
+
+
+def test_samples_that_all_drop_their_completions_stay_one_program_each() -> None:
+    index = ConversationIndex(100)
+    programs = {completed(index, [5] * 40, "", [k]).program_id for k in range(4)}
+    retried = {completed(index, [5] * 40 + [99], "", [1]).program_id for _ in range(4)}
+    assert len(programs) == 4 and retried == programs
 
 
 def test_memory_holds_the_most_recently_continued_conversations_only() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 from pathlib import Path
 
 from thunderctl.daemon.journal import Journal
@@ -224,3 +225,48 @@ def test_a_journal_that_is_not_a_database_is_set_aside_and_the_daemon_starts_wit
     assert journal.load() is None
     journal.close()
     assert (tmp_path / "journal.sqlite.bad").read_bytes().startswith(b"not a database")
+
+
+def write_journal(source: Gateway, path: Path) -> None:
+    journal = Journal(path)
+    journal.follow(source)
+    asyncio.run(journal.write(source))
+    journal.close()
+
+
+def index_read_back(path: Path) -> ConversationIndex:
+    """The conversations of the journal at `path`, in a new daemon's index."""
+    reader = Journal(path)
+    restored = reader.load()
+    reader.close()
+    assert restored is not None and restored.conversations is not None
+    index = ConversationIndex(100)
+    index.restore(restored.conversations)
+    return index
+
+
+def completed_once(prompt: list[int], completion: list[int]) -> tuple[Gateway, str]:
+    """A gateway that relayed one completions request and its answer; that request's program."""
+    source = gateway(VirtualClock(1000.0))
+    claim = source.derived.claim(Turn(prompt=prompt))
+    assert claim is not None and source.derived.conversations is not None
+    source.derived.conversations.answered_completion(claim, "", completion)
+    return source, claim.program_id
+
+
+def test_a_completion_retried_without_its_answer_after_a_restart_continues_its_program(tmp_path: Path) -> None:
+    source, program = completed_once([1, 2, 3], [4])
+    write_journal(source, tmp_path / "journal.sqlite")
+    retried = index_read_back(tmp_path / "journal.sqlite").claim(Turn(prompt=[1, 2, 3, 9]))
+    assert retried is not None and (retried.program_id, retried.match) == (program, Match.RETRIED)
+
+
+def test_a_journal_written_before_prompts_were_kept_is_read_and_its_conversations_go_on(tmp_path: Path) -> None:
+    source, program = completed_once([1, 2, 3], [4])
+    path = tmp_path / "journal.sqlite"
+    write_journal(source, path)
+    with sqlite3.connect(path) as db:  # as a daemon before those columns left it
+        db.execute("ALTER TABLE conversations DROP COLUMN prompt_length")
+        db.execute("ALTER TABLE conversations DROP COLUMN prompt_digest")
+    follow = index_read_back(path).claim(Turn(prompt=[1, 2, 3, 4, 5]))
+    assert follow is not None and (follow.program_id, follow.match) == (program, Match.HISTORY)

@@ -46,10 +46,13 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS programs (id TEXT PRIMARY KEY, record TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS conversations (
     program_id TEXT PRIMARY KEY, touched INTEGER NOT NULL, keys BLOB NOT NULL,
-    length INTEGER NOT NULL, digest BLOB NOT NULL, continued INTEGER NOT NULL
+    length INTEGER NOT NULL, digest BLOB NOT NULL, continued INTEGER NOT NULL,
+    prompt_length INTEGER NOT NULL DEFAULT 0, prompt_digest BLOB NOT NULL DEFAULT x''
 );
 CREATE TABLE IF NOT EXISTS responses (id TEXT PRIMARY KEY, touched INTEGER NOT NULL, record TEXT NOT NULL);
 """
+# Columns of `conversations` added since version 1, as SCHEMA declares them.
+ADDED_COLUMNS = {"prompt_length": "INTEGER NOT NULL DEFAULT 0", "prompt_digest": "BLOB NOT NULL DEFAULT x''"}
 
 
 @dataclass
@@ -114,6 +117,11 @@ class Journal:
         # checkpoints only: a write costs no fsync.
         db.execute("PRAGMA synchronous=NORMAL")
         db.executescript(SCHEMA)
+        # A journal written before a column was added gets it, with its default: what its rows did not know.
+        columns = {row[1] for row in db.execute("PRAGMA table_info(conversations)")}
+        for column, declaration in ADDED_COLUMNS.items():
+            if column not in columns:
+                db.execute(f"ALTER TABLE conversations ADD COLUMN {column} {declaration}")
         return db
 
     def set_aside(self) -> Path:
@@ -157,10 +165,13 @@ class Journal:
         self._learnt = meta["learnt"]
         taken_at = json.loads(meta["scheduler"])["taken_at"]
         index = json.loads(meta["index"])
-        rows = self._db.execute("SELECT program_id, touched, keys, length, digest, continued FROM conversations")
+        rows = self._db.execute(
+            "SELECT program_id, touched, keys, length, digest, continued, prompt_length, prompt_digest"
+            " FROM conversations"
+        )
         conversations = [
-            Remembered(program_id, _keys(keys), length, digest, bool(continued), touched)
-            for program_id, touched, keys, length, digest, continued in rows
+            Remembered(program_id, _keys(keys), length, digest, bool(continued), touched, prompt_length, prompt_digest)
+            for program_id, touched, keys, length, digest, continued, prompt_length, prompt_digest in rows
         ]
         responses = [
             (response_id, Kept(**json.loads(record), touched=touched))
@@ -319,7 +330,7 @@ class Journal:
             db.execute("DELETE FROM conversations")
             db.execute("DELETE FROM responses")
         db.executemany("DELETE FROM conversations WHERE program_id = ?", _rows(capture.forgotten_conversations))
-        db.executemany("INSERT OR REPLACE INTO conversations VALUES (?, ?, ?, ?, ?, ?)",
+        db.executemany("INSERT OR REPLACE INTO conversations VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                        (_conversation_row(c) for c in capture.conversations))  # fmt: skip
         db.executemany("DELETE FROM responses WHERE id = ?", _rows(capture.forgotten_responses))
         db.executemany("INSERT OR REPLACE INTO responses VALUES (?, ?, ?)",
@@ -332,7 +343,7 @@ def _rows(ids: Iterable[str]) -> Iterable[tuple[str]]:
 
 def _conversation_row(c: Remembered) -> tuple[Any, ...]:
     keys = b"".join(bytes([len(key)]) + key for key in c.keys)  # each key after its length
-    return c.program_id, c.touched, keys, c.length, c.digest, int(c.continued)
+    return c.program_id, c.touched, keys, c.length, c.digest, int(c.continued), c.prompt_length, c.prompt_digest
 
 
 def _keys(joined: bytes) -> tuple[bytes, ...]:

@@ -17,8 +17,9 @@ agent carries that history, and hashing it finds the program again:
   appended, as agents do on a format error, or a retry with a nudge) continues that program too.
   The other chat-like APIs (Responses, Messages) come here in chat's form (`gateway/apis/`);
 - completions: the prompt (text, or token ids as RL rollout workers send) continues a program when
-  it starts with that program's last prompt and completion. It is found through a hash of the
-  prompt's head (the first 2^k units, k as large as the prompt allows), which leads to the few
+  it starts with that program's last prompt and completion, or else with its last prompt alone (the
+  completion dropped, or re-tokenized by a trainer into other ids). It is found through a hash of
+  the prompt's head (the first 2^k units, k as large as the prompt allows), which leads to the few
   programs whose conversation began the same way; each is checked by a hash of its prefix.
 
 Every match leads to the programs whose last answer it is; one not continued yet is taken first, so
@@ -115,6 +116,8 @@ class _Conversation:
     digest: bytes = b""  # completions: the hash of those units
     continued: bool = False  # a request continued it since its answer
     touched: int = 0  # when it was last remembered or continued, in the index's count of those
+    prompt_length: int = 0  # completions: units of the prompt alone (0: not known)
+    prompt_digest: bytes = b""  # completions: the hash of those units
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,8 @@ class Remembered:
     digest: bytes
     continued: bool
     touched: int  # its place in the order of forgetting: the lowest is forgotten first
+    prompt_length: int = 0
+    prompt_digest: bytes = b""
 
 
 @dataclass
@@ -280,7 +285,13 @@ class ConversationIndex:
         self._prefix, self._started = snapshot.prefix, snapshot.started
         for remembered in sorted(snapshot.conversations, key=lambda r: r.touched)[-self.remembered :]:
             conversation = _Conversation(
-                remembered.keys, remembered.length, remembered.digest, remembered.continued, remembered.touched
+                remembered.keys,
+                remembered.length,
+                remembered.digest,
+                remembered.continued,
+                remembered.touched,
+                remembered.prompt_length,
+                remembered.prompt_digest,
             )
             self._conversations[remembered.program_id] = conversation
             for key in conversation.keys:
@@ -290,7 +301,9 @@ class ConversationIndex:
 
     def _remembered(self, program_id: str) -> Remembered:
         c = self._conversations[program_id]
-        return Remembered(program_id, c.keys, c.length, c.digest, c.continued, c.touched)
+        return Remembered(
+            program_id, c.keys, c.length, c.digest, c.continued, c.touched, c.prompt_length, c.prompt_digest
+        )
 
     def _touch(self, program_id: str, conversation: _Conversation) -> None:
         self._touches += 1
@@ -341,7 +354,10 @@ class ConversationIndex:
         width = _width(token_ids)
         count = len(units) // width
         heads, hasher = _heads(units, width, token_ids)
-        candidates: dict[int, list[tuple[bytes, str]]] = {}  # conversation length → (digest, program)
+        # Conversation length → (digest, program): what each program's last prompt and completion,
+        # and its last prompt alone, would be a prefix of this prompt as.
+        extended: dict[int, list[tuple[bytes, str]]] = {}
+        retried: dict[int, list[tuple[bytes, str]]] = {}
         for head in heads:
             bucket = self._index.get(head)
             for program in [*bucket.fresh, *bucket.continued] if bucket else []:
@@ -349,20 +365,29 @@ class ConversationIndex:
                 # A continuation is longer than what it continues (a prompt whose completion is unknown
                 # counts by its prompt alone).
                 if conversation.length < count:
-                    candidates.setdefault(conversation.length, []).append((conversation.digest, program))
-        found_program, fallback = None, None
-        for length in sorted(candidates, reverse=True):  # the longest conversation continued first
+                    extended.setdefault(conversation.length, []).append((conversation.digest, program))
+                if 0 < conversation.prompt_length < min(count, conversation.length):
+                    retried.setdefault(conversation.prompt_length, []).append((conversation.prompt_digest, program))
+        program, match = self._prefixed(units, width, extended), Match.HISTORY
+        if program is None:
+            program, match = self._prefixed(units, width, retried), Match.RETRIED
+        pending = Claim("", Match.NEW, _prompt=hasher, _prompt_units=count, _head=heads[-1], _token_ids=token_ids)
+        return self._claimed(program, match, pending)
+
+    def _prefixed(
+        self, units: bytes | memoryview, width: int, candidates: dict[int, list[tuple[bytes, str]]]
+    ) -> str | None:
+        """The program whose candidate prefix the prompt starts with, the longest first, one not
+        continued yet before one continued already."""
+        fallback = None
+        for length in sorted(candidates, reverse=True):
             digest = blake2b(memoryview(units)[: length * width], digest_size=DIGEST_BYTES).digest()
             for expected, program in candidates[length]:
                 if expected == digest:
-                    fallback = fallback or program
                     if not self._conversations[program].continued:
-                        found_program = program
-                        break
-            if found_program is not None:
-                break
-        pending = Claim("", Match.NEW, _prompt=hasher, _prompt_units=count, _head=heads[-1], _token_ids=token_ids)
-        return self._claimed(found_program or fallback, Match.HISTORY, pending)
+                        return program
+                    fallback = fallback or program
+        return fallback
 
     def _first(self, keys: list[bytes]) -> str | None:
         """The first program under these keys (in this order of preference) not continued yet, else the
@@ -416,7 +441,14 @@ class ConversationIndex:
         if completion is not None:
             hasher.update(completion[0])
             units += len(completion[0]) // _width(claim._token_ids)
-        self._remember(claim.program_id, _Conversation((claim._head,), length=units, digest=hasher.digest()))
+        conversation = _Conversation(
+            (claim._head,),
+            length=units,
+            digest=hasher.digest(),
+            prompt_length=claim._prompt_units,
+            prompt_digest=claim._prompt.digest(),
+        )
+        self._remember(claim.program_id, conversation)
 
     def forget(self, program_id: str) -> None:
         conversation = self._conversations.pop(program_id, None)
