@@ -10,6 +10,7 @@ import signal
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from support import Cli, consecutive_free_ports, run_load_in_background, wait_for, write_profile
@@ -49,6 +50,17 @@ def test_a_killed_worker_is_started_again_and_serves(cluster) -> None:
     thread.join(timeout=300)
     (result,) = results
     assert result.steps_failed == 0 and result.programs_completed == 2
+
+
+def test_a_workers_restarts_are_still_counted_after_the_daemon_restarts(cluster) -> None:
+    cli = cluster
+    before = cli.status()
+    os.kill(before.daemon_pid, signal.SIGKILL)
+    # Held in the listening socket's backlog until the supervisor's next daemon takes it.
+    httpx.get(before.endpoint.removesuffix("/v1") + "/programs", timeout=60).raise_for_status()
+    after = cli.status()
+    assert after.daemon_pid != before.daemon_pid
+    assert after.workers[0].restarts == before.workers[0].restarts == 1
 
 
 def test_a_worker_a_drain_stopped_stays_stopped(cluster) -> None:

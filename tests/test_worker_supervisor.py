@@ -38,7 +38,6 @@ def test_a_worker_that_came_back_healthy_starts_its_backoff_afresh() -> None:
     planner.restarted("w", 101.0)
     assert not planner.should_restart("w", alive=False, healthy=False, now_s=105.0)
     assert planner.should_restart("w", alive=False, healthy=False, now_s=106.0)
-    assert planner.restarts("w") == 4
 
 
 def test_a_worker_that_runs_but_is_not_yet_healthy_is_left_to_start() -> None:
@@ -55,7 +54,6 @@ def test_a_worker_that_runs_but_is_not_yet_healthy_is_left_to_start() -> None:
 def test_with_restarts_off_a_dead_worker_stays_dead() -> None:
     planner = RestartPlanner(RestartPolicy(enabled=False))
     assert restart_times(planner, dead_until_s=600) == []
-    assert planner.restarts("w") == 0
 
 
 def test_a_cap_below_the_first_wait_is_refused_naming_both_fields() -> None:

@@ -31,6 +31,7 @@ class WorkerRecord:
     # When pid and tunnel_pid started (ProcessIdentity); None in a state from before they were kept.
     start_ticks: int | None = None
     tunnel_start_ticks: int | None = None
+    restarts: int = 0  # times a daemon started it again after its process died, across daemon restarts
 
     @property
     def process(self) -> ProcessIdentity:

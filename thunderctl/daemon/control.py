@@ -20,7 +20,6 @@ from thunderctl.cluster.nodes import Transports
 from thunderctl.cluster.state import ClusterState, DaemonRecord, WorkerRecord
 from thunderctl.cluster.workers import stop_worker
 from thunderctl.daemon.journal import Journal
-from thunderctl.daemon.restarts import RestartPlanner
 from thunderctl.daemon.status import (
     ClusterStatus,
     DaemonStatus,
@@ -48,7 +47,6 @@ class Daemon(Protocol):
     gateway: Gateway
     weights: WeightSync
     auth: GatewayAuth
-    restarts: RestartPlanner
     journal: Journal
     started_at: float
     stopping: bool
@@ -118,7 +116,7 @@ def status_view(daemon: Daemon) -> ClusterStatus:
                 preemptions=metrics.preemptions if metrics else 0,
                 requests_running=metrics.requests_running if metrics else 0,
                 requests_waiting=metrics.requests_waiting if metrics else 0,
-                restarts=daemon.restarts.restarts(record.id),
+                restarts=record.restarts,
             )
         )
     counts = Counter("paused" if p.status is Status.PAUSED else p.phase.value for p in scheduler.programs.values())

@@ -11,7 +11,6 @@ from thunderctl.profile import RestartPolicy
 @dataclass
 class _Restarts:
     since_healthy: int = 0  # restarts that have not (yet) given a healthy worker
-    total: int = 0
     not_before_s: float = 0.0
 
 
@@ -37,10 +36,6 @@ class RestartPlanner:
     def restarted(self, worker_id: str, now_s: float) -> None:
         restarts = self._workers.setdefault(worker_id, _Restarts())
         restarts.since_healthy += 1
-        restarts.total += 1
         restarts.not_before_s = now_s + backoff_s(
             restarts.since_healthy, self.policy.initial_backoff_s, self.policy.max_backoff_s
         )
-
-    def restarts(self, worker_id: str) -> int:
-        return self._workers[worker_id].total if worker_id in self._workers else 0

@@ -190,10 +190,11 @@ class Daemon:
         restarted = revive_worker(self.state, worker, self.plans[worker.id], transport, self.worker_key)
         if restarted:
             self.restarts.restarted(worker.id, clock)
+            worker.restarts += 1
             log.warning(
                 "worker %s had exited; started it again (restart %d; log %s)",
                 worker.id,
-                self.restarts.restarts(worker.id),
+                worker.restarts,
                 worker.log_path,
             )
         return restarted
