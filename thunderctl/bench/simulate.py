@@ -120,8 +120,8 @@ def rollout_table(report: dict[str, Any], point: dict[str, Any]) -> Table:
         caption=f"critical path: program {path['program_index']} alone, {path['steps']} steps, "
         f"{fmt(path['seconds'], ' s', 0)}",
     )
-    columns = ("arm", "makespan", "÷ best other", "÷ sticky", "÷ critical path", "median group", "last group",
-               "last ÷ median", "programs/min", "hit rate", "preempt", "pauses/resumes")  # fmt: skip
+    columns = ("arm", "makespan", "÷ best other", "÷ sticky", "÷ critical", "median group", "last group",
+               "last ÷ median", "progs/min", "hit rate", "preempt", "pauses/resumes")  # fmt: skip
     for column in columns:
         table.add_column(column, justify="left" if column == "arm" else "right")
     arms = point["arms"]
