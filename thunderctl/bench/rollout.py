@@ -15,11 +15,12 @@ import statistics
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from itertools import pairwise
 from typing import Any
 
 from thunderctl.bench.replay import ArmOutcome, TraceWorkload
-from thunderctl.bench.results import LoadResult
-from thunderctl.sim.rollout import GroupFigures, Rollout, sample_in_batch
+from thunderctl.bench.results import LoadResult, StepRecord
+from thunderctl.sim.rollout import GroupFigures, Rollout, critical_figures, ratio, sample_in_batch
 from thunderctl.traceformat import TraceProgram, TraceStep
 
 
@@ -61,6 +62,70 @@ class RolloutBatch(TraceWorkload):
 
 # --- figures ---------------------------------------------------------------------------
 
+# Only answers of at least this many tokens give a pace per token: a shorter one's time is
+# mostly its first token's, and would price every token as a first token.
+PACE_MIN_TOKENS = 16
+
+
+def pace_s(record: StepRecord) -> float | None:
+    """An answer's time per token after its first (per token, unstreamed); None for a failed or
+    short one."""
+    tokens = record.completion_tokens
+    if not record.ok or tokens is None or tokens < PACE_MIN_TOKENS:
+        return None
+    if record.ttft_s is not None:
+        return (record.latency_s - record.ttft_s) / (tokens - 1)
+    return record.latency_s / tokens
+
+
+@dataclass(frozen=True)
+class FastestService:
+    """The engines' fastest service seen in a batch, the pace of a request alone: at a batch's
+    tail few programs are left, so its last answers come at nearly the uncontended rate, and the
+    fastest of all is no slower than that."""
+
+    first_token_s: float | None  # the lowest time to first token of any answer (streamed batches)
+    # The lowest time per answer token after the first (streamed), or per answer token (not)
+    per_token_s: float | None
+
+    @classmethod
+    def of(cls, records: Sequence[StepRecord]) -> FastestService:
+        firsts = [r.ttft_s for r in records if r.ok and r.ttft_s is not None]
+        paces = [pace for r in records if (pace := pace_s(r)) is not None]
+        return cls(min(firsts, default=None), min(paces, default=None))
+
+    def step_s(self, record: StepRecord) -> float:
+        """A step's answer at this pace (its first token at the fastest first token's), never
+        longer than it took: its own latency less what it waited and what contention slowed."""
+        tokens = record.completion_tokens
+        if tokens is None or self.per_token_s is None:
+            return record.latency_s
+        if record.ttft_s is not None and self.first_token_s is not None:
+            alone = self.first_token_s + (tokens - 1) * self.per_token_s
+        else:
+            alone = tokens * self.per_token_s
+        return min(record.latency_s, alone)
+
+
+def measured_critical_path(result: LoadResult) -> float | None:
+    """The batch's longest completed program with its waits taken out: from the batch's start to
+    its first request (its environment's preparation), then each step at the batch's fastest
+    service (`FastestService.step_s`) and each gap between an answer and the next request (its
+    tool) as measured. A program is never faster than its own steps at that pace, so the makespan
+    is at least this; None when no program completed."""
+    pace = FastestService.of(result.records)
+    completed = {run.program_id for run in result.program_runs}
+    steps: dict[str, list[StepRecord]] = {}
+    for record in result.records:
+        if record.program_id in completed:
+            steps.setdefault(record.program_id, []).append(record)
+    paths = []
+    for records in steps.values():
+        records.sort(key=lambda r: r.step)
+        tools = sum(b.start_s - a.end_s for a, b in pairwise(records))
+        paths.append(records[0].start_s + sum(pace.step_s(r) for r in records) + tools)
+    return max(paths, default=None)
+
 
 @dataclass(frozen=True)
 class BatchFigures:
@@ -77,6 +142,9 @@ class BatchFigures:
     # When the median group's last sample answered, over all the batch's groups (GroupFigures).
     group_median_s: float | None
     group_last_s: float | None  # the last group's; None unless every group completed
+    group_last_to_median: float | None
+    critical_path_s: float | None  # measured_critical_path
+    makespan_to_critical_path: float | None
     programs_per_min: float | None  # completed programs per minute of the batch's time
     hit_rate: float | None  # prefix-cache hits ÷ queries on the engines over the batch
     failed_requests: int
@@ -92,15 +160,18 @@ def batch_figures(arm: str, batch: int, result: LoadResult, programs: int, sampl
     groups = GroupFigures.of(finished, Rollout(programs // samples, samples))
     complete = result.programs_completed == programs
     last_answer = max((record.end_s for record in result.records), default=0.0)
+    makespan = last_answer if complete else None
     return BatchFigures(
         arm=arm,
         batch=batch,
         programs=programs,
         programs_completed=result.programs_completed,
         last_answer_s=last_answer,
-        makespan_s=last_answer if complete else None,
+        makespan_s=makespan,
         group_median_s=groups.median_s,
         group_last_s=groups.last_s,
+        group_last_to_median=ratio(groups.last_s, groups.median_s),
+        **critical_figures(makespan, measured_critical_path(result)),
         programs_per_min=60.0 * result.programs_completed / last_answer if last_answer > 0 else None,
         hit_rate=result.engines.hit_rate,
         failed_requests=result.steps_failed,
@@ -118,8 +189,8 @@ def mean_of(values: Sequence[float | None]) -> float | None:
 
 
 def arm_figures(batches: Sequence[BatchFigures], outcome: ArmOutcome) -> dict[str, Any]:
-    """The arm over its batches: the batch times' means, counts summed, programs per minute and
-    the hit rate over all its batches."""
+    """The arm over its batches: the batch times' and their ratios' means, counts summed, programs
+    per minute and the hit rate over all its batches."""
     combined = outcome.combined()
     busy_s = sum(b.last_answer_s for b in batches)
     return {
@@ -127,6 +198,9 @@ def arm_figures(batches: Sequence[BatchFigures], outcome: ArmOutcome) -> dict[st
         "makespan_s": mean_of([b.makespan_s for b in batches]),
         "group_median_s": mean_of([b.group_median_s for b in batches]),
         "group_last_s": mean_of([b.group_last_s for b in batches]),
+        "group_last_to_median": mean_of([b.group_last_to_median for b in batches]),
+        "critical_path_s": mean_of([b.critical_path_s for b in batches]),
+        "makespan_to_critical_path": mean_of([b.makespan_to_critical_path for b in batches]),
         "programs_per_min": 60.0 * sum(b.programs_completed for b in batches) / busy_s if busy_s > 0 else None,
         "hit_rate": combined.engines.hit_rate,
         "programs": sum(b.programs for b in batches),

@@ -69,7 +69,8 @@ def rollout_table(report: dict[str, Any]) -> Table:
         f"{parameters['batches']} batch(es) per arm"
     )
     columns = (
-        "arm", "batch", "makespan", "median group", "last group", "progs/min", "hit rate", "done", "failed", "resent",
+        "arm", "batch", "makespan", "critical path", "÷ critical", "median group", "last group", "last ÷ median",
+        "progs/min", "hit rate", "done", "failed", "resent",
     )  # fmt: skip
     table.add_column(columns[0], no_wrap=True)
     for column in columns[1:]:
@@ -77,7 +78,9 @@ def rollout_table(report: dict[str, Any]) -> Table:
     for batch in report["batches"]:
         table.add_row(
             batch["arm"], str(batch["batch"] + 1), fmt(batch["makespan_s"], " s", 1),
+            fmt(batch["critical_path_s"], " s", 1), fmt(batch["makespan_to_critical_path"], "x"),
             fmt(batch["group_median_s"], " s", 1), fmt(batch["group_last_s"], " s", 1),
+            fmt(batch["group_last_to_median"], "x"),
             fmt(batch["programs_per_min"], digits=1), fmt(batch["hit_rate"]),
             f"{batch['programs_completed']}/{batch['programs']}", str(batch["failed_requests"]),
             str(batch["resent_requests"]),
@@ -85,15 +88,17 @@ def rollout_table(report: dict[str, Any]) -> Table:
     table.add_section()
     for name, arm in report["arms"].items():
         table.add_row(
-            name, "mean", fmt(arm["makespan_s"], " s", 1), fmt(arm["group_median_s"], " s", 1),
-            fmt(arm["group_last_s"], " s", 1), fmt(arm["programs_per_min"], digits=1), fmt(arm["hit_rate"]),
+            name, "mean", fmt(arm["makespan_s"], " s", 1), fmt(arm["critical_path_s"], " s", 1),
+            fmt(arm["makespan_to_critical_path"], "x"), fmt(arm["group_median_s"], " s", 1),
+            fmt(arm["group_last_s"], " s", 1), fmt(arm["group_last_to_median"], "x"),
+            fmt(arm["programs_per_min"], digits=1), fmt(arm["hit_rate"]),
             f"{arm['programs_completed']}/{arm['programs']}", str(arm["failed_requests"]),
             str(arm["resent_requests"]),
         )  # fmt: skip
     if ratios := report["ratios"]:
         table.add_row(
-            "cluster/direct", "", fmt(ratios["makespan_s"], "x"), fmt(ratios["group_median_s"], "x"),
-            fmt(ratios["group_last_s"], "x"), fmt(ratios["programs_per_min"], "x"), "", "", "", "",
+            "cluster/direct", "", fmt(ratios["makespan_s"], "x"), "", "", fmt(ratios["group_median_s"], "x"),
+            fmt(ratios["group_last_s"], "x"), "", fmt(ratios["programs_per_min"], "x"), "", "", "", "",
         )  # fmt: skip
     return table
 
@@ -182,9 +187,10 @@ def rollout(
     """Run RL rollout batches (N tasks × G samples, all started at once) and report each batch's makespan.
 
     A training step waits for its batch's last program, so this reports when batches end: the
-    makespan (batch start → last answer), when the median group and the last group had all
-    their samples answered, programs per minute and the engines' prefix-cache hit rate, per batch
-    and per arm, and the cluster ÷ vLLM-alone ratios. Example, on the local cluster:
+    makespan (batch start → last answer) and its ratio to the critical path (the longest program
+    with its waits taken out, at the fastest service the batch saw), when the median group and the
+    last group had all their samples answered and their ratio, programs per minute and the engines'
+    prefix-cache hit rate, per batch and per arm, and the cluster ÷ vLLM-alone ratios. Example, on the local cluster:
 
         thunderctl bench rollout --tasks 8 --samples 4 --scale 0.25 --batches 2
     """

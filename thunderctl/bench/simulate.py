@@ -111,11 +111,17 @@ def point_table(report: dict[str, Any], point: dict[str, Any]) -> Table:
 
 
 def rollout_table(report: dict[str, Any], point: dict[str, Any]) -> Table:
-    """A batch's figures per arm: when it ended, when its median and last group did, and its pace."""
+    """A batch's figures per arm: when it ended, how far above its critical path, when its median
+    and last group did, and its pace."""
     rollout = report["parameters"]["rollout"]
-    table = Table(title=f"{report['preset']} × {report['parameters']['workers']}, rollout {rollout} (tasks × samples)")
-    columns = ("arm", "makespan", "÷ best other", "÷ sticky", "median group", "last group", "last ÷ median",
-               "programs/min", "hit rate", "preempt", "pauses/resumes")  # fmt: skip
+    path = point["critical_path"]
+    table = Table(
+        title=f"{report['preset']} × {report['parameters']['workers']}, rollout {rollout} (tasks × samples)",
+        caption=f"critical path: program {path['program_index']} alone, {path['steps']} steps, "
+        f"{fmt(path['seconds'], ' s', 0)}",
+    )
+    columns = ("arm", "makespan", "÷ best other", "÷ sticky", "÷ critical", "median group", "last group",
+               "last ÷ median", "progs/min", "hit rate", "preempt", "pauses/resumes")  # fmt: skip
     for column in columns:
         table.add_column(column, justify="left" if column == "arm" else "right")
     arms = point["arms"]
@@ -126,7 +132,8 @@ def rollout_table(report: dict[str, Any], point: dict[str, Any]) -> Table:
         makespan = arm["makespan_s"]
         table.add_row(
             name, fmt(makespan, " s", 0), fmt(makespan / best_other if makespan and best_other else None, "x"),
-            fmt(makespan / sticky if makespan and sticky else None, "x"), fmt(arm["group_median_s"], " s", 0),
+            fmt(makespan / sticky if makespan and sticky else None, "x"), fmt(arm["makespan_to_critical_path"], "x"),
+            fmt(arm["group_median_s"], " s", 0),
             fmt(arm["group_last_s"], " s", 0), fmt(arm["group_last_to_median"], "x"),
             fmt(arm["programs_per_min"], digits=2), fmt(arm["hit_rate"]), str(arm["preemptions"]),
             f"{arm['pauses']}/{arm['resumes']}" if "pauses" in arm else "",
@@ -213,7 +220,8 @@ def simulate(
         typer.Option(
             help="TASKSxSAMPLES, e.g. 32x8: instead of --concurrency, one RL batch of TASKS tasks × SAMPLES samples "
             "(GRPO groups), every program started at 0, each sample with its own answers; reports the "
-            "makespan (key makespan_s), the median and last group's finish, programs/min and hit rate per arm.",
+            "makespan (key makespan_s) and its ratio to the critical path (the longest program alone), the median "
+            "and last group's finish and their ratio, programs/min and hit rate per arm.",
         ),
     ] = None,
     warmup: Annotated[

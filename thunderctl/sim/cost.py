@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -106,13 +108,63 @@ class Preset:
     def prefill_tokens_per_s(self, context_tokens: int) -> float:
         """The rate of prefilling a context of `context_tokens` alone, chunk after chunk: what a
         program that lost its cache costs to recompute."""
-        chunk, done, seconds = self.engine.max_num_batched_tokens, 0, 0.0
-        while done < context_tokens:
-            n = min(chunk, context_tokens - done)
+        return context_tokens / self.prefill_seconds(context_tokens)
+
+    def prefill_seconds(self, prompt_tokens: int, cached_tokens: int = 0) -> float:
+        """Prefilling a prompt alone, its first `cached_tokens` hits, chunk after chunk; the last
+        chunk's step samples the first answer token."""
+        chunk, done, seconds = self.engine.max_num_batched_tokens, cached_tokens, 0.0
+        while done < prompt_tokens:
+            n = min(chunk, prompt_tokens - done)
             pairs = n * done + n * (n + 1) // 2
             seconds += self.cost.step_seconds(StepLoad(n, 1, pairs, done + n))
             done += n
-        return context_tokens / seconds
+        return seconds
+
+    def decode_seconds(self, prompt_tokens: int, answer_tokens: int) -> float:
+        """Decoding an answer alone after its prompt: one step per token after the first (which
+        the prefill sampled), the j-th reading a context of prompt + j tokens."""
+
+        def step_s(context: int) -> float:
+            return self.cost.step_seconds(StepLoad(1, 1, context, context))
+
+        return summed(step_s, prompt_tokens + 1, prompt_tokens + answer_tokens - 1)
+
+    def alone_seconds(self, prompt_tokens: int, cached_tokens: int, answer_tokens: int) -> float:
+        """One request on an engine of its own, from the client's send to its whole answer: the API
+        server's work on the prompt, the prefill of what is not cached, the decode, and the framing
+        of the last token (the others are framed while the next steps run)."""
+        return (
+            self.frontend.before_engine_s(prompt_tokens)
+            + self.prefill_seconds(prompt_tokens, cached_tokens)
+            + self.decode_seconds(prompt_tokens, answer_tokens)
+            + self.frontend.streamed_s(1)
+        )
+
+
+def summed(f: Callable[[int], float], low: int, high: int) -> float:
+    """f(low) + f(low + 1) + ... + f(high) (0 when high < low), for f convex and piecewise linear,
+    as a step's time is in the context it reads (a line, or the larger of compute's and memory's):
+    exact, in a few calls per kink instead of one per token. A convex function that meets its chord
+    inside an interval is that chord over the whole interval, so halving stops at straight pieces."""
+    if high < low:
+        return 0.0
+    total, pending = 0.0, [(low, high, f(low), f(high))]
+    while pending:
+        a, b, fa, fb = pending.pop()
+        if b - a < 2:
+            total += fa + (fb if b > a else 0.0)
+            continue
+        m = (a + b) // 2
+        fm = f(m)
+        chord = fa + (fb - fa) * (m - a) / (b - a)
+        if math.isclose(fm, chord, rel_tol=1e-9, abs_tol=1e-15):
+            total += (b - a + 1) * (fa + fb) / 2
+            continue
+        # [a, m] and [m, b] both count f(m)
+        total -= fm
+        pending += [(a, m, fa, fm), (m, b, fm, fb)]
+    return total
 
 
 # --- GPU roofline ----------------------------------------------------------------------

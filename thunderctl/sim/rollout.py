@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
-from thunderctl.sim.agents import AgentProgram, ProgramRun, Workload
+from thunderctl.sim.agents import AgentProgram, ProgramRun, Workload, steps_that_fit
+from thunderctl.sim.cost import Preset
 
 # How far a sample strays from its task's run: each quantity is multiplied by a lognormal factor
 # of median 1 and this log-space sigma. Samples of one task at a temperature answer at lengths
@@ -145,6 +146,56 @@ class GroupFigures:
         )
 
 
+@dataclass(frozen=True)
+class CriticalPath:
+    """A batch's longest program run alone, each answer as soon as its prompt is sent and each
+    prompt as soon as its tool ends: no scheduler ends the batch sooner."""
+
+    seconds: float
+    program_index: int
+    steps: int
+
+
+def alone_seconds(program: AgentProgram, preset: Preset, max_context_tokens: int | None) -> float:
+    """A program on an engine of its own: its environment's preparation, then each step's request
+    alone (`Preset.alone_seconds`) and its tool. Each prompt finds the previous prompt and answer
+    cached, whole blocks of them as the engine keeps them; the first finds nothing (at the batch's
+    start no cache holds anything), unless the program prepared an environment first, during
+    which others may have computed its first prompt: it is then counted as cached."""
+    block = preset.engine.block_size
+    steps = steps_that_fit(program.steps, max_context_tokens)
+    prepare_s = program.env_prep_s or 0.0
+    seconds, held = prepare_s, (steps[0].prompt_tokens if prepare_s > 0 else 0)
+    for step in steps:
+        answer = max(1, step.completion_tokens)
+        cached = min(held - 1, step.prompt_tokens - 1) // block * block if held else 0
+        seconds += preset.alone_seconds(step.prompt_tokens, cached, answer)
+        held = step.prompt_tokens + answer
+    return seconds + sum(step.tool_s for step in steps[:-1])
+
+
+def critical_path(workload: Workload, seed: int, rollout: Rollout, preset: Preset) -> CriticalPath:
+    """The batch's longest program alone on one of `preset`'s engines (`alone_seconds`)."""
+    sampled = SampledWorkload(workload, rollout.samples)
+    times = [
+        (alone_seconds(sampled.program(seed, index), preset, sampled.max_context_tokens), index)
+        for index in range(rollout.programs)
+    ]
+    seconds, index = max(times)
+    steps = steps_that_fit(sampled.program(seed, index).steps, sampled.max_context_tokens)
+    return CriticalPath(seconds, index, len(steps))
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    """numerator ÷ denominator, None when either is unknown (or the denominator 0)."""
+    return numerator / denominator if numerator is not None and denominator else None
+
+
+def critical_figures(makespan_s: float | None, path_s: float | None) -> dict[str, float | None]:
+    """The critical path beside the makespan: how far above the bound the batch ended."""
+    return {"critical_path_s": path_s, "makespan_to_critical_path": ratio(makespan_s, path_s)}
+
+
 def batch_figures(completed: Sequence[ProgramRun], rollout: Rollout) -> dict[str, Any]:
     """The batch's makespan (None unless every program ended), and the median and last group's finish."""
     groups = GroupFigures.of(((run.program_index, run.done_s) for run in completed), rollout)
@@ -153,7 +204,7 @@ def batch_figures(completed: Sequence[ProgramRun], rollout: Rollout) -> dict[str
         "makespan_s": max(run.done_s for run in completed) if last is not None else None,
         "group_median_s": median,
         "group_last_s": last,
-        "group_last_to_median": last / median if last is not None and median else None,
+        "group_last_to_median": ratio(last, median),
         "groups_done": groups.done,
         "groups": groups.groups,
     }

@@ -5,10 +5,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 from thunderctl.sim.arms import ArmName, SimSpec, run_arm
+from thunderctl.sim.rollout import critical_figures, critical_path
 
 # Compared with the `sticky` arm (the engines alone, as agents use them) at each concurrency.
 RATIO_FIGURES = ("steps_per_min", "hit_rate", "p50_s", "p90_s", "p99_s", "programs_per_min", "program_p90_s")
@@ -84,10 +85,16 @@ def run_sweep(
                 if progress is not None:
                     progress(concurrency, arm, spec.duration_s)
                 record(concurrency, arm, future.result())
+    # The same programs on the same engines in every arm: one bound for all.
+    path = critical_path(spec.workload, spec.seed, spec.rollout, spec.preset) if spec.rollout else None
     points = []
     for concurrency in concurrencies:
         summaries = {arm.value: results[(concurrency, arm)][0] for arm in arms}
-        points.append({"concurrency": concurrency, "arms": summaries, "ratios": ratios(summaries)})
+        if path is not None:
+            for summary in summaries.values():
+                summary.update(critical_figures(summary["makespan_s"], path.seconds))
+        point = {"concurrency": concurrency, "arms": summaries, "ratios": ratios(summaries)}
+        points.append(point | ({"critical_path": asdict(path)} if path is not None else {}))
     return {
         "benchmark": "simulate",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
