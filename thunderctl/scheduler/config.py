@@ -148,6 +148,12 @@ class SchedulerConfig(BaseModel):
     nearest_end_min_samples: int = Field(
         16, ge=1, description="programs (ended or running) seen before nearest_end_s orders anything"
     )
+    critical_path: bool = Field(
+        True,
+        description="while programs belong to groups (a batch), those with the most expected work left "
+        "(steps left, from their group's lengths, × their pace) resume first and pause last, so that the batch's "
+        'longest samples do not wait behind short ones (docs/admission.md, "The critical path first")',
+    )
     groups_remembered: int = Field(
         1024, ge=0, description="groups whose programs all ended kept for their counts (status, /programs)"
     )

@@ -8,6 +8,7 @@ Pure and synchronous, as the policy is.
 
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,7 @@ class Group:
     id: str
     live: set[str] = field(default_factory=set)  # its programs that have not ended
     done: int = 0  # its programs that ended
+    lengths: list[int] = field(default_factory=list)  # the steps of those that ended, sorted
 
     @property
     def total(self) -> int:
@@ -57,14 +59,19 @@ class GroupBook:
             return
         group.live.discard(program.id)
         group.done += 1
+        bisect.insort(group.lengths, program.steps)
         self._forget_finished()
 
     def snapshot(self) -> list[list[Any]]:
-        """[id, live programs, programs ended] of each group kept, the least recently joined first."""
-        return [[g.id, sorted(g.live), g.done] for g in self.groups.values()]
+        """[id, live programs, programs ended, their lengths] of each group kept, the least recently
+        joined first."""
+        return [[g.id, sorted(g.live), g.done, g.lengths] for g in self.groups.values()]
 
     def restore(self, groups: list[list[Any]]) -> None:
-        self.groups = OrderedDict((group_id, Group(group_id, set(live), done)) for group_id, live, done in groups)
+        """Groups as `snapshot` gave them (a journal written before lengths were kept has none)."""
+        self.groups = OrderedDict()
+        for group_id, live, done, *lengths in groups:
+            self.groups[group_id] = Group(group_id, set(live), done, sorted(lengths[0]) if lengths else [])
 
     def counts(self) -> list[tuple[str, int, int]]:
         """(group id, programs ended, programs seen) of every group kept, the nearest done first."""

@@ -49,9 +49,18 @@ def pause_key(order: PauseOrder) -> Callable[[Program], tuple[float, int, str]]:
     return lambda p: (p.acting_since, p.tokens, p.id)
 
 
-def acting_in_pause_order(programs: Iterable[Program], order: PauseOrder) -> list[Program]:
-    """The ACTING ones among `programs`, the first to pause first."""
-    return sorted((p for p in programs if p.phase is Phase.ACTING), key=pause_key(order))
+def acting_in_pause_order(
+    programs: Iterable[Program], order: PauseOrder, work_left: Callable[[Program], float | None] | None = None
+) -> list[Program]:
+    """The ACTING ones among `programs`, the first to pause first. With `work_left` (the critical
+    path first, critical.py), those of a batch pause after the others, the least work left first."""
+    key = pause_key(order)
+    acting = (p for p in programs if p.phase is Phase.ACTING)
+    if work_left is None:
+        return sorted(acting, key=key)
+    ranked = [((left is not None, left or 0.0), p) for p in acting for left in (work_left(p),)]
+    ranked.sort(key=lambda entry: (entry[0], key(entry[1])))
+    return [p for _, p in ranked]
 
 
 class WaitingQueue:

@@ -13,6 +13,7 @@ from typing import Any
 from thunderctl.scheduler.admission import AdmissionTuner
 from thunderctl.scheduler.capacity import decode_fits, gpu_binds, gpu_room, headroom
 from thunderctl.scheduler.config import Decay, SchedulerConfig
+from thunderctl.scheduler.critical import WorkLeft
 from thunderctl.scheduler.ending import AnswerKinds, Continuations, EndChances, EndingLaw, silent
 from thunderctl.scheduler.events import Counters, EventKind, Listener, ProgramEvent, notify
 from thunderctl.scheduler.groups import GroupBook
@@ -45,6 +46,7 @@ class Scheduler:
         self._ledgers: dict[str, Ledger] = {}
         self.lengths = ProgramLengths(self.config)
         self.groups = GroupBook(self.config)
+        self.work_left = WorkLeft(self.groups, self.lengths, self.programs)
         self._waiting = WaitingQueue(self.config, self._queue_delay_s)
         self.retention = RetentionLaw.from_config(self.config)
         self.ending = EndingLaw.from_config(self.config)
@@ -331,7 +333,8 @@ class Scheduler:
         """
         try:
             self._expire_idle()
-            if self.config.nearest_end_s is not None:  # else nobody asks: no sort of thousands a tick
+            if self.config.nearest_end_s is not None or (self.config.critical_path and self.groups.groups):
+                # else nobody asks: no sort of thousands a tick
                 self.lengths.survey(p.steps for p in self.programs.values())
             self._pause_likely_ended()
             self._resume()
@@ -524,7 +527,7 @@ class Scheduler:
             if load.tokens <= worker.kv_capacity * cfg.pause_threshold:
                 continue
             target = worker.kv_capacity * cfg.pause_target
-            for program in acting_in_pause_order((self.programs[i] for i in worker.programs), cfg.pause_order):
+            for program in self._acting_in_pause_order(worker):
                 load.remove(program, 1.0, cfg.buffer_tokens)
                 self._pause(program)
                 if load.tokens <= target:
@@ -556,7 +559,7 @@ class Scheduler:
             load = loads[worker.id]
             if load.need(program, 1.0, cfg.buffer_tokens) > gpu_room(worker, load, cfg.resume_threshold):
                 continue  # what decodes fills the GPU: pausing ACTING programs frees none of it
-            for member in acting_in_pause_order((self.programs[i] for i in worker.programs), cfg.pause_order):
+            for member in self._acting_in_pause_order(worker):
                 if load.need(program, 1.0, cfg.buffer_tokens) <= self._headroom(worker, load):
                     break
                 load.remove(member, 1.0, cfg.buffer_tokens)
@@ -579,6 +582,8 @@ class Scheduler:
             for i in worker.programs
             if self.programs[i].phase is Phase.ACTING
         ]
+        if self.config.critical_path:
+            held = self._unprotected(held)
         drops = self.retention.drops(held, demand, self.clock())
         for program_id in drops:
             self._pause(self.programs[program_id])
@@ -599,9 +604,27 @@ class Scheduler:
             self.workers[program.worker].programs.discard(program.id)
             self._ledgers[program.worker].remove(program, self.config.buffer_tokens)
 
+    def _unprotected(self, held: list[tuple[Program, Worker]]) -> list[tuple[Program, Worker]]:
+        """The held programs priced retention may drop: in a batch, not those with more work left than the median."""
+        now = self.clock()
+        left = {p.id: self.work_left.seconds(p, now) for p, _ in held}
+        batch = sorted(v for v in left.values() if v is not None)
+        if not batch:
+            return held
+        median = batch[len(batch) // 2]
+        return [(p, w) for p, w in held if (v := left[p.id]) is None or v < median]
+
+    def _acting_in_pause_order(self, worker: Worker) -> list[Program]:
+        now = self.clock()
+        work_left = (lambda p: self.work_left.seconds(p, now)) if self.config.critical_path else None
+        return acting_in_pause_order((self.programs[i] for i in worker.programs), self.config.pause_order, work_left)
+
     def _queue_delay_s(self, program: Program) -> float:
         """How far behind its aged place a program that begins to wait queues: later the more
-        steps it has left (nearest the end first)."""
+        steps it has left (nearest the end first); in a batch, sooner the more work it has left (the
+        critical path first)."""
+        if self.config.critical_path and (left := self.work_left.seconds(program, self.clock())) is not None:
+            return -left
         return self.lengths.queue_delay_s(program)
 
     def _adopt(self, program: Program, parent_id: str | None) -> None:

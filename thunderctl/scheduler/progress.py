@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from thunderctl.scheduler.config import SchedulerConfig
 from thunderctl.scheduler.program import Program
@@ -68,18 +68,30 @@ class ProgramLengths:
         return 0.0 if span is None or share is None else span * share
 
     def _steps_left(self) -> list[float]:
-        """E[L − s | L > s] for s = 0 … the longest length seen."""
-        ended = sorted(self._ended)
-        longest = max(ended[-1] if ended else 0, self._running[-1] if self._running else 0)
-        survival = [1.0] * (longest + 1)  # P(L > k)
-        for k in range(1, longest + 1):
-            at_risk = (
-                len(ended) - bisect.bisect_left(ended, k) + len(self._running) - bisect.bisect_left(self._running, k)
-            )
-            ending = bisect.bisect_right(ended, k) - bisect.bisect_left(ended, k)
-            survival[k] = survival[k - 1] * (1.0 - ending / at_risk) if at_risk else 0.0
-        left, tail = [0.0] * (longest + 1), 0.0
-        for s in range(longest, -1, -1):  # E[L − s | L > s] = Σ_{k ≥ s} P(L > k) / P(L > s)
-            tail += survival[s]
-            left[s] = tail / survival[s] if survival[s] > 0 else 0.0
-        return left
+        return steps_left(sorted(self._ended), self._running)
+
+    def left_after(self, steps: int) -> float:
+        """E[L − s | L > s] at s = `steps` (0 past the longest length seen, or with nothing seen)."""
+        if self._left is None:
+            self._left = self._steps_left()
+        return self._left[steps] if steps < len(self._left) else 0.0
+
+
+def steps_left(ended: list[int], running: list[int], tail: Callable[[int], float] | None = None) -> list[float]:
+    """E[L − s | L > s] for s = 0 … the longest length seen, of the product-limit (Kaplan–Meier)
+    estimate over `ended` lengths and `running` steps (each a length known to be at least it), both
+    sorted. `tail(n)` is the steps expected after n of a program still running at the longest
+    length n seen (another law's, for a few samples whose longest is still running); none: 0."""
+    longest = max(ended[-1] if ended else 0, running[-1] if running else 0)
+    survival = [1.0] * (longest + 1)  # P(L > k)
+    for k in range(1, longest + 1):
+        at_risk = len(ended) - bisect.bisect_left(ended, k) + len(running) - bisect.bisect_left(running, k)
+        ending = bisect.bisect_right(ended, k) - bisect.bisect_left(ended, k)
+        survival[k] = survival[k - 1] * (1.0 - ending / at_risk) if at_risk else 0.0
+    # Σ_{k > longest} P(L > k): past the longest seen, P(L > k) = P(L > longest) × the tail law's.
+    beyond = survival[longest] * max(tail(longest) - 1.0, 0.0) if tail is not None else 0.0
+    left, total = [0.0] * (longest + 1), beyond
+    for s in range(longest, -1, -1):  # E[L − s | L > s] = Σ_{k ≥ s} P(L > k) / P(L > s)
+        total += survival[s]
+        left[s] = total / survival[s] if survival[s] > 0 else 0.0
+    return left
