@@ -44,6 +44,7 @@ REFERENCE_SETTINGS: dict[str, Any] = {
     "placement": PlacementRule.ROOMIEST,
     "wait_bound_s": None,
     "pause_target": 0.85,
+    "critical_path": False,
 }
 
 
