@@ -111,8 +111,9 @@ def main(argv: list[str] | None = None) -> None:
     gateway_args = ["--scheduler", f"stall_timeout_s={STALL_BOUND_S:g}"]
     with (
         engine_for(EngineSettings(), args.engine_url, logs, console) as engine_url,
-        local_gateway(engine_url, gateway_args, logs, console) as gateway_url,
+        local_gateway(engine_url, gateway_args, logs, console) as gateway,
     ):
+        gateway_url = gateway.url
         if args.batches:
             console.print(f"comparison: load average {load_average()}")
             report = rollout(args, engine_url, gateway_url, "--batches", str(args.batches))
