@@ -103,7 +103,7 @@ def priced_pauses(critical_path: bool) -> set[str]:
     return {p for p in ("short-1", "long-1") if sched.programs[p].status is Status.PAUSED}
 
 
-def test_priced_retention_keeps_the_kv_of_the_batch_s_longer_half() -> None:
+def test_priced_retention_keeps_the_kv_of_the_batch_program_with_the_most_work_left() -> None:
     assert priced_pauses(critical_path=True) == {"short-1"}
 
 

@@ -583,7 +583,7 @@ class Scheduler:
             if self.programs[i].phase is Phase.ACTING
         ]
         if self.config.critical_path:
-            held = self._unprotected(held)
+            held = self.work_left.priced(held, self.clock())
         drops = self.retention.drops(held, demand, self.clock())
         for program_id in drops:
             self._pause(self.programs[program_id])
@@ -603,16 +603,6 @@ class Scheduler:
         if program.status is Status.ACTIVE and program.worker in self.workers:
             self.workers[program.worker].programs.discard(program.id)
             self._ledgers[program.worker].remove(program, self.config.buffer_tokens)
-
-    def _unprotected(self, held: list[tuple[Program, Worker]]) -> list[tuple[Program, Worker]]:
-        """The held programs priced retention may drop: in a batch, not those with more work left than the median."""
-        now = self.clock()
-        left = {p.id: self.work_left.seconds(p, now) for p, _ in held}
-        batch = sorted(v for v in left.values() if v is not None)
-        if not batch:
-            return held
-        median = batch[len(batch) // 2]
-        return [(p, w) for p, w in held if (v := left[p.id]) is None or v < median]
 
     def _acting_in_pause_order(self, worker: Worker) -> list[Program]:
         now = self.clock()
