@@ -20,7 +20,7 @@ from thunderctl.sim.presets import get_preset
 # figures of docs/evidence/sim-*.md and docs/admission.md were measured with it.
 PAPERS_ARM = SchedulerConfig(
     adaptive=False, retention=False, resume_aging_tokens_per_s=None, pause_target=0.85,
-    pause_order=PauseOrder.SHORTEST, wait_bound_s=None, placement=PlacementRule.ROOMIEST,
+    pause_order=PauseOrder.SHORTEST, wait_bound_s=None, placement=PlacementRule.ROOMIEST, critical_path=False,
 )  # fmt: skip
 WIDE = {"COLUMNS": "250", "NO_COLOR": "1"}
 
