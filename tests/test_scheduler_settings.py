@@ -65,6 +65,15 @@ def test_serve_help_lists_every_scheduler_setting_with_its_default_and_descripti
         assert f"{name} = {shown(field.default)}: {allowed(field)}; {field.description}" in text
 
 
-def test_a_profile_that_sets_a_removed_setting_is_told_it_was_removed_and_why(tmp_path: Path) -> None:
-    with pytest.raises(ProfileError, match="group_head_start_s was removed: the group head start never shortened"):
-        load_profile(write_profile(tmp_path, scheduler={"group_head_start_s": 300}))
+@pytest.mark.parametrize(
+    ("setting", "why"),
+    [
+        ("group_head_start_s", "the group head start never shortened"),
+        ("wait_bound_factor", "the wait bound that followed the waits made no more steps"),
+    ],
+)
+def test_a_profile_that_sets_a_removed_setting_is_told_it_was_removed_and_why(
+    tmp_path: Path, setting: str, why: str
+) -> None:
+    with pytest.raises(ProfileError, match=f"{setting} was removed: {why}"):
+        load_profile(write_profile(tmp_path, scheduler={setting: 3}))

@@ -33,6 +33,11 @@ class Policy(StrEnum):
 # profile that still sets one is told so, not given pydantic's bare "extra inputs are not permitted".
 REMOVED_SETTINGS = {
     "group_head_start_s": "the group head start never shortened a batch (docs/evidence/removed-laws.md)",
+    **{
+        key: "the wait bound that followed the waits made no more steps and ended no more programs than the "
+        "fixed wait_bound_s (docs/evidence/removed-laws.md)"
+        for key in ("wait_bound_factor", "wait_bound_min_s", "wait_bound_window", "wait_bound_min_samples")
+    },
 }
 
 # The paper's policy, where it differs from the defaults; docs/scheduler.md's table says why they differ.
@@ -168,25 +173,7 @@ class SchedulerConfig(BaseModel):
         400.0,
         gt=0,
         description="the longest wait before ACTING programs pause (pause_order) to give a waiting program room, "
-        "unless resume_timeout_s comes first: the bound's ceiling, and the bound itself until "
-        "wait_bound_min_samples waits were seen or without wait_bound_factor; none: no bound, "
-        "only the forced resume ends a wait",
-    )
-    wait_bound_factor: float | None = Field(
-        None,
-        ge=1,
-        description="the wait bound follows the waits: this many times the median of the recent admission "
-        "waits (3 was measured), between wait_bound_min_s and wait_bound_s; none: the fixed wait_bound_s "
-        "(the default: the law made no more steps, docs/admission.md)",
-    )
-    wait_bound_min_s: float = Field(
-        200.0,
-        gt=0,
-        description="the wait bound's floor: the shortest wait ACTING programs pause for (wait_bound_s wins if lower)",
-    )
-    wait_bound_window: int = Field(256, ge=1, description="recent admission waits the wait bound's median is of")
-    wait_bound_min_samples: int = Field(
-        16, ge=1, description="admission waits seen before the bound follows them (until then: wait_bound_s)"
+        "unless resume_timeout_s comes first; none: no bound, only the forced resume ends a wait",
     )
     stall_timeout_s: float = Field(
         30.0, gt=0, description="a worker with requests in flight and no progress for this long is taken out as stalled"

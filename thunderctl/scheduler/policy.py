@@ -24,7 +24,6 @@ from thunderctl.scheduler.program import Phase, Program, Status, Worker
 from thunderctl.scheduler.progress import ProgramLengths
 from thunderctl.scheduler.retention import RetentionLaw, Returns
 from thunderctl.scheduler.snapshot import SchedulerSnapshot, program_from_record, program_record
-from thunderctl.scheduler.waitbound import WaitBound
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +54,6 @@ class Scheduler:
         self._end_chance_read = (-math.inf, EndChances(0.0))  # (read at, chances): read at most once a tick interval
         self.counters = Counters()
         self.tuner = AdmissionTuner(self.config)
-        self.wait_bound = WaitBound(self.config)
         self._waited = False  # a request waited for admission since the last adapt()
         self._arrived = False  # a request arrived since the last adapt(): the load behind an open gate
         self._waiting_at_adapt = False
@@ -245,7 +243,6 @@ class Scheduler:
             "continuations": [self.continuations.continued, self.continuations.ended],
             "answer_kinds": self.answer_kinds.snapshot(),
             "admission": self.tuner.snapshot(),
-            "waits": self.wait_bound.snapshot(),
             "lengths": self.lengths.snapshot(),
             "groups": self.groups.snapshot(),
             "counters": asdict(self.counters),
@@ -279,7 +276,6 @@ class Scheduler:
         self.continuations.continued, self.continuations.ended = learnt["continuations"]
         self.answer_kinds.restore(learnt["answer_kinds"])
         self.tuner.restore(learnt["admission"], shift_s)
-        self.wait_bound.restore(learnt["waits"])
         self.lengths.restore(learnt["lengths"])
         self.groups.restore(learnt["groups"])
         self.counters = Counters(**learnt["counters"])
@@ -503,8 +499,6 @@ class Scheduler:
         program.worker = worker.id
         program.status = Status.ACTIVE
         self._ledgers[worker.id].add(program, self.config.buffer_tokens)
-        if program.waiting_since is not None:
-            self.wait_bound.observe(now - program.waiting_since)
         self._waiting.remove(program)
         if program.paused_at is not None:
             program.paused_total_s += now - program.paused_at
@@ -542,12 +536,12 @@ class Scheduler:
                         load.remove(program, 1.0, cfg.buffer_tokens)
 
     def _make_room_for_overdue(self) -> None:
-        """A program that has waited the wait bound (waitbound.py) is admitted now onto the worker with the most
+        """A program that has waited `wait_bound_s` is admitted now onto the worker with the most
         headroom, ACTING programs there pausing for it in pause order: rotation where the cache
         is far smaller than the working set, so that no wait runs into the forced resume (which
         overbooks the cache) while others are admitted."""
         cfg = self.config
-        bound = self.wait_bound.seconds
+        bound = cfg.wait_bound_s
         if bound is None or not self._waiting or self.tuner.gate_open:
             return
         targets = [b for b in self.workers.values() if b.schedulable and b.capacity]

@@ -22,7 +22,7 @@ class SchedulerSnapshot:
     # Each program's fields (Program), and its own tool times under "gaps", the oldest first.
     programs: list[dict[str, Any]]
     # What the laws learnt: tool times (cluster, tail, tool kinds), the ending law's counts, the
-    # admission law's rung and measurements, the recent waits and lengths, the groups, the counters.
+    # admission law's rung and measurements, the recent lengths, the groups, the counters.
     learnt: dict[str, Any]
 
 
