@@ -51,6 +51,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--hold", type=float, default=10.0, help="Seconds the cluster stays paused.")
     parser.add_argument("--mode", default="keep", choices=("keep", "wait", "abort"))
     parser.add_argument("--engine-url", help="Use this running vLLM server (with VLLM_SERVER_DEV_MODE=1).")
+    parser.add_argument(
+        "--scheduler", action="append", default=[], metavar="KEY=VALUE",
+        help="A scheduler setting of the gateway (repeat), e.g. critical_path=false: a variant against vLLM alone.",
+    )  # fmt: skip
     parser.add_argument("--out-dir", type=Path, default=Path("results/rollout"))
     parser.add_argument("bench_args", nargs="*", help="More `bench rollout` options, after --.")
     return parser.parse_args(argv)
@@ -109,6 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     console = Console()
     logs = args.out_dir / "logs"
     gateway_args = ["--scheduler", f"stall_timeout_s={STALL_BOUND_S:g}"]
+    for setting in args.scheduler:
+        gateway_args += ["--scheduler", setting]
     with (
         engine_for(EngineSettings(), args.engine_url, logs, console) as engine_url,
         local_gateway(engine_url, gateway_args, logs, console) as gateway,
