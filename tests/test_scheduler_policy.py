@@ -6,6 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from thunderctl.scheduler import (
+    Decay,
     EventKind,
     PauseOrder,
     Phase,
@@ -460,6 +461,27 @@ def test_release_is_idempotent_and_frees_the_reservation() -> None:
     assert kinds(events, "p").count(EventKind.RELEASED) == 1
 
 
+@pytest.mark.parametrize(
+    ("decay", "idle_s", "weight"),
+    [
+        (Decay.OFF, 100, 1.0),
+        (Decay.EXP, 0, 1.0),
+        (Decay.EXP, 10, 0.5),
+        (Decay.EXP, 20, 0.25),
+        (Decay.LINEAR, 5, 0.5),
+        (Decay.LINEAR, 15, 0.0),
+    ],
+)
+def test_acting_decay_weights_on_the_resume_side_only(decay, idle_s, weight) -> None:
+    sched, clock, _ = make(acting_decay=decay, acting_decay_tau_s=10)
+    run_step(sched, "p", 400)
+    clock.now += idle_s
+    program = sched.programs["p"]
+    assert sched._weight(program, physical=False) == pytest.approx(weight)
+    assert sched._weight(program, physical=True) == 1.0
+    assert sched.reserved_tokens("a") == 400
+
+
 def test_overbooking_admits_more_but_physical_check_still_pauses() -> None:
     sched, _, _ = make(acting_overbook=0.5)
     run_step(sched, "a1", 800)
@@ -530,7 +552,7 @@ def test_failing_listener_does_not_stop_scheduling() -> None:
         ({"pause_target": 0.96}, "pause_target"),
         ({"resume_threshold": 0.99}, "resume_threshold"),
         ({"buffer_tokens": -1}, "buffer_tokens"),
-        ({"pause_order": "sometimes"}, "pause_order"),
+        ({"acting_decay": "sometimes"}, "acting_decay"),
     ],
 )
 def test_config_rejects_inconsistent_bands(overrides, message) -> None:
@@ -678,8 +700,7 @@ def test_ledger_and_queue_match_a_full_recount_after_any_history() -> None:
         for worker in sched.workers.values():
             fast = sched._load(worker, physical=False).tokens
             recount = sum(
-                ((1.0 if p.phase is Phase.REASONING else sched.acting_weight) * p.private_tokens + 16)
-                for p in map(sched.programs.get, worker.programs)
+                (sched._weight(p, False) * p.private_tokens + 16) for p in map(sched.programs.get, worker.programs)
             ) + sum(
                 {
                     p.prefix_key: p.prefix_tokens for p in map(sched.programs.get, worker.programs) if p.prefix_key

@@ -8,6 +8,12 @@ from typing import Any
 from pydantic import BaseModel, Field, model_validator
 
 
+class Decay(StrEnum):
+    OFF = "off"
+    EXP = "exp"
+    LINEAR = "linear"
+
+
 class PauseOrder(StrEnum):
     SHORTEST = "shortest"  # the reference: the smallest ACTING program first
     LONGEST_IN_TOOL = "longest-in-tool"  # the one whose KV the engine's LRU evicts first; ties shortest first
@@ -31,11 +37,6 @@ REMOVED_SETTINGS = {
         key: "the wait bound that followed the waits made no more steps and ended no more programs than the "
         "fixed wait_bound_s (docs/evidence/removed-laws.md)"
         for key in ("wait_bound_factor", "wait_bound_min_s", "wait_bound_window", "wait_bound_min_samples")
-    },
-    **{
-        key: "an ACTING reservation's decay with time in its tool was off by default and never measured to "
-        "help; the admission law's ACTING weight does its work (docs/evidence/removed-laws.md)"
-        for key in ("acting_decay", "acting_decay_tau_s")
     },
 }
 
@@ -97,6 +98,10 @@ class SchedulerConfig(BaseModel):
     end_unlearnt_s: float = Field(
         900.0, gt=0, description="silence after which a program ends while too few continuation gaps are known"
     )
+    acting_decay: Decay = Field(
+        Decay.OFF, description="how an ACTING reservation shrinks with time in its tool (resume side)"
+    )
+    acting_decay_tau_s: float = Field(30.0, gt=0, description="the decay's time constant, seconds")
     acting_overbook: float = Field(
         1.0, ge=0, le=1, description="weight of an ACTING reservation on the resume side (the ceiling when adaptive)"
     )

@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
-from thunderctl.scheduler.config import PauseOrder, SchedulerConfig
+from thunderctl.scheduler.config import Decay, PauseOrder, SchedulerConfig
 from thunderctl.scheduler.program import Phase, Program
 
 ResumeKey = tuple[int, float, float]
+
+
+def acting_decay(config: SchedulerConfig, idle_s: float) -> float:
+    """The share of an ACTING program's reservation still charged `idle_s` into its tool."""
+    match config.acting_decay:
+        case Decay.EXP:
+            return math.pow(2.0, -idle_s / config.acting_decay_tau_s)
+        case Decay.LINEAR:
+            return max(0.0, 1.0 - idle_s / config.acting_decay_tau_s)
+        case Decay.OFF:
+            return 1.0
 
 
 def resume_key(config: SchedulerConfig, program: Program, delay_s: float = 0.0) -> ResumeKey:

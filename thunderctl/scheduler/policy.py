@@ -12,13 +12,13 @@ from typing import Any
 
 from thunderctl.scheduler.admission import AdmissionTuner
 from thunderctl.scheduler.capacity import decode_fits, gpu_binds, gpu_room, headroom
-from thunderctl.scheduler.config import SchedulerConfig
+from thunderctl.scheduler.config import Decay, SchedulerConfig
 from thunderctl.scheduler.critical import WorkLeft
 from thunderctl.scheduler.ending import AnswerKinds, Continuations, EndChances, EndingLaw, silent
 from thunderctl.scheduler.events import Counters, EventKind, Listener, ProgramEvent, notify
 from thunderctl.scheduler.groups import GroupBook
 from thunderctl.scheduler.ledger import Ledger, Load, recharged
-from thunderctl.scheduler.ordering import WaitingQueue, acting_in_pause_order
+from thunderctl.scheduler.ordering import WaitingQueue, acting_decay, acting_in_pause_order
 from thunderctl.scheduler.placement import admit_in_order, fit, fits
 from thunderctl.scheduler.program import Phase, Program, Status, Worker
 from thunderctl.scheduler.progress import ProgramLengths
@@ -358,8 +358,19 @@ class Scheduler:
 
     # ---- policy ---------------------------------------------------------------------------
 
+    def _weight(self, program: Program, physical: bool) -> float:
+        if physical or program.phase is Phase.REASONING:
+            return 1.0
+        return self.acting_weight * acting_decay(self.config, max(self.clock() - program.acting_since, 0.0))
+
     def _load(self, worker: Worker, physical: bool) -> Load:
-        return self._ledgers[worker.id].load(1.0 if physical else self.acting_weight)
+        if physical or self.config.acting_decay is Decay.OFF:
+            return self._ledgers[worker.id].load(1.0 if physical else self.acting_weight)
+        load = Load()
+        for program_id in worker.programs:
+            program = self.programs[program_id]
+            load.add(program, self._weight(program, physical), self.config.buffer_tokens)
+        return load
 
     def _expire_idle(self) -> None:
         """End the programs not continued within the learnt law (ending.py), as a release does."""
