@@ -37,6 +37,11 @@ def run_steps(sched: Scheduler, clock: VirtualClock, program_id: str, steps: int
         sched.on_response(program_id, tokens, 0)
 
 
+def with_status(sched: Scheduler, status: Status) -> list[str]:
+    """Which of the two compared samples are in `status`."""
+    return [p for p in ("short-1", "long-1") if sched.programs[p].status is status]
+
+
 def first_resumed(critical_path: bool) -> str:
     """`short-1` and `long-1` have run a step each and are paused; a hog fills the worker;
     `short-1` asks first, `long-1` a second later; the hog ends. Returns who got the room."""
@@ -50,9 +55,8 @@ def first_resumed(critical_path: bool) -> str:
     assert sched.on_request("long-1", SIZE) is None
     sched.on_response("hog", HOG, 0)
     sched.release("hog")
-    active = [p for p in ("short-1", "long-1") if sched.programs[p].status is Status.ACTIVE]
-    assert len(active) == 1, active
-    return active[0]
+    (active,) = with_status(sched, Status.ACTIVE)
+    return active
 
 
 def test_in_a_batch_the_sample_with_the_most_work_left_resumes_first() -> None:
@@ -73,9 +77,8 @@ def first_paused(critical_path: bool) -> str:
         clock.now += 1.0
         sched.on_response(program_id, 480, 0)  # 960 of 1,000 tokens: over the 0.95 threshold
     sched.tick()
-    paused = [p for p in ("short-1", "long-1") if sched.programs[p].status is Status.PAUSED]
-    assert len(paused) == 1, paused
-    return paused[0]
+    (paused,) = with_status(sched, Status.PAUSED)
+    return paused
 
 
 def test_in_a_batch_the_sample_with_the_least_work_left_pauses_first() -> None:
@@ -100,7 +103,7 @@ def priced_pauses(critical_path: bool) -> set[str]:
     assert sched.on_request("waiter", 2000) is None
     clock.now += 1.0
     sched.tick()
-    return {p for p in ("short-1", "long-1") if sched.programs[p].status is Status.PAUSED}
+    return set(with_status(sched, Status.PAUSED))
 
 
 def test_priced_retention_keeps_the_kv_of_the_batch_program_with_the_most_work_left() -> None:

@@ -34,17 +34,21 @@ class WorkLeft:
         self.groups = groups
         self.lengths = lengths
         self.programs = programs
-        # A pass asks of every ACTING program of a worker at one instant: each group's law once then.
-        self._laws: dict[str, tuple[float, list[float], float | None]] = {}
+        # A pass asks of every ACTING program of a worker at one instant: each group's law once then,
+        # and only that instant's laws kept (groups come and go).
+        self._read_at: float | None = None
+        self._laws: dict[str, tuple[list[float], float | None]] = {}
 
     def seconds(self, program: Program, now: float) -> float | None:
         group_id = program.group
         if group_id is None or group_id not in self.groups.groups:
             return None
-        read_at, left, group_pace = self._laws.get(group_id, (None, [], None))
-        if read_at != now:
-            left, group_pace = self._group_law(group_id, now)
-            self._laws[group_id] = (now, left, group_pace)
+        if self._read_at != now:
+            self._read_at, self._laws = now, {}
+        law = self._laws.get(group_id)
+        if law is None:
+            law = self._laws[group_id] = self._group_law(group_id, now)
+        left, group_pace = law
         steps = left[program.steps] if program.steps < len(left) else self.lengths.left_after(program.steps)
         pace = active_pace(program, now) if program.steps else group_pace
         return steps * (pace if pace is not None else 1.0)

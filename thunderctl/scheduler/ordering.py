@@ -58,9 +58,12 @@ def acting_in_pause_order(
     acting = (p for p in programs if p.phase is Phase.ACTING)
     if work_left is None:
         return sorted(acting, key=key)
-    ranked = [((left is not None, left or 0.0), p) for p in acting for left in (work_left(p),)]
-    ranked.sort(key=lambda entry: (entry[0], key(entry[1])))
-    return [p for _, p in ranked]
+
+    def batch_last(program: Program) -> tuple[bool, float, float, int, str]:
+        left = work_left(program)
+        return (left is not None, left or 0.0, *key(program))
+
+    return sorted(acting, key=batch_last)
 
 
 class WaitingQueue:
