@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         for name, extra in (
             ("reference", ["--policy", "reference"]),
-            ("adaptive", ["--scheduler", f"adapt_window_s={args.adapt_window}", "--verbose"]),
+            ("adaptive", ["--scheduler", f"adaptive.window_s={args.adapt_window}", "--verbose"]),
         )
     }
     points: dict[int, dict[str, LoadResult]] = {}

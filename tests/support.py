@@ -154,7 +154,7 @@ def write_profile(directory: Path, restart: dict | None = None, engine_settings:
     profile["engine"].update({"kv_blocks": 128, "block_size": 32, "max_model_len": 4064, **(engine_settings or {})})
     if restart is not None:
         profile["engine"]["restart"] = restart
-    profile["scheduler"] = {"tick_interval_s": 0.5, "buffer_tokens": 64}
+    profile["scheduler"] = {"tick_interval_s": 0.5, "admission": {"buffer_tokens": 64}}
     for key, value in changes.items():
         profile[key] = value
     path = directory / "profile.yaml"

@@ -15,7 +15,12 @@ Level = float | None
 
 
 def tuner(**overrides) -> AdmissionTuner:
-    settings = dict(adapt_window_s=WINDOW_S, adapt_settle_s=5.0, adapt_tolerance=0.1, adapt_probe_windows=8)
+    settings = {
+        "adaptive.window_s": WINDOW_S,
+        "adaptive.settle_s": 5.0,
+        "adaptive.tolerance": 0.1,
+        "adaptive.probe_windows": 8,
+    }
     return AdmissionTuner(SchedulerConfig(**(settings | overrides)))
 
 
@@ -113,7 +118,7 @@ def test_probes_that_find_nothing_better_get_rarer() -> None:
 
 
 def test_without_the_open_gate_the_last_rung_is_the_floor() -> None:
-    law = tuner(adapt_open_gate=False, acting_weight_min=0.5)
+    law = tuner(**{"adaptive.open_gate": False, "adaptive.weight_min": 0.5})
     simulate(law, {1.0: 4, 0.5: 10}, 60, busy=lambda level: 0.3)
     assert law.weight == 0.5 and not law.gate_open
 
@@ -122,12 +127,17 @@ def test_without_the_open_gate_the_last_rung_is_the_floor() -> None:
     ("overrides", "expected"),
     [
         ({}, [1.0, 0.5, 0.0, OPEN]),
-        ({"adapt_step": 0.25}, [1.0, 0.75, 0.5, 0.25, 0.0, OPEN]),
+        ({"adaptive.step": 0.25}, [1.0, 0.75, 0.5, 0.25, 0.0, OPEN]),
         (
-            {"acting_overbook": 0.8, "acting_weight_min": 0.3, "adapt_step": 0.25, "adapt_open_gate": False},
+            {
+                "admission.acting_overbook": 0.8,
+                "adaptive.weight_min": 0.3,
+                "adaptive.step": 0.25,
+                "adaptive.open_gate": False,
+            },
             [0.8, 0.55, 0.3],
         ),
-        ({"adapt_step": 0.4}, [1.0, 0.6, 0.2, 0.0, OPEN]),
+        ({"adaptive.step": 0.4}, [1.0, 0.6, 0.2, 0.0, OPEN]),
     ],
 )
 def test_ladder_runs_from_the_ceiling_to_the_floor(overrides, expected) -> None:

@@ -185,7 +185,7 @@ def test_programs_left_in_their_tools_by_clients_that_never_release_do_not_hold_
 def test_a_request_waiting_in_the_gateway_holds_up_the_next_slice(start_sim, start_gateway) -> None:
     # A cache of 1,024 tokens, programs charged their tokens only: the second request waits for room.
     sim = start_sim("--time-scale", "0", "--kv-blocks", "64", "--block-size", "16", "--max-model-len", "1024")
-    gateway = start_gateway([sim.url], "-s", "adaptive=false", "-s", "buffer_tokens=0")
+    gateway = start_gateway([sim.url], "-s", "adaptive.enabled=false", "-s", "admission.buffer_tokens=0")
     assert chat(gateway, "holder", 700).status_code == 200
     with ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(chat, gateway, "waiter", 400)

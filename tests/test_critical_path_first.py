@@ -18,9 +18,11 @@ def batch(critical_path: bool, retention: bool = False) -> tuple[Scheduler, Virt
     after SHORT, each a second a step."""
     clock = VirtualClock(1000.0)
     config = SchedulerConfig(
-        adaptive=False, retention=retention, buffer_tokens=0, resume_timeout_s=10_000, end_floor_s=10_000,
-        end_unlearnt_s=10_000, wait_bound_s=None, new_program_delay_s=0, critical_path=critical_path,
-        prefill_tokens_per_s=100.0, tool_time_min_samples=4,
+        adaptive={"enabled": False},
+        retention={"enabled": retention, "prefill_tokens_per_s": 100.0, "tool_time_min_samples": 4},
+        admission={"buffer_tokens": 0},
+        waits={"forced_resume_s": 10_000, "bound_s": None, "new_program_delay_s": 0, "critical_path": critical_path},
+        ending={"floor_s": 10_000, "unlearnt_s": 10_000},
     )  # fmt: skip
     sched = Scheduler(config, clock)
     sched.add_worker("a", 1000)

@@ -210,7 +210,13 @@ def test_a_conversation_ended_on_an_answer_that_calls_no_tool_gives_its_room_to_
     )  # fmt: skip
     # Programs charged their tokens only (no decode buffer, no lighter charge while in a tool):
     # a cache of 1,024 tokens holds two of the three below, not all three.
-    settings = ["tick_interval_s=0.1", "end_floor_s=2", "retention=false", "adaptive=false", "buffer_tokens=0"]
+    settings = [
+        "tick_interval_s=0.1",
+        "ending.floor_s=2",
+        "retention.enabled=false",
+        "adaptive.enabled=false",
+        "admission.buffer_tokens=0",
+    ]
     gateway = start_gateway([sim.url], *(arg for setting in settings for arg in ("-s", setting)))
     client = OpenAI(base_url=f"{gateway.url}/v1", api_key="-", timeout=20, max_retries=0)
 

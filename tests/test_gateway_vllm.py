@@ -63,7 +63,7 @@ def test_release_frees_the_program_and_its_reservation(pair_gateway) -> None:
 
 
 def test_program_that_never_releases_ends_after_the_floor(vllm_pair, start_gateway) -> None:
-    gateway = start_gateway([vllm_pair[0].url], "-s", "tick_interval_s=0.2", "-s", "end_floor_s=1")
+    gateway = start_gateway([vllm_pair[0].url], "-s", "tick_interval_s=0.2", "-s", "ending.floor_s=1")
     for step in range(9):  # 8 continuation gaps: the law is learnt, so the floor rules (scheduler.md, Ending)
         chat(gateway, "crashed-client", [{"role": "user", "content": f"hello {step}"}])
     assert "crashed-client" in gateway.programs()
@@ -146,7 +146,7 @@ def test_paused_program_resumes_on_the_other_backend_when_its_own_is_full(vllm_p
     # Placed by headroom alone (the reference's rule), so that where each program lands is known.
     gateway = start_gateway(
         [f"a={vllm_pair[0].url}", f"b={vllm_pair[1].url}"],
-        *("-s", "tick_interval_s=0.2", "-s", "buffer_tokens=0", "-s", "placement=roomiest"),
+        *("-s", "tick_interval_s=0.2", "-s", "admission.buffer_tokens=0", "-s", "placement=roomiest"),
     )
     capacity = gateway.metric("thunderctl_backend_capacity_tokens", backend="a")
     assert capacity == gateway.metric("thunderctl_backend_capacity_tokens", backend="b")
@@ -174,7 +174,7 @@ def test_more_programs_than_fit_are_paused_not_failed_and_keep_their_cache(vllm_
     # The paper's policy: cache retention is what this test is about (the adaptive law and
     # priced retention trade it for throughput on this cheap-recompute engine; docs/admission.md).
     gateway = start_gateway(
-        [engine.url], "--policy", "reference", "-s", "tick_interval_s=0.2", "-s", "buffer_tokens=64"
+        [engine.url], "--policy", "reference", "-s", "tick_interval_s=0.2", "-s", "admission.buffer_tokens=64"
     )
     shape = AgentShape(
         system_prompt_tokens=150,

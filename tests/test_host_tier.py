@@ -14,10 +14,11 @@ from thunderctl.sim.clock import VirtualClock
 
 GPU = 1000
 # Round numbers: the GPU holds 1000 tokens, resume band 900, pause band 950; no buffer.
-BANDS = dict(
-    pause_threshold=0.95, pause_target=0.8, resume_threshold=0.9, buffer_tokens=0, resume_timeout_s=600,
-    end_floor_s=3000, adaptive=False, retention=False, wait_bound_s=None,
-)  # fmt: skip
+BANDS = {
+    "admission.pause_threshold": 0.95, "admission.pause_target": 0.8, "admission.resume_threshold": 0.9,
+    "admission.buffer_tokens": 0, "waits.forced_resume_s": 600, "waits.bound_s": None, "ending.floor_s": 3000,
+    "adaptive.enabled": False, "retention.enabled": False,
+}  # fmt: skip
 
 
 def make(host: int, workers: tuple[str, ...] = ("a",), **overrides) -> tuple[Scheduler, list[ProgramEvent]]:
@@ -124,8 +125,10 @@ def priced(gpu: int, host: int, transfer_tokens_per_s: float, tool_s: float) -> 
     """Priced retention on one worker, its tools learnt to last `tool_s`; re-prefill at 10k tokens/s."""
     clock = VirtualClock(1000.0)
     config = SchedulerConfig(
-        **(BANDS | dict(retention=True)), prefill_tokens_per_s=10_000.0,
-        host_transfer_tokens_per_s=transfer_tokens_per_s, tool_time_min_samples=8,
+        **BANDS | {
+            "retention.enabled": True, "retention.prefill_tokens_per_s": 10_000.0,
+            "retention.host_transfer_tokens_per_s": transfer_tokens_per_s, "retention.tool_time_min_samples": 8,
+        },
     )  # fmt: skip
     sched = Scheduler(config, clock)
     sched.add_worker("a", gpu, host)

@@ -26,9 +26,11 @@ def first_resumed(nearest_end_s: float | None, old_asks_after_s: float) -> str:
     Returns which of the two the room went to."""
     clock = VirtualClock()
     config = SchedulerConfig(
-        adaptive=False, retention=False, buffer_tokens=0, resume_timeout_s=10_000, end_floor_s=10_000,
-        end_unlearnt_s=10_000, wait_bound_s=None, new_program_delay_s=0, tool_time_min_samples=10_000,
-        nearest_end_s=nearest_end_s, nearest_end_min_samples=4,
+        adaptive={"enabled": False},
+        retention={"enabled": False, "tool_time_min_samples": 10_000},
+        admission={"buffer_tokens": 0},
+        waits={"forced_resume_s": 10_000, "bound_s": None, "new_program_delay_s": 0, "nearest_end_s": nearest_end_s, "nearest_end_min_samples": 4},
+        ending={"floor_s": 10_000, "unlearnt_s": 10_000},
     )  # fmt: skip
     sched = Scheduler(config, clock)
     sched.add_worker("a", 1000)
@@ -65,7 +67,7 @@ def test_a_program_just_begun_is_overtaken_by_none_that_asked_more_than_the_span
 
 
 def test_the_steps_left_are_those_of_the_programs_that_ran_longer() -> None:
-    lengths = ProgramLengths(SchedulerConfig(nearest_end_min_samples=4, nearest_end_window=4))
+    lengths = ProgramLengths(SchedulerConfig(**{"waits.nearest_end_min_samples": 4, "waits.nearest_end_window": 4}))
     for steps in (2, 4, 6, 8, 20):  # the oldest (2) leaves the window of 4
         lengths.observe(steps)
     fresh = (4 + 6 + 8 + 20) / 4
@@ -74,7 +76,7 @@ def test_the_steps_left_are_those_of_the_programs_that_ran_longer() -> None:
 
 
 def test_programs_still_running_count_as_at_least_as_long_as_they_are_so_far() -> None:
-    lengths = ProgramLengths(SchedulerConfig(nearest_end_min_samples=2))
+    lengths = ProgramLengths(SchedulerConfig(**{"waits.nearest_end_min_samples": 2}))
     lengths.observe(4)
     assert lengths.remaining_share(2) is None  # one program seen: too few
     lengths.survey([12, 0])  # one running after 12 steps (one not started is no evidence)

@@ -17,8 +17,10 @@ BACKENDS = ("a", "b")
 def make(placement: PlacementRule = PlacementRule.AFFINITY) -> Scheduler:
     """Two workers of 1,000 tokens, admission up to 900; no buffer, no admission law."""
     config = SchedulerConfig(
-        placement=placement, adaptive=False, retention=False, buffer_tokens=0,
-        pause_threshold=0.95, pause_target=0.8, resume_threshold=0.9,
+        placement=placement,
+        adaptive={"enabled": False},
+        retention={"enabled": False},
+        admission={"buffer_tokens": 0, "pause_threshold": 0.95, "pause_target": 0.8, "resume_threshold": 0.9},
     )  # fmt: skip
     sched = Scheduler(config, VirtualClock(1000.0))
     for worker_id in BACKENDS:

@@ -33,7 +33,10 @@ def test_shipped_profiles_are_valid() -> None:
         (lambda p: p["nodes"][0].update(gpu=8), "nodes[0].gpu: unknown field"),
         (lambda p: p.pop("model"), "model: required but missing"),
         (lambda p: p["nodes"][1].update(name="node-1"), "node-1 appears more than once"),
-        (lambda p: p["scheduler"].update(pause_target=0.99), "scheduler.pause_target (0.99) must be below"),
+        (
+            lambda p: p["scheduler"].update(admission={"pause_target": 0.99}),
+            "admission.pause_target (0.99) must be below",
+        ),
         (lambda p: p["engine"].update(kind="vllm-cpu"), "engine.kind: vllm-cpu with nodes that have gpus"),
         (
             lambda p: (p["engine"].update(kind="vllm-cpu", kv_offload_gib=4), [n.update(gpus=0) for n in p["nodes"]]),

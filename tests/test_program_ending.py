@@ -43,7 +43,7 @@ def sim_cluster(tmp_path: Path, module_sandbox_image: str, docker_client: docker
     name = f"ending-{secrets.token_hex(3)}"
     profile = sim_profile(name, workers=1, time_scale=0.05)
     profile["scheduler"]["tick_interval_s"] = 0.5
-    profile["scheduler"]["end_floor_s"] = FLOOR_S
+    profile["scheduler"]["ending"] = {"floor_s": FLOOR_S}
     profile["sandboxes"] = {"image": module_sandbox_image, "memory": "64m", "pids": 64, "cpus": 0.5}
     path = tmp_path / "profile.yaml"
     path.write_text(yaml.safe_dump(profile))

@@ -15,8 +15,11 @@ def run(aging_tokens_per_s: float | None, seconds: int = 120) -> tuple[float | N
     asks at 5 s. Returns when the large one was admitted, and every small's (asked, admitted)."""
     clock = VirtualClock()
     config = SchedulerConfig(
-        adaptive=False, retention=False, buffer_tokens=0, resume_timeout_s=10_000, end_floor_s=10_000,
-        resume_aging_tokens_per_s=aging_tokens_per_s, new_program_delay_s=0,
+        adaptive={"enabled": False},
+        retention={"enabled": False},
+        admission={"buffer_tokens": 0},
+        waits={"forced_resume_s": 10_000, "aging_tokens_per_s": aging_tokens_per_s, "new_program_delay_s": 0},
+        ending={"floor_s": 10_000},
     )  # fmt: skip
     sched = Scheduler(config, clock)
     sched.add_worker("a", 1000)
@@ -67,9 +70,12 @@ def test_a_program_at_its_wait_bound_is_admitted_at_once_acting_programs_pausing
     longest in its tool is the one that makes room."""
     clock = VirtualClock()
     config = SchedulerConfig(
-        adaptive=False, retention=False, buffer_tokens=0, resume_timeout_s=600, end_floor_s=10_000,
-        wait_bound_s=100, new_program_delay_s=0,
-        tool_time_min_samples=10_000,  # no tool times trusted: held-0 is not taken for ended (scheduler.md, Ending)
+        adaptive={"enabled": False},
+        # no tool times trusted: held-0 is not taken for ended (scheduler.md, Ending)
+        retention={"enabled": False, "tool_time_min_samples": 10_000},
+        admission={"buffer_tokens": 0},
+        waits={"forced_resume_s": 600, "bound_s": 100, "new_program_delay_s": 0},
+        ending={"floor_s": 10_000},
     )  # fmt: skip
     sched = Scheduler(config, clock)
     sched.add_worker("a", 1000)
@@ -90,7 +96,7 @@ def test_a_program_at_its_wait_bound_is_admitted_at_once_acting_programs_pausing
         if sched.programs["waiter"].status is Status.ACTIVE:
             admitted = clock.now
             break
-    assert admitted is not None and admitted - 10.0 <= config.wait_bound_s + config.tick_interval_s
+    assert admitted is not None and admitted - 10.0 <= config.waits.bound_s + config.tick_interval_s
     assert sched.counters.forced_resumes == 0
     assert sched.programs["held-0"].status is Status.PAUSED, "the program longest in its tool made the room"
     assert sched.programs["held-1"].status is Status.ACTIVE and sched.programs["held-2"].status is Status.ACTIVE
@@ -100,7 +106,14 @@ def test_a_program_at_its_wait_bound_is_admitted_at_once_acting_programs_pausing
 def test_without_a_wait_bound_only_the_forced_resume_ends_the_wait() -> None:
     clock = VirtualClock()
     config = SchedulerConfig(
-        adaptive=False, retention=False, buffer_tokens=0, resume_timeout_s=200, end_floor_s=10_000, wait_bound_s=None
+        **{
+            "adaptive.enabled": False,
+            "retention.enabled": False,
+            "admission.buffer_tokens": 0,
+            "waits.forced_resume_s": 200,
+            "ending.floor_s": 10_000,
+            "waits.bound_s": None,
+        }
     )
     sched = Scheduler(config, clock)
     sched.add_worker("a", 1000)

@@ -21,8 +21,11 @@ TRAINING_GAPS = 200
 
 def make(clock: VirtualClock) -> Scheduler:
     config = SchedulerConfig(
-        adaptive=False, buffer_tokens=0, resume_timeout_s=10_000, end_floor_s=100_000,
-        prefill_tokens_per_s=PREFILL_TOKENS_PER_S, tool_time_min_samples=MIN_SAMPLES,
+        adaptive={"enabled": False},
+        admission={"buffer_tokens": 0},
+        waits={"forced_resume_s": 10_000},
+        ending={"floor_s": 100_000},
+        retention={"prefill_tokens_per_s": PREFILL_TOKENS_PER_S, "tool_time_min_samples": MIN_SAMPLES},
     )  # fmt: skip
     sched = Scheduler(config, clock)
     sched.add_worker("a", CAPACITY)

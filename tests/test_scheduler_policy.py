@@ -19,14 +19,14 @@ from thunderctl.scheduler.ending import AnswerKinds, Continuations
 from thunderctl.sim.clock import VirtualClock
 
 # Round numbers: capacity 1000, no per-program buffer unless a test asks for one.
-BASE = dict(
-    pause_threshold=0.95,
-    pause_target=0.8,
-    resume_threshold=0.9,
-    buffer_tokens=0,
-    resume_timeout_s=60,
-    end_unlearnt_s=300,
-)
+BASE = {
+    "admission.pause_threshold": 0.95,
+    "admission.pause_target": 0.8,
+    "admission.resume_threshold": 0.9,
+    "admission.buffer_tokens": 0,
+    "waits.forced_resume_s": 60,
+    "ending.unlearnt_s": 300,
+}
 
 
 def make(
@@ -105,7 +105,7 @@ def test_new_program_waits_when_full_and_runs_after_a_release() -> None:
     ],
 )
 def test_tick_pauses_acting_programs_shortest_first_down_to_target(sizes, paused) -> None:
-    sched, _, _ = make(resume_threshold=0.9, pause_threshold=0.95)
+    sched, _, _ = make(**{"admission.resume_threshold": 0.9, "admission.pause_threshold": 0.95})
     for pid in sizes:
         run_step(sched, pid, 10)
     for pid, size in sizes.items():  # grow after admission, as contexts do
@@ -240,7 +240,7 @@ def test_paused_program_resumes_on_another_backend_when_its_own_is_full() -> Non
 
 def test_forced_resume_after_timeout_even_when_full() -> None:
     # Priced retention would drop the hog after its first tool seconds (tests/test_retention.py).
-    sched, clock, events = make(retention=False)
+    sched, clock, events = make(**{"retention.enabled": False})
     run_step(sched, "hog", 900)
     assert sched.on_request("starved", 300) is None
     clock.now += 30
@@ -286,7 +286,7 @@ def teach_gaps(sched: Scheduler, clock: VirtualClock, gaps_s: list[float], tool:
     ],
 )
 def test_a_program_never_released_ends_by_the_learnt_continuation_gap(gaps_s, alive_at_s, ended_by_s) -> None:
-    sched, clock, events = make(tool_time_window=8, end_gap_window=8)
+    sched, clock, events = make(**{"retention.tool_time_window": 8, "ending.gap_window": 8})
     teach_gaps(sched, clock, gaps_s)
     run_step(sched, "p", 100)
     clock.now += alive_at_s
@@ -299,7 +299,7 @@ def test_a_program_never_released_ends_by_the_learnt_continuation_gap(gaps_s, al
 
 
 def test_a_slow_tool_is_waited_for_by_its_own_gaps_among_fast_ones() -> None:
-    sched, clock, _ = make(tool_time_window=64, end_gap_window=64)
+    sched, clock, _ = make(**{"retention.tool_time_window": 64, "ending.gap_window": 64})
     teach_gaps(sched, clock, [60.0] * 8, "pytest")
     teach_gaps(sched, clock, [2.0] * 64, "ls")  # the cluster's window has forgotten pytest's gaps
     sched.on_request("p", 100)
@@ -344,7 +344,7 @@ def test_a_parent_whose_child_runs_does_not_end_and_ends_by_its_own_gaps_after_t
 
 
 def test_a_paused_program_silent_past_its_gap_is_not_resumed_into_room_others_need() -> None:
-    sched, clock, _ = make(retention=False)
+    sched, clock, _ = make(**{"retention.enabled": False})
     teach_gaps(sched, clock, [5.0] * 8)
     run_step(sched, "gone", 400)
     clock.now += 20  # past its expected 5 s, before the 30 s floor: not ended yet
@@ -359,7 +359,7 @@ def test_a_paused_program_silent_past_its_gap_is_not_resumed_into_room_others_ne
 
 
 def test_a_slow_tool_keeps_its_room_past_the_clusters_gaps_until_its_own_while_others_wait() -> None:
-    sched, clock, _ = make(retention=False, tool_time_window=64, end_gap_window=64)
+    sched, clock, _ = make(**{"retention.enabled": False, "retention.tool_time_window": 64, "ending.gap_window": 64})
     teach_gaps(sched, clock, [60.0] * 8, "pytest")
     teach_gaps(sched, clock, [2.0] * 64, "ls")  # the cluster's window has forgotten pytest's gaps
     sched.on_request("slow", 300)
@@ -384,7 +384,7 @@ def status_silent_while_others_wait(sched: Scheduler, clock: VirtualClock, silen
 
 
 def test_programs_released_at_their_end_do_not_make_a_live_programs_silence_look_like_an_end() -> None:
-    sched, clock, _ = make(retention=False, tool_time_window=100, end_gap_window=100)
+    sched, clock, _ = make(**{"retention.enabled": False, "retention.tool_time_window": 100, "ending.gap_window": 100})
     teach_gaps(sched, clock, [2.0] * 90 + [10.0] * 10)
     for i in range(50):  # a client that releases: every end is said, none is silent
         run_step(sched, f"done{i}", 1)
@@ -393,7 +393,14 @@ def test_programs_released_at_their_end_do_not_make_a_live_programs_silence_look
 
 
 def test_live_programs_silent_within_the_floor_are_no_evidence_that_programs_end() -> None:
-    sched, clock, _ = make(retention=False, tool_time_window=100, end_gap_window=100, end_floor_s=30)
+    sched, clock, _ = make(
+        **{
+            "retention.enabled": False,
+            "retention.tool_time_window": 100,
+            "ending.gap_window": 100,
+            "ending.floor_s": 30,
+        }
+    )
     teach_gaps(sched, clock, [2.0] * 90 + [10.0] * 10)
     for i in range(20):
         run_step(sched, f"long{i}", 1)
@@ -423,7 +430,7 @@ def test_the_continuation_chance_follows_the_recent_answers() -> None:
 
 
 def test_after_an_answer_of_the_kind_programs_end_on_a_silence_gives_up_its_room_and_after_a_tool_keeps_it() -> None:
-    sched, clock, _ = make(retention=False, tool_time_window=100, end_gap_window=100)
+    sched, clock, _ = make(**{"retention.enabled": False, "retention.tool_time_window": 100, "ending.gap_window": 100})
     teach_gaps(sched, clock, [2.0] * 90 + [10.0] * 10, "bash")
     for i in range(10):  # programs nobody releases, whose last answer calls no tool: one answer in five
         for tool in ["bash"] * 4 + [None]:
@@ -473,7 +480,7 @@ def test_release_is_idempotent_and_frees_the_reservation() -> None:
     ],
 )
 def test_acting_decay_weights_on_the_resume_side_only(decay, idle_s, weight) -> None:
-    sched, clock, _ = make(acting_decay=decay, acting_decay_tau_s=10)
+    sched, clock, _ = make(**{"admission.acting_decay": decay, "admission.acting_decay_tau_s": 10})
     run_step(sched, "p", 400)
     clock.now += idle_s
     program = sched.programs["p"]
@@ -483,7 +490,7 @@ def test_acting_decay_weights_on_the_resume_side_only(decay, idle_s, weight) -> 
 
 
 def test_overbooking_admits_more_but_physical_check_still_pauses() -> None:
-    sched, _, _ = make(acting_overbook=0.5)
+    sched, _, _ = make(**{"admission.acting_overbook": 0.5})
     run_step(sched, "a1", 800)
     assert sched.on_request("b1", 400) == "a"  # 0.5*800 + 400 <= 900
     sched.on_response("b1", 400, 0)
@@ -502,7 +509,7 @@ def test_shared_prefix_is_charged_once_per_backend() -> None:
 
 
 def test_buffer_is_charged_the_same_on_both_sides_so_pausing_converges() -> None:
-    sched, clock, events = make(buffer_tokens=50, retention=False)  # pausing by size alone
+    sched, clock, events = make(**{"admission.buffer_tokens": 50, "retention.enabled": False})  # pausing by size alone
     for i in range(8):
         run_step(sched, f"p{i}", 100 + i)
     for i in range(8):
@@ -549,10 +556,10 @@ def test_failing_listener_does_not_stop_scheduling() -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"pause_target": 0.96}, "pause_target"),
-        ({"resume_threshold": 0.99}, "resume_threshold"),
-        ({"buffer_tokens": -1}, "buffer_tokens"),
-        ({"acting_decay": "sometimes"}, "acting_decay"),
+        ({"admission.pause_target": 0.96}, "pause_target"),
+        ({"admission.resume_threshold": 0.99}, "resume_threshold"),
+        ({"admission.buffer_tokens": -1}, "buffer_tokens"),
+        ({"admission.acting_decay": "sometimes"}, "acting_decay"),
     ],
 )
 def test_config_rejects_inconsistent_bands(overrides, message) -> None:
@@ -622,7 +629,7 @@ def test_idle_engine_with_waiting_requests_admits_more_programs() -> None:
 
 
 def test_room_left_by_a_response_goes_to_the_waiting_queue_at_once() -> None:
-    sched, _, _ = make(adaptive=False, acting_overbook=0.5)
+    sched, _, _ = make(**{"adaptive.enabled": False, "admission.acting_overbook": 0.5})
     assert sched.on_request("holder", 800) == "a"
     assert sched.on_request("waiter", 300) is None  # 800 + 300 > 900 while the holder decodes
     sched.on_response("holder", 800, 0)  # ACTING at weight 0.5: 400 + 300 fits, no tick needed
@@ -633,7 +640,12 @@ def test_busy_engine_lowers_the_weight_while_steps_per_second_rise_until_the_que
     # The ladder alone, the queue shortest first (no aging): the short workers pass the waiter.
     # No tool time trusted: the silent holder is not taken for ended (scheduler.md, Ending).
     sched, clock, _ = make(
-        adapt_window_s=10, retention=False, resume_aging_tokens_per_s=None, tool_time_min_samples=10_000
+        **{
+            "adaptive.window_s": 10,
+            "retention.enabled": False,
+            "waits.aging_tokens_per_s": None,
+            "retention.tool_time_min_samples": 10_000,
+        }
     )
     run_step(sched, "holder", 800)
     sched.on_request("waiter", 850)  # fits only at weight 0
@@ -658,7 +670,7 @@ def test_open_gate_admits_every_waiting_request_and_pauses_nobody() -> None:
 
 
 def test_reference_policy_does_not_adapt() -> None:
-    sched, _, _ = make(adaptive=False)
+    sched, _, _ = make(**{"adaptive.enabled": False})
     run_step(sched, "holder", 800)
     sched.on_request("waiter", 300)
     for _ in range(5):
@@ -668,7 +680,7 @@ def test_reference_policy_does_not_adapt() -> None:
 
 
 def test_overbooked_room_is_not_given_to_programs_without_a_request() -> None:
-    sched, clock, events = make(acting_overbook=0.5)
+    sched, clock, events = make(**{"admission.acting_overbook": 0.5})
     for i in range(4):
         run_step(sched, f"p{i}", 300)  # 0.5-weighted: all four admitted
     sched.tick()  # physically 1200 > 950: pauses down to 800
@@ -683,7 +695,7 @@ def test_ledger_and_queue_match_a_full_recount_after_any_history() -> None:
     import random
 
     rng = random.Random(3)
-    sched, clock, _ = make({"a": 3000, "b": 3000}, buffer_tokens=16, acting_overbook=0.6)
+    sched, clock, _ = make({"a": 3000, "b": 3000}, **{"admission.buffer_tokens": 16, "admission.acting_overbook": 0.6})
     for _ in range(2000):
         pid = f"p{rng.randrange(40)}"
         action = rng.random()
@@ -724,7 +736,7 @@ def test_an_overfull_backend_pauses_the_program_longest_in_its_tool_first() -> N
 
 
 def test_the_reference_pause_order_pauses_the_shortest_first() -> None:
-    sched, clock, _ = make(pause_order=PauseOrder.SHORTEST)
+    sched, clock, _ = make(**{"admission.pause_order": PauseOrder.SHORTEST})
     run_step(sched, "early", 300)
     clock.now += 10
     run_step(sched, "late_small", 200)

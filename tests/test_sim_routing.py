@@ -47,7 +47,7 @@ def test_least_loaded_sends_to_the_worker_with_fewest_in_flight() -> None:
 def test_a_paused_programs_request_waits_for_its_resume_then_goes_to_its_backend() -> None:
     clock = VirtualClock()
     pool = workers(clock, count=1, blocks=64)  # 1024 tokens: one 700-token program at a time
-    config = SchedulerConfig(adaptive=False, buffer_tokens=0, tick_interval_s=5.0)
+    config = SchedulerConfig(**{"adaptive.enabled": False, "admission.buffer_tokens": 0}, tick_interval_s=5.0)
     router = PolicyRouter(pool, clock, config)
     sent: list[tuple[str, float]] = []
     router.send("first", 700, 0, lambda w: sent.append(("first", clock.now)))

@@ -16,7 +16,7 @@ from thunderctl.gateway.identity import ConversationIndex, Match, Turn
 from thunderctl.scheduler import Phase, Scheduler, SchedulerConfig, Status
 from thunderctl.sim.clock import VirtualClock
 
-CONFIG = SchedulerConfig(buffer_tokens=0, tool_time_min_samples=2)
+CONFIG = SchedulerConfig(**{"admission.buffer_tokens": 0, "retention.tool_time_min_samples": 2})
 SYSTEM = {"role": "system", "content": "You are a careful software engineer."}
 TASK = {"role": "user", "content": "Fix the failing test in utils.py"}
 

@@ -20,8 +20,11 @@ def waited_for_room(wait_bound_s: float | None) -> float:
     # No continuation gap is ever learnt: the held programs would look ended and give up their room
     # before the bound, which is what this measures.
     config = SchedulerConfig(
-        adaptive=False, retention=False, buffer_tokens=0, resume_timeout_s=600, end_unlearnt_s=10_000, tool_time_min_samples=10_000,
-        new_program_delay_s=0, wait_bound_s=wait_bound_s,
+        adaptive={"enabled": False},
+        retention={"enabled": False, "tool_time_min_samples": 10_000},
+        admission={"buffer_tokens": 0},
+        waits={"forced_resume_s": 600, "new_program_delay_s": 0, "bound_s": wait_bound_s},
+        ending={"unlearnt_s": 10_000},
     )  # fmt: skip
     sched = Scheduler(config, clock)
     sched.add_worker("a", 1000)

@@ -52,7 +52,10 @@ def chat(program: str, max_tokens: int = 4) -> dict:
 
 def test_weights_changed_leaves_no_context_charged_as_cached() -> None:
     now = [1000.0]
-    sched = Scheduler(SchedulerConfig(buffer_tokens=0, adaptive=False), lambda: now[0])
+    sched = Scheduler(
+        SchedulerConfig(**{"admission.buffer_tokens": 0, "adaptive.enabled": False}),
+        lambda: now[0],
+    )
     sched.add_worker("a", 10_000)
     for program in ("p1", "p2"):
         assert sched.on_request(program, 3000) == "a"

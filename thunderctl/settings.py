@@ -1,8 +1,8 @@
 """`--scheduler KEY=VALUE`: a pydantic model's fields set by name on a command line, checked by the
 model, and listed for `--help` from the fields' own defaults and descriptions.
 
-The keys are the model's field names, as a profile's YAML section spells them, so a setting is
-declared, defaulted and explained once: in the model.
+The keys are the model's field names, a section's (a field that is a model) as `section.name`, as a
+profile's YAML nests them, so a setting is declared, defaulted and explained once: in the model.
 """
 
 from __future__ import annotations
@@ -66,33 +66,62 @@ def shown(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+def setting_fields(model: type[BaseModel]) -> dict[str, FieldInfo]:
+    """Every setting of `model` by its key; a section's (a field that is a model itself) as `section.name`."""
+    fields: dict[str, FieldInfo] = {}
+    for name, field in model.model_fields.items():
+        section = field.annotation
+        if isinstance(section, type) and issubclass(section, BaseModel):
+            fields |= {f"{name}.{inner}": setting for inner, setting in section.model_fields.items()}
+        else:
+            fields[name] = field
+    return fields
+
+
+def _suggestion(key: str, keys: list[str]) -> str:
+    """The setting `key` was likely meant as, matched on the whole key or on its name within a section."""
+    by_name = {candidate.rpartition(".")[2]: candidate for candidate in keys}
+    close = difflib.get_close_matches(key, keys, n=1) or [
+        by_name[name] for name in difflib.get_close_matches(key.rpartition(".")[2], by_name, n=1)
+    ]
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
 def parse_settings(model: type[Model], specs: list[str], option: str, base: dict[str, Any] | None = None) -> Model:
-    """`model` from `base` with each `KEY=VALUE` of `specs` on top (later ones win); raises SettingError."""
-    fields = model.model_fields
-    given: dict[str, tuple[str, str]] = {}  # field name -> (the spec as typed, its value)
+    """`model` from `base` with each `KEY=VALUE` of `specs` on top (later ones win); raises SettingError.
+
+    A model may declare `renamed` (old key -> its key today): an old key is handed to the model
+    as given, whose validator reads it (and says it is renamed)."""
+    fields = setting_fields(model)
+    renamed: dict[str, str] = getattr(model, "renamed", {})
+    given: dict[str, tuple[str, str, str]] = {}  # key today -> (the spec as typed, the key as typed, its value)
     for spec in specs:
         key, sep, value = spec.partition("=")
         name = key.strip()
         if not sep or not name:
             first, field = next(iter(fields.items()))
             raise SettingError(f"{option} {spec!r}: give KEY=VALUE, e.g. {option} {first}={shown(field.default)}")
-        if name not in fields:
-            close = difflib.get_close_matches(name, fields, n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
+        current = renamed.get(name, name)
+        if current not in fields:
+            hint = _suggestion(name, list(fields))
             raise SettingError(f"{option} {spec}: no setting {key!r}{hint}; the settings: {', '.join(fields)}")
-        given[name] = (spec, value.strip())
+        given[current] = (spec, name, value.strip())
     values: dict[str, Any] = dict(base or {})
-    for name, (_, value) in given.items():
-        optional = _parts(fields[name])[1]
-        values[name] = None if optional and value.lower() in NONE_WORDS else value
+    for current, (_, name, value) in given.items():
+        parsed = None if _parts(fields[current])[1] and value.lower() in NONE_WORDS else value
+        section, dot, inner = name.partition(".")
+        if dot:
+            values.setdefault(section, {})[inner] = parsed
+        else:
+            values[name] = parsed
     try:
         return model.model_validate(values)
     except ValidationError as exc:
         raise SettingError("; ".join(_explain(error, given, fields, option) for error in exc.errors())) from None
 
 
-def _explain(error: Any, given: dict[str, tuple[str, str]], fields: dict[str, FieldInfo], option: str) -> str:
-    name = str(error["loc"][0]) if error["loc"] else ""
+def _explain(error: Any, given: dict[str, tuple[str, str, str]], fields: dict[str, FieldInfo], option: str) -> str:
+    name = ".".join(str(part) for part in error["loc"])
     message = str(error["msg"]).removeprefix("Value error, ")
     if name not in fields:
         return f"{option}: {message}"
@@ -103,11 +132,17 @@ def _explain(error: Any, given: dict[str, tuple[str, str]], fields: dict[str, Fi
 
 
 def settings_help(model: type[BaseModel], option: str) -> str:
-    """Every setting of `model`, one per line, for a typer command's epilog (rich markup)."""
+    """Every setting of `model`, one per line, a section's under its heading, for a typer command's epilog (rich markup)."""
     lines = [f"[bold]{option} KEY=VALUE[/] settings, repeatable (KEY = default: allowed values; what it does):"]
-    for name, field in model.model_fields.items():
+    heading = ""
+    for key, field in setting_fields(model).items():
+        section, dot, _ = key.rpartition(".")
+        if dot and section != heading:
+            heading = section
+            doc = (model.model_fields[section].annotation.__doc__ or "").strip()  # type: ignore[union-attr]
+            lines.append(f"[bold underline]{section}[/]: {escape(doc)}")
         lines.append(
-            f"[bold]{name}[/] = {escape(shown(field.default))}: {escape(allowed(field))}; "
+            f"[bold]{key}[/] = {escape(shown(field.default))}: {escape(allowed(field))}; "
             f"{escape(field.description or '')}"
         )
     return "\n".join(lines)

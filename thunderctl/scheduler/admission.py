@@ -15,12 +15,12 @@ OPEN = None  # the last rung: no gate at all, the engine admits by its own KV ca
 def admission_levels(config: SchedulerConfig) -> list[float | None]:
     """ACTING weights from full protection down, then (optionally) the open gate."""
     levels: list[float | None] = []
-    weight = config.acting_overbook
-    while weight > config.acting_weight_min + 1e-9:
+    weight = config.admission.acting_overbook
+    while weight > config.adaptive.weight_min + 1e-9:
         levels.append(round(weight, 6))
-        weight -= config.adapt_step
-    levels.append(config.acting_weight_min)
-    if config.adapt_open_gate:
+        weight -= config.adaptive.step
+    levels.append(config.adaptive.weight_min)
+    if config.adaptive.open_gate:
         levels.append(OPEN)
     return levels
 
@@ -102,7 +102,7 @@ class AdmissionTuner:
 
     @property
     def weight(self) -> float:
-        return self.config.acting_weight_min if self.level is OPEN else self.level
+        return self.config.adaptive.weight_min if self.level is OPEN else self.level
 
     @property
     def label(self) -> str:
@@ -150,7 +150,7 @@ class AdmissionTuner:
         if not self._started:
             self._started = True
             self._begin(now, steps)
-        if waited_throughout and utilization < cfg.adapt_utilization_low:
+        if waited_throughout and utilization < cfg.adaptive.utilization_low:
             # Starving the engines is the worst a rung can do: it is not probed again until
             # this reading is stale.
             self.measured[self.rung] = Measurement(0.0, self.windows)
@@ -163,7 +163,7 @@ class AdmissionTuner:
         loaded = waited or (self.gate_open and arrived)
         if loaded and self._quiet:  # a load arriving: let it reach its pace before measuring
             self._quiet = False
-            self._begin(now + cfg.adapt_settle_s, steps)
+            self._begin(now + cfg.adaptive.settle_s, steps)
             return
         if now <= self._window_start:  # settling: the load has not followed the last move yet
             self._window_steps = steps
@@ -171,7 +171,7 @@ class AdmissionTuner:
         if loaded:
             self._last_load = (now, steps)
         elapsed = now - self._window_start
-        if elapsed < cfg.adapt_window_s:
+        if elapsed < cfg.adaptive.window_s:
             return
         loaded_s = self._last_load[0] - self._window_start
         if loaded_s < elapsed / 2:  # no load at all (0 s), or it ended in the window's first half
@@ -185,7 +185,7 @@ class AdmissionTuner:
         rung, probing = self._choose()
         if self._probed_from is not None:  # this window was a probe: did it find better?
             if rung == self._probed_from:
-                base = cfg.adapt_probe_windows
+                base = cfg.adaptive.probe_windows
                 self.patience[self.rung] = min(2 * self.patience.get(self.rung, base), 4 * base)
             else:
                 self.patience.clear()
@@ -197,14 +197,14 @@ class AdmissionTuner:
         """Rungs measured below the best by more than twice the tolerance are probed only at the
         longest wait: a probe costs a window at a rung's deficit, and a gap that wide is not
         noise (on vLLM-CPU's small cache full protection made 0.4x the open gate's steps)."""
-        base = self.config.adapt_probe_windows
+        base = self.config.adaptive.probe_windows
         for rung in self.measured:
             if self._far_below(rung, best) and not self._stale(rung):
                 self.patience[rung] = 4 * base
 
     def _far_below(self, rung: int, other: int) -> bool:
         """Whether `rung` measured below `other` by more than twice the tolerance: not noise."""
-        floor = 1 - 2 * self.config.adapt_tolerance
+        floor = 1 - 2 * self.config.adaptive.tolerance
         return self.measured[rung].steps_per_s < self.measured[other].steps_per_s * floor
 
     def _record(self, steps_per_s: float) -> None:
@@ -215,7 +215,7 @@ class AdmissionTuner:
 
     def _choose(self) -> tuple[int, bool]:
         """The next rung, and whether going there is a probe."""
-        tolerance = self.config.adapt_tolerance
+        tolerance = self.config.adaptive.tolerance
         count = len(self.levels)
         below, above = (self.rung - 1) % count, (self.rung + 1) % count  # the top's `below` is the gate
         neighbours = [r for r in dict.fromkeys((below, above)) if r != self.rung]
@@ -234,7 +234,7 @@ class AdmissionTuner:
         unmeasured = [r for r in neighbours if r not in fresh and not (self.rung == wrap and r == 0)]
         if self.retention_pays and self.rung == 0:
             return self.rung, False  # priced: full protection is worth it, nothing to probe below
-        if self._won_at is not None and self.windows - self._won_at < self.config.adapt_probe_windows:
+        if self._won_at is not None and self.windows - self._won_at < self.config.adaptive.probe_windows:
             return self.rung, False  # reached by a probe that won by far: it holds a probe interval
         return (unmeasured[0], True) if unmeasured else (self.rung, False)
 
@@ -250,7 +250,7 @@ class AdmissionTuner:
     def _stale(self, rung: int) -> bool:
         """Measured more than its patience ago, counted in windows with load (a quiet spell
         does not age a reading: nothing was learnt, nothing changed)."""
-        patience = self.patience.get(rung, self.config.adapt_probe_windows)
+        patience = self.patience.get(rung, self.config.adaptive.probe_windows)
         return self.windows - self.measured[rung].window > patience
 
     def _go(self, rung: int, now: float, steps: int) -> None:
@@ -260,7 +260,7 @@ class AdmissionTuner:
         self.rung = rung
         # Programs admitted (or held back) by the move take a while to reach the engine's
         # pace: counting them at once would bias every comparison towards the move.
-        self._begin(now + self.config.adapt_settle_s, steps)
+        self._begin(now + self.config.adaptive.settle_s, steps)
 
     def _begin(self, start: float, steps: int) -> None:
         self._window_start, self._window_steps, self._last_load = start, steps, (start, steps)

@@ -41,8 +41,8 @@ class EndingLaw:
     @classmethod
     def from_config(cls, cfg: SchedulerConfig) -> EndingLaw:
         return cls(
-            cfg.end_floor_s, cfg.end_quantile, cfg.end_margin, cfg.end_unlearnt_s, cfg.tool_time_min_samples,
-            cfg.end_likely_odds,
+            cfg.ending.floor_s, cfg.ending.quantile, cfg.ending.margin, cfg.ending.unlearnt_s, cfg.retention.tool_time_min_samples,
+            cfg.ending.likely_odds,
         )  # fmt: skip
 
     def ended(self, programs: Iterable[Program], tool_times: ToolTimes, now: float) -> Iterator[Program]:

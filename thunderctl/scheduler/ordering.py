@@ -14,11 +14,11 @@ ResumeKey = tuple[int, float, float]
 
 def acting_decay(config: SchedulerConfig, idle_s: float) -> float:
     """The share of an ACTING program's reservation still charged `idle_s` into its tool."""
-    match config.acting_decay:
+    match config.admission.acting_decay:
         case Decay.EXP:
-            return math.pow(2.0, -idle_s / config.acting_decay_tau_s)
+            return math.pow(2.0, -idle_s / config.admission.acting_decay_tau_s)
         case Decay.LINEAR:
-            return max(0.0, 1.0 - idle_s / config.acting_decay_tau_s)
+            return max(0.0, 1.0 - idle_s / config.admission.acting_decay_tau_s)
         case Decay.OFF:
             return 1.0
 
@@ -28,13 +28,13 @@ def resume_key(config: SchedulerConfig, program: Program, delay_s: float = 0.0) 
     waiting program that much later (nearest the end first, progress.py)."""
     if program.waiting_since is None:
         return 1, program.tokens, program.paused_at or 0.0
-    if config.resume_aging_tokens_per_s is None:
+    if config.waits.aging_tokens_per_s is None:
         return 0, float(program.is_new), program.tokens
     # Shorter first, but aged: a program is behind none that began waiting more than
     # tokens / rate (+ the delay of a new program) after it. The key is fixed while it
     # waits, so the waiting list stays sorted by insertion.
-    place = program.waiting_since + program.tokens / config.resume_aging_tokens_per_s
-    return 0, place + config.new_program_delay_s * program.is_new + delay_s, program.tokens
+    place = program.waiting_since + program.tokens / config.waits.aging_tokens_per_s
+    return 0, place + config.waits.new_program_delay_s * program.is_new + delay_s, program.tokens
 
 
 def pause_key(order: PauseOrder) -> Callable[[Program], tuple[float, int, str]]:

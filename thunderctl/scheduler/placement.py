@@ -55,18 +55,18 @@ def fits(program: Program, worker: Worker, load: Load, config: SchedulerConfig) 
     """Whether the program fits the worker's resume band on top of `load`."""
     # An idle worker takes any program: otherwise one larger than the resume band
     # would wait for its forced resume while the engine sits empty.
-    need = load.need(program, 1.0, config.buffer_tokens)
-    return not worker.programs or need <= headroom(worker, load, config.resume_threshold)
+    need = load.need(program, 1.0, config.admission.buffer_tokens)
+    return not worker.programs or need <= headroom(worker, load, config.admission.resume_threshold)
 
 
 def admit_in_order(
     queue: Iterable[Program], targets: list[Worker], loads: dict[str, Load], config: SchedulerConfig
 ) -> list[Program]:
     """The head of the queue that fits in the total headroom; nobody jumps the queue."""
-    room = sum(headroom(b, loads[b.id], config.resume_threshold) for b in targets)
+    room = sum(headroom(b, loads[b.id], config.admission.resume_threshold) for b in targets)
     chosen = []
     for program in queue:
-        need = program.tokens + config.buffer_tokens
+        need = program.tokens + config.admission.buffer_tokens
         if need > room and not any(not b.programs for b in targets):
             break
         room -= need
@@ -92,6 +92,6 @@ def fit(
     mean_load = sum(loads[b.id].tokens for b in targets) / len(targets)
     return choose(
         config.placement, program, fitting, list(workers),
-        headroom=lambda b: headroom(b, loads[b.id], config.resume_threshold), contended=contended,
+        headroom=lambda b: headroom(b, loads[b.id], config.admission.resume_threshold), contended=contended,
         prefix_home=lambda b: loads[b.id].holds(program.prefix_key) and loads[b.id].tokens <= mean_load,
     )  # fmt: skip

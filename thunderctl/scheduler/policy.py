@@ -49,8 +49,8 @@ class Scheduler:
         self._waiting = WaitingQueue(self.config, self._queue_delay_s)
         self.retention = RetentionLaw.from_config(self.config)
         self.ending = EndingLaw.from_config(self.config)
-        self.continuations = Continuations(self.config.end_chance_window)
-        self.answer_kinds = AnswerKinds(self.config.end_chance_window)
+        self.continuations = Continuations(self.config.ending.chance_window)
+        self.answer_kinds = AnswerKinds(self.config.ending.chance_window)
         self._end_chance_read = (-math.inf, EndChances(0.0))  # (read at, chances): read at most once a tick interval
         self.counters = Counters()
         self.tuner = AdmissionTuner(self.config)
@@ -160,7 +160,7 @@ class Scheduler:
         self.retention.on_request(program, now)
         self._arrived = True
         waiting_since = program.waiting_since or now
-        with recharged(program, self._ledgers, self._waiting, self.config.buffer_tokens):
+        with recharged(program, self._ledgers, self._waiting, self.config.admission.buffer_tokens):
             program.tokens = max(program.tokens, prompt_tokens)
             if prefix_key is not None:
                 program.prefix_key = prefix_key
@@ -188,7 +188,7 @@ class Scheduler:
         if program is None or program.status is Status.TERMINATED:
             return
         now = self.clock()
-        with recharged(program, self._ledgers, self._waiting, self.config.buffer_tokens):
+        with recharged(program, self._ledgers, self._waiting, self.config.admission.buffer_tokens):
             program.tokens = prompt_tokens + completion_tokens
             program.prefix_tokens = min(program.prefix_tokens, program.tokens)
             program.phase = Phase.ACTING
@@ -208,7 +208,7 @@ class Scheduler:
         program = self.programs.get(program_id)
         if program is None or program.status is Status.TERMINATED:
             return
-        with recharged(program, self._ledgers, self._waiting, self.config.buffer_tokens):
+        with recharged(program, self._ledgers, self._waiting, self.config.admission.buffer_tokens):
             program.phase = Phase.ACTING
         program.acting_since = program.last_activity = self.clock()
         program.responded_at = None  # no tool runs: the gap to its retry is not a tool time
@@ -296,7 +296,7 @@ class Scheduler:
                 program.status, program.paused_at = Status.PAUSED, now
             else:
                 worker.programs.add(program.id)
-                self._ledgers[worker.id].add(program, self.config.buffer_tokens)
+                self._ledgers[worker.id].add(program, self.config.admission.buffer_tokens)
         for program_id in interrupted:
             self.on_request_failed(program_id)
 
@@ -313,8 +313,8 @@ class Scheduler:
         waited, waited_throughout = self._waited or waiting, waiting and self._waiting_at_adapt
         arrived = self._arrived
         self._waited, self._waiting_at_adapt, self._arrived = False, waiting, False
-        if self.config.adaptive:
-            self.tuner.retention_pays = self.config.retention and self.retention.pays(self.workers.values())
+        if self.config.adaptive.enabled:
+            self.tuner.retention_pays = self.config.retention.enabled and self.retention.pays(self.workers.values())
             before = self.tuner.label
             self.tuner.observe(self.clock(), self.counters.steps, utilization, waited, waited_throughout, arrived)
             if self.tuner.label != before:
@@ -329,7 +329,7 @@ class Scheduler:
         """
         try:
             self._expire_idle()
-            if self.config.nearest_end_s is not None or (self.config.critical_path and self.groups.groups):
+            if self.config.waits.nearest_end_s is not None or (self.config.waits.critical_path and self.groups.groups):
                 # else nobody asks: no sort of thousands a tick
                 self.lengths.survey(p.steps for p in self.programs.values())
             self._pause_likely_ended()
@@ -364,12 +364,12 @@ class Scheduler:
         return self.acting_weight * acting_decay(self.config, max(self.clock() - program.acting_since, 0.0))
 
     def _load(self, worker: Worker, physical: bool) -> Load:
-        if physical or self.config.acting_decay is Decay.OFF:
+        if physical or self.config.admission.acting_decay is Decay.OFF:
             return self._ledgers[worker.id].load(1.0 if physical else self.acting_weight)
         load = Load()
         for program_id in worker.programs:
             program = self.programs[program_id]
-            load.add(program, self._weight(program, physical), self.config.buffer_tokens)
+            load.add(program, self._weight(program, physical), self.config.admission.buffer_tokens)
         return load
 
     def _expire_idle(self) -> None:
@@ -395,7 +395,7 @@ class Scheduler:
         gaps = self.retention.tool_times.cluster
         # A silence within the floor is no evidence of an end (no program ends within it): the gaps
         # seen first are the short ones, and live programs in longer tools would look past them all.
-        floor = self.config.end_floor_s
+        floor = self.config.ending.floor_s
         survivals = [
             gaps.survival(now - p.responded_at)
             for p in self.programs.values()
@@ -435,7 +435,7 @@ class Scheduler:
         # A program with no request waiting only reserves ahead of need: it gets room the
         # physical check leaves, never overbooked room, or the next pause pass takes it back.
         physical = {b.id: self._load(b, physical=True) for b in targets}
-        buffer = self.config.buffer_tokens
+        buffer = self.config.admission.buffer_tokens
         if not any(not b.programs or self._headroom(b, physical[b.id]) > buffer for b in targets):
             return  # a full cluster: no need to sort thousands of paused programs
         # One that has likely ended is not coming back: no room is reserved for it.
@@ -467,7 +467,7 @@ class Scheduler:
                 self._place(program, worker, loads[worker.id])
 
     def _force_overdue(self, queue: list[Program], targets: list[Worker], loads: dict[str, Load]) -> list[Program]:
-        deadline = self.clock() - self.config.resume_timeout_s
+        deadline = self.clock() - self.config.waits.forced_resume_s
         waiting = []
         for program in queue:
             if program.waiting_since is not None and program.waiting_since <= deadline:
@@ -483,22 +483,24 @@ class Scheduler:
         self._place(program, worker, loads[worker.id], forced=forced)
 
     def _headroom(self, worker: Worker, load: Load) -> float:
-        return headroom(worker, load, self.config.resume_threshold)
+        return headroom(worker, load, self.config.admission.resume_threshold)
 
     def _decode_fits(self, program: Program) -> bool:
         worker = self.workers.get(program.worker or "")
         if worker is None or self.tuner.gate_open:  # the open gate: the engine admits by its own cache
             return True
         cfg = self.config
-        return decode_fits(worker, self._ledgers[worker.id], program, cfg.buffer_tokens, cfg.pause_threshold)
+        return decode_fits(
+            worker, self._ledgers[worker.id], program, cfg.admission.buffer_tokens, cfg.admission.pause_threshold
+        )
 
     def _place(self, program: Program, worker: Worker, load: Load, forced: bool = False) -> None:
         now = self.clock()
-        load.add(program, 1.0, self.config.buffer_tokens)
+        load.add(program, 1.0, self.config.admission.buffer_tokens)
         worker.programs.add(program.id)
         program.worker = worker.id
         program.status = Status.ACTIVE
-        self._ledgers[worker.id].add(program, self.config.buffer_tokens)
+        self._ledgers[worker.id].add(program, self.config.admission.buffer_tokens)
         self._waiting.remove(program)
         if program.paused_at is not None:
             program.paused_total_s += now - program.paused_at
@@ -518,11 +520,11 @@ class Scheduler:
             if worker.capacity is None:
                 continue
             load = self._load(worker, physical=True)
-            if load.tokens <= worker.kv_capacity * cfg.pause_threshold:
+            if load.tokens <= worker.kv_capacity * cfg.admission.pause_threshold:
                 continue
-            target = worker.kv_capacity * cfg.pause_target
+            target = worker.kv_capacity * cfg.admission.pause_target
             for program in self._acting_in_pause_order(worker):
-                load.remove(program, 1.0, cfg.buffer_tokens)
+                load.remove(program, 1.0, cfg.admission.buffer_tokens)
                 self._pause(program)
                 if load.tokens <= target:
                     break
@@ -533,7 +535,7 @@ class Scheduler:
                         break
                     if program.phase is Phase.REASONING and program.status is Status.ACTIVE:
                         program.pause_at_boundary = True
-                        load.remove(program, 1.0, cfg.buffer_tokens)
+                        load.remove(program, 1.0, cfg.admission.buffer_tokens)
 
     def _make_room_for_overdue(self) -> None:
         """A program that has waited `wait_bound_s` is admitted now onto the worker with the most
@@ -541,7 +543,7 @@ class Scheduler:
         is far smaller than the working set, so that no wait runs into the forced resume (which
         overbooks the cache) while others are admitted."""
         cfg = self.config
-        bound = cfg.wait_bound_s
+        bound = cfg.waits.bound_s
         if bound is None or not self._waiting or self.tuner.gate_open:
             return
         targets = [b for b in self.workers.values() if b.schedulable and b.capacity]
@@ -551,32 +553,34 @@ class Scheduler:
             loads = {b.id: self._load(b, physical=True) for b in targets}
             worker = max(targets, key=lambda b: self._headroom(b, loads[b.id]))
             load = loads[worker.id]
-            if load.need(program, 1.0, cfg.buffer_tokens) > gpu_room(worker, load, cfg.resume_threshold):
+            if load.need(program, 1.0, cfg.admission.buffer_tokens) > gpu_room(
+                worker, load, cfg.admission.resume_threshold
+            ):
                 continue  # what decodes fills the GPU: pausing ACTING programs frees none of it
             for member in self._acting_in_pause_order(worker):
-                if load.need(program, 1.0, cfg.buffer_tokens) <= self._headroom(worker, load):
+                if load.need(program, 1.0, cfg.admission.buffer_tokens) <= self._headroom(worker, load):
                     break
-                load.remove(member, 1.0, cfg.buffer_tokens)
+                load.remove(member, 1.0, cfg.admission.buffer_tokens)
                 self._pause(member)
                 self.counters.bound_pauses += 1
-            if load.need(program, 1.0, cfg.buffer_tokens) <= self._headroom(worker, load):
+            if load.need(program, 1.0, cfg.admission.buffer_tokens) <= self._headroom(worker, load):
                 self._place(program, worker, load)
 
     def _pause_priced(self) -> None:
         """While requests wait, pause the ACTING programs whose KV costs more to hold than to
         recompute (retention.py); the room goes to the queue at once."""
-        if not (self.config.retention and self._waiting) or self.tuner.gate_open:
+        if not (self.config.retention.enabled and self._waiting) or self.tuner.gate_open:
             return
-        demand = sum(self.programs[i].tokens + self.config.buffer_tokens for i in self._waiting)
+        demand = sum(self.programs[i].tokens + self.config.admission.buffer_tokens for i in self._waiting)
         held = [
             (self.programs[i], worker)
             for worker in self.workers.values()
             if worker.capacity
-            and not gpu_binds(worker, self._load(worker, physical=False), self.config.resume_threshold)
+            and not gpu_binds(worker, self._load(worker, physical=False), self.config.admission.resume_threshold)
             for i in worker.programs
             if self.programs[i].phase is Phase.ACTING
         ]
-        if self.config.critical_path:
+        if self.config.waits.critical_path:
             held = self.work_left.priced(held, self.clock())
         drops = self.retention.drops(held, demand, self.clock())
         for program_id in drops:
@@ -596,18 +600,20 @@ class Scheduler:
     def _detach(self, program: Program) -> None:
         if program.status is Status.ACTIVE and program.worker in self.workers:
             self.workers[program.worker].programs.discard(program.id)
-            self._ledgers[program.worker].remove(program, self.config.buffer_tokens)
+            self._ledgers[program.worker].remove(program, self.config.admission.buffer_tokens)
 
     def _acting_in_pause_order(self, worker: Worker) -> list[Program]:
         now = self.clock()
-        work_left = (lambda p: self.work_left.seconds(p, now)) if self.config.critical_path else None
-        return acting_in_pause_order((self.programs[i] for i in worker.programs), self.config.pause_order, work_left)
+        work_left = (lambda p: self.work_left.seconds(p, now)) if self.config.waits.critical_path else None
+        return acting_in_pause_order(
+            (self.programs[i] for i in worker.programs), self.config.admission.pause_order, work_left
+        )
 
     def _queue_delay_s(self, program: Program) -> float:
         """How far behind its aged place a program that begins to wait queues: later the more
         steps it has left (nearest the end first); in a batch, sooner the more work it has left (the
         critical path first)."""
-        if self.config.critical_path and (left := self.work_left.seconds(program, self.clock())) is not None:
+        if self.config.waits.critical_path and (left := self.work_left.seconds(program, self.clock())) is not None:
             return -left
         return self.lengths.queue_delay_s(program)
 

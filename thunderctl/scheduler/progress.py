@@ -30,7 +30,7 @@ class ProgramLengths:
         if steps <= 0:
             return
         self._ended.append(steps)
-        if len(self._ended) > self.config.nearest_end_window:
+        if len(self._ended) > self.config.waits.nearest_end_window:
             self._ended.popleft()
         self._left = None
 
@@ -39,7 +39,7 @@ class ProgramLengths:
         return list(self._ended)
 
     def restore(self, ended: list[int]) -> None:
-        self._ended = deque(ended[-self.config.nearest_end_window :])
+        self._ended = deque(ended[-self.config.waits.nearest_end_window :])
         self._left = None
 
     def survey(self, running_steps: Iterable[int]) -> None:
@@ -51,7 +51,7 @@ class ProgramLengths:
         """The steps a program `steps` in is expected to have left, as a share (0-1) of what a
         fresh program has; None with fewer than `nearest_end_min_samples` programs seen. One as
         old as the oldest seen is taken as at its end (0)."""
-        if len(self._ended) + len(self._running) < self.config.nearest_end_min_samples:
+        if len(self._ended) + len(self._running) < self.config.waits.nearest_end_min_samples:
             return None
         if self._left is None:
             self._left = self._steps_left()
@@ -63,7 +63,7 @@ class ProgramLengths:
     def queue_delay_s(self, program: Program) -> float:
         """How far behind a program expected to end now this one queues: `nearest_end_s` times
         its expected share left (0 with the setting off or before any evidence)."""
-        span = self.config.nearest_end_s
+        span = self.config.waits.nearest_end_s
         share = self.remaining_share(program.steps) if span is not None else None
         return 0.0 if span is None or share is None else span * share
 

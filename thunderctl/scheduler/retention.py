@@ -242,10 +242,10 @@ class RetentionLaw:
     @classmethod
     def from_config(cls, config: SchedulerConfig) -> RetentionLaw:
         return cls(
-            config.retention_price_scale, config.tool_time_min_samples,
-            ToolTimes(config.tool_time_window, config.tool_time_min_samples, config.end_gap_window),
-            PrefillRate(config.prefill_tokens_per_s),
-            config.host_transfer_tokens_per_s,
+            config.retention.price_scale, config.retention.tool_time_min_samples,
+            ToolTimes(config.retention.tool_time_window, config.retention.tool_time_min_samples, config.ending.gap_window),
+            PrefillRate(config.retention.prefill_tokens_per_s),
+            config.retention.host_transfer_tokens_per_s,
         )  # fmt: skip
 
     def on_request(self, program: Program, now: float) -> None:

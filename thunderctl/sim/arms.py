@@ -18,6 +18,7 @@ from typing import Any
 
 from thunderctl.percentiles import percentile
 from thunderctl.scheduler import SchedulerConfig
+from thunderctl.scheduler.config import merged, nested
 from thunderctl.sim.agents import Client, ProgramRun, Router, SimStep, VirtualAgents, Workload
 from thunderctl.sim.clock import VirtualClock
 from thunderctl.sim.completions import makespan, program_figures
@@ -73,7 +74,8 @@ class SimSpec:
     host_kv_gib: float = 0.0
     sample_interval_s: float = 10.0
     age_initial_programs: bool = False  # as `thunderctl bench` runs: the first programs start part-way
-    # SchedulerConfig fields the thunderctl arm runs with instead of the defaults: a variant measured
+    # SchedulerConfig settings the thunderctl arm runs with instead of the defaults (dotted keys, or
+    # sections as dicts): a variant measured
     policy: dict[str, Any] = field(default_factory=dict)
     client: Client = Client.NAMED  # whether agents name and release their programs
     tool_calls: bool = False  # whether their answers show the tool they call (VirtualAgents.tool_calls)
@@ -223,10 +225,11 @@ def build_router(
             # What the gateway measures from usage and time to first token, from the cost model;
             # a host tier's transfer rate from the preset's link.
             prefill_rate = preset.prefill_tokens_per_s(min(PRICED_CONTEXT_TOKENS, preset.engine.max_model_len))
-            config = SchedulerConfig(
-                prefill_tokens_per_s=prefill_rate, host_transfer_tokens_per_s=1.0 / preset.transfer_seconds(1),
-                **(policy or {}),
-            )  # fmt: skip
+            retention = {
+                "prefill_tokens_per_s": prefill_rate,
+                "host_transfer_tokens_per_s": 1.0 / preset.transfer_seconds(1),
+            }
+            config = SchedulerConfig.model_validate(merged({"retention": retention}, nested(policy or {})))
             router = PolicyRouter(workers, clock, config, host_kv_tokens)
             return router, router
 

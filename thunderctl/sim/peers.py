@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from thunderctl.scheduler import SchedulerConfig
+from thunderctl.scheduler.config import Admission, Waits
 from thunderctl.sim.clock import VirtualClock
 from thunderctl.sim.cost import Preset
 from thunderctl.sim.engine import Engine, Request
@@ -86,9 +87,11 @@ def dynamo_config() -> SchedulerConfig:
     (smallest ACTING first, best fit on resume, no admission law, no priced retention) with its
     own band: pause above 0.95 down to 0.80, resume below 0.95 − 0.10, forced resume at 1,800 s."""
     return SchedulerConfig.reference(
-        pause_threshold=DYNAMO_PAUSE_THRESHOLD, pause_target=DYNAMO_PAUSE_TARGET,
-        resume_threshold=DYNAMO_PAUSE_THRESHOLD - DYNAMO_RESUME_HYSTERESIS,
-        resume_timeout_s=DYNAMO_FORCED_RESUME_S, buffer_tokens=DYNAMO_BUFFER_TOKENS,
+        admission=Admission(
+            pause_threshold=DYNAMO_PAUSE_THRESHOLD, pause_target=DYNAMO_PAUSE_TARGET,
+            resume_threshold=DYNAMO_PAUSE_THRESHOLD - DYNAMO_RESUME_HYSTERESIS, buffer_tokens=DYNAMO_BUFFER_TOKENS,
+        ),
+        waits=Waits(forced_resume_s=DYNAMO_FORCED_RESUME_S),
     )  # fmt: skip
 
 
