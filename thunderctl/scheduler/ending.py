@@ -15,6 +15,23 @@ from thunderctl.scheduler.retention import MAX_TOOL_KINDS, GapSamples, ToolTimes
 
 
 @dataclass(frozen=True)
+class EndChances:
+    """The chance q that a silent program's last answer was its last: the share of unreleased
+    programs' answers not continued (1 − r, Continuations), times how much likelier than the mean
+    an answer of its kind ends its program (AnswerKinds)."""
+
+    mean: float
+    ratios: Mapping[str | None, float] = field(default_factory=dict)
+
+    def of(self, kind: str | None) -> float:
+        return min(1.0, self.mean * self.ratios.get(kind, 1.0))
+
+    @cached_property
+    def highest(self) -> float:
+        return min(1.0, self.mean * max((1.0, *self.ratios.values())))
+
+
+@dataclass
 class EndingLaw:
     """A program is continued within the gaps (answer → its next request) the scheduler has seen,
     or not at all. It is expected back within the `quantile` of the gaps of every key that has
@@ -29,6 +46,10 @@ class EndingLaw:
     wait, nor reserved ahead of it. The odds are above even because the two mistakes do not cost
     the same: a live program paused waits in the queue and is re-prefilled, an ended one held
     costs its room only until the next pass.
+
+    It learns q from the programs' events (`on_request`, `on_end`, `expired`); q walks every
+    program and every request asks for it while others wait, so it is read at most once every
+    `read_every_s` (a tick interval): it moves slowly.
     """
 
     floor_s: float
@@ -37,13 +58,67 @@ class EndingLaw:
     unlearnt_s: float
     min_samples: int
     odds: float
+    read_every_s: float
+    continuations: Continuations
+    answer_kinds: AnswerKinds
+    _read: tuple[float, EndChances] = (-math.inf, EndChances(0.0))  # (read at, chances)
 
     @classmethod
     def from_config(cls, cfg: SchedulerConfig) -> EndingLaw:
+        ending = cfg.ending
         return cls(
-            cfg.ending.floor_s, cfg.ending.quantile, cfg.ending.margin, cfg.ending.unlearnt_s, cfg.retention.tool_time_min_samples,
-            cfg.ending.likely_odds,
+            ending.floor_s, ending.quantile, ending.margin, ending.unlearnt_s, cfg.retention.tool_time_min_samples,
+            ending.likely_odds, cfg.tick_interval_s, Continuations(ending.chance_window),
+            AnswerKinds(ending.chance_window),
         )  # fmt: skip
+
+    def on_request(self, program: Program) -> None:
+        """The program's next request (before retention reads its answer's gap): its answer was continued."""
+        if program.responded_at is not None:
+            self.continuations.observe(continued=True)
+            self.answer_kinds.observe(program.tool, ended=False)
+
+    def on_end(self, program: Program) -> None:
+        """Released or expired: a silent program's last answer was its last."""
+        if program.responded_at is not None and silent(program):
+            self.answer_kinds.observe(program.tool, ended=True)
+
+    def expired(self, programs: Iterable[Program], tool_times: ToolTimes, now: float) -> Iterator[Program]:
+        """The programs that end now, one at a time: the caller ends each before the next is judged
+        (an ended child makes its parent heard from)."""
+        for program in self.ended(programs, tool_times, now):
+            if program.responded_at is not None:
+                self.continuations.observe(continued=False)
+            yield program
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "continuations": [self.continuations.continued, self.continuations.ended],
+            "answer_kinds": self.answer_kinds.snapshot(),
+        }
+
+    def restore(self, learnt: dict[str, Any]) -> None:
+        self.continuations.continued, self.continuations.ended = learnt["continuations"]
+        self.answer_kinds.restore(learnt["answer_kinds"])
+
+    def chances(self, programs: Iterable[Program], tool_times: ToolTimes, now: float) -> EndChances:
+        """The chance a silent program's last answer was its last: that an unreleased program's answer
+        is not continued, given every open answer's silence (Continuations), by the answer's kind
+        (AnswerKinds)."""
+        read_at, chances = self._read
+        if now - read_at < self.read_every_s:
+            return chances
+        gaps = tool_times.cluster
+        # A silence within the floor is no evidence of an end (no program ends within it): the gaps
+        # seen first are the short ones, and live programs in longer tools would look past them all.
+        survivals = [
+            gaps.survival(now - p.responded_at)
+            for p in programs
+            if len(gaps) and p.responded_at is not None and now - p.responded_at > self.floor_s and silent(p)
+        ]
+        chances = EndChances(1.0 - self.continuations.chance(survivals), self.answer_kinds.ratios())
+        self._read = (now, chances)
+        return chances
 
     def ended(self, programs: Iterable[Program], tool_times: ToolTimes, now: float) -> Iterator[Program]:
         """The programs not continued within the law: they end, as a release ends them."""
@@ -61,7 +136,7 @@ class EndingLaw:
         gaps = [samples.quantile(self.quantile) for samples in self._evidence(program, tool_times, tool_times.tail)]
         return max(self.floor_s, self.margin * max(gaps) if gaps else self.unlearnt_s)
 
-    def likely_ended(self, tool_times: ToolTimes, ends: EndChances, now: float) -> Callable[[Program], bool]:
+    def likely_ended(self, programs: Iterable[Program], tool_times: ToolTimes, now: float) -> Callable[[Program], bool]:
         """A test of whether a program is silent so long that it has likely ended (`odds` times
         likelier than not; False before any evidence), made once per pass over the programs.
 
@@ -70,6 +145,7 @@ class EndingLaw:
         it is read once, and the many programs heard from more recently are passed over at the
         cost of a subtraction.
         """
+        ends = self.chances(programs, tool_times, now)
         cluster = tool_times.cluster
         if len(cluster) < self.min_samples:
             return lambda program: False
@@ -196,23 +272,6 @@ class AnswerKinds:
 
 # Answers of pseudo-evidence at the mean end share a kind's own share is drawn towards.
 END_KIND_PRIOR = 8.0
-
-
-@dataclass(frozen=True)
-class EndChances:
-    """The chance q that a silent program's last answer was its last: the share of unreleased
-    programs' answers not continued (1 − r, Continuations), times how much likelier than the mean
-    an answer of its kind ends its program (AnswerKinds)."""
-
-    mean: float
-    ratios: Mapping[str | None, float] = field(default_factory=dict)
-
-    def of(self, kind: str | None) -> float:
-        return min(1.0, self.mean * self.ratios.get(kind, 1.0))
-
-    @cached_property
-    def highest(self) -> float:
-        return min(1.0, self.mean * max((1.0, *self.ratios.values())))
 
 
 EM_ITERATIONS = 100

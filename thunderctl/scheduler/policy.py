@@ -4,7 +4,6 @@ no I/O (listeners)."""
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict
@@ -14,7 +13,7 @@ from thunderctl.scheduler.admission import AdmissionTuner
 from thunderctl.scheduler.capacity import decode_fits, gpu_binds, gpu_room, headroom
 from thunderctl.scheduler.config import Decay, SchedulerConfig
 from thunderctl.scheduler.critical import WorkLeft
-from thunderctl.scheduler.ending import AnswerKinds, Continuations, EndChances, EndingLaw, silent
+from thunderctl.scheduler.ending import EndingLaw
 from thunderctl.scheduler.events import Counters, EventKind, Listener, ProgramEvent, notify
 from thunderctl.scheduler.groups import GroupBook
 from thunderctl.scheduler.ledger import Ledger, Load, recharged
@@ -22,7 +21,7 @@ from thunderctl.scheduler.ordering import WaitingQueue, acting_decay, acting_in_
 from thunderctl.scheduler.placement import admit_in_order, fit, fits
 from thunderctl.scheduler.program import Phase, Program, Status, Worker
 from thunderctl.scheduler.progress import ProgramLengths
-from thunderctl.scheduler.retention import RetentionLaw, Returns
+from thunderctl.scheduler.retention import RetentionLaw
 from thunderctl.scheduler.snapshot import SchedulerSnapshot, program_from_record, program_record
 
 log = logging.getLogger(__name__)
@@ -49,9 +48,6 @@ class Scheduler:
         self._waiting = WaitingQueue(self.config, self._queue_delay_s)
         self.retention = RetentionLaw.from_config(self.config)
         self.ending = EndingLaw.from_config(self.config)
-        self.continuations = Continuations(self.config.ending.chance_window)
-        self.answer_kinds = AnswerKinds(self.config.ending.chance_window)
-        self._end_chance_read = (-math.inf, EndChances(0.0))  # (read at, chances): read at most once a tick interval
         self.counters = Counters()
         self.tuner = AdmissionTuner(self.config)
         self._waited = False  # a request waited for admission since the last adapt()
@@ -154,9 +150,7 @@ class Scheduler:
             self._adopt(program, parent)
             self._emit(EventKind.CREATED, program)
         self.groups.join(program, group)
-        if program.responded_at is not None:
-            self.continuations.observe(continued=True)
-            self.answer_kinds.observe(program.tool, ended=False)
+        self.ending.on_request(program)
         self.retention.on_request(program, now)
         self._arrived = True
         waiting_since = program.waiting_since or now
@@ -234,19 +228,17 @@ class Scheduler:
 
     def snapshot(self) -> SchedulerSnapshot:
         """Every live program and what the laws learnt, as plain data (snapshot.py)."""
-        tool_times, retention = self.retention.tool_times, self.retention
         programs = self.program_records(self.programs)
-        learnt = {
-            "tool_times": tool_times.snapshot(),
-            "prefill_tokens_per_s": retention.prefill.tokens_per_s,
-            "returns": [retention.returns.returned, retention.returns.ended],
-            "continuations": [self.continuations.continued, self.continuations.ended],
-            "answer_kinds": self.answer_kinds.snapshot(),
-            "admission": self.tuner.snapshot(),
-            "lengths": self.lengths.snapshot(),
-            "groups": self.groups.snapshot(),
-            "counters": asdict(self.counters),
-        }
+        learnt = (
+            self.retention.snapshot()
+            | self.ending.snapshot()
+            | {
+                "admission": self.tuner.snapshot(),
+                "lengths": self.lengths.snapshot(),
+                "groups": self.groups.snapshot(),
+                "counters": asdict(self.counters),
+            }
+        )
         return SchedulerSnapshot(self.clock(), programs, learnt)
 
     def program_records(self, ids: Iterable[str]) -> list[dict[str, Any]]:
@@ -270,11 +262,8 @@ class Scheduler:
             raise ValueError("a snapshot is restored into a scheduler with no programs")
         now, learnt = self.clock(), snapshot.learnt
         shift_s = now - elapsed_s - snapshot.taken_at
-        self.retention.tool_times.restore(learnt["tool_times"])
-        self.retention.prefill.tokens_per_s = learnt["prefill_tokens_per_s"]
-        self.retention.returns = Returns(*learnt["returns"])
-        self.continuations.continued, self.continuations.ended = learnt["continuations"]
-        self.answer_kinds.restore(learnt["answer_kinds"])
+        self.retention.restore(learnt)
+        self.ending.restore(learnt)
         self.tuner.restore(learnt["admission"], shift_s)
         self.lengths.restore(learnt["lengths"])
         self.groups.restore(learnt["groups"])
@@ -374,39 +363,12 @@ class Scheduler:
 
     def _expire_idle(self) -> None:
         """End the programs not continued within the learnt law (ending.py), as a release does."""
-        for program in self.ending.ended(list(self.programs.values()), self.retention.tool_times, self.clock()):
-            if program.responded_at is not None:
-                self.continuations.observe(continued=False)
+        for program in self.ending.expired(list(self.programs.values()), self.retention.tool_times, self.clock()):
             self._terminate(program, EventKind.EXPIRED)
             self.counters.expired += 1
 
-    def _end_chances(self) -> EndChances:
-        """The chance a silent program's last answer was its last: that an unreleased program's
-        answer is not continued, given every open answer's silence (ending.Continuations), by the
-        answer's kind (ending.AnswerKinds).
-
-        It walks every program and every request asks it while others wait, so it is read at
-        most once a tick interval: it moves slowly.
-        """
-        now = self.clock()
-        read_at, chances = self._end_chance_read
-        if now - read_at < self.config.tick_interval_s:
-            return chances
-        gaps = self.retention.tool_times.cluster
-        # A silence within the floor is no evidence of an end (no program ends within it): the gaps
-        # seen first are the short ones, and live programs in longer tools would look past them all.
-        floor = self.config.ending.floor_s
-        survivals = [
-            gaps.survival(now - p.responded_at)
-            for p in self.programs.values()
-            if len(gaps) and p.responded_at is not None and now - p.responded_at > floor and silent(p)
-        ]
-        chances = EndChances(1.0 - self.continuations.chance(survivals), self.answer_kinds.ratios())
-        self._end_chance_read = (now, chances)
-        return chances
-
     def _likely_ended(self) -> Callable[[Program], bool]:
-        return self.ending.likely_ended(self.retention.tool_times, self._end_chances(), self.clock())
+        return self.ending.likely_ended(self.programs.values(), self.retention.tool_times, self.clock())
 
     def _pause_likely_ended(self) -> None:
         """While requests wait, an ACTING program that has likely ended gives up its room (its KV
@@ -630,8 +592,7 @@ class Scheduler:
             parent.children -= 1
             # Its tool call (the child's life) ended now: its silence counts from here.
             parent.last_activity = self.clock()
-        if program.responded_at is not None and silent(program):
-            self.answer_kinds.observe(program.tool, ended=True)  # released or expired, its last answer was its last
+        self.ending.on_end(program)
         self.retention.on_end(program)
         self.lengths.observe(program.steps)
         self.groups.end(program)

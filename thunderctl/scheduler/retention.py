@@ -248,6 +248,18 @@ class RetentionLaw:
             config.retention.host_transfer_tokens_per_s,
         )  # fmt: skip
 
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "tool_times": self.tool_times.snapshot(),
+            "prefill_tokens_per_s": self.prefill.tokens_per_s,
+            "returns": [self.returns.returned, self.returns.ended],
+        }
+
+    def restore(self, learnt: dict[str, Any]) -> None:
+        self.tool_times.restore(learnt["tool_times"])
+        self.prefill.tokens_per_s = learnt["prefill_tokens_per_s"]
+        self.returns = Returns(*learnt["returns"])
+
     def on_request(self, program: Program, now: float) -> None:
         """The program's next request: the gap since its response was a tool call."""
         if program.responded_at is not None:
