@@ -483,9 +483,7 @@ def test_acting_decay_weights_on_the_resume_side_only(decay, idle_s, weight) -> 
     sched, clock, _ = make(**{"admission.acting_decay": decay, "admission.acting_decay_tau_s": 10})
     run_step(sched, "p", 400)
     clock.now += idle_s
-    program = sched.programs["p"]
-    assert sched._weight(program, physical=False) == pytest.approx(weight)
-    assert sched._weight(program, physical=True) == 1.0
+    assert sched.room.load(sched.workers["a"], physical=False).tokens == pytest.approx(400 * weight)
     assert sched.reserved_tokens("a") == 400
 
 
@@ -710,9 +708,10 @@ def test_ledger_and_queue_match_a_full_recount_after_any_history() -> None:
             sched.adapt(rng.random())
             sched.tick()
         for worker in sched.workers.values():
-            fast = sched._load(worker, physical=False).tokens
+            fast = sched.room.load(worker, physical=False).tokens
             recount = sum(
-                (sched._weight(p, False) * p.private_tokens + 16) for p in map(sched.programs.get, worker.programs)
+                ((1.0 if p.phase is Phase.REASONING else sched.acting_weight) * p.private_tokens + 16)
+                for p in map(sched.programs.get, worker.programs)
             ) + sum(
                 {
                     p.prefix_key: p.prefix_tokens for p in map(sched.programs.get, worker.programs) if p.prefix_key

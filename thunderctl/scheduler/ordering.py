@@ -3,24 +3,15 @@
 from __future__ import annotations
 
 import bisect
-import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
-from thunderctl.scheduler.config import Decay, PauseOrder, SchedulerConfig
-from thunderctl.scheduler.program import Phase, Program
+from thunderctl.scheduler.config import PauseOrder, SchedulerConfig
+from thunderctl.scheduler.critical import Held, WorkLeft
+from thunderctl.scheduler.groups import GroupBook
+from thunderctl.scheduler.program import Phase, Program, Worker
+from thunderctl.scheduler.progress import ProgramLengths
 
 ResumeKey = tuple[int, float, float]
-
-
-def acting_decay(config: SchedulerConfig, idle_s: float) -> float:
-    """The share of an ACTING program's reservation still charged `idle_s` into its tool."""
-    match config.admission.acting_decay:
-        case Decay.EXP:
-            return math.pow(2.0, -idle_s / config.admission.acting_decay_tau_s)
-        case Decay.LINEAR:
-            return max(0.0, 1.0 - idle_s / config.admission.acting_decay_tau_s)
-        case Decay.OFF:
-            return 1.0
 
 
 def resume_key(config: SchedulerConfig, program: Program, delay_s: float = 0.0) -> ResumeKey:
@@ -110,3 +101,46 @@ class WaitingQueue:
         """The waiting programs that began waiting at `moment` or earlier, in resume order."""
         waiting = (programs[program_id] for program_id in self)
         return [p for p in waiting if p.waiting_since is not None and p.waiting_since <= moment]
+
+
+class Precedence:
+    """Who goes first by the waits law: the delay with which a program that begins to wait
+    queues, and who pauses first. Later the more steps it has left (nearest the end first,
+    progress.py); in a batch, sooner and later to pause the more work it has left (the critical
+    path first, critical.py)."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        lengths: ProgramLengths,
+        groups: GroupBook,
+        programs: Mapping[str, Program],
+        clock: Callable[[], float],
+    ) -> None:
+        self.config = config
+        self.lengths = lengths
+        self.programs = programs
+        self.work_left = WorkLeft(groups, lengths, programs)
+        self.clock = clock
+
+    def survey(self, programs: Iterable[Program]) -> None:
+        """Read the running programs' steps into the lengths law, when a setting asks of it (not
+        a sort of thousands a tick for nobody)."""
+        waits = self.config.waits
+        if waits.nearest_end_s is not None or (waits.critical_path and self.work_left.groups.groups):
+            self.lengths.survey(p.steps for p in programs)
+
+    def queue_delay_s(self, program: Program) -> float:
+        if self.config.waits.critical_path and (left := self.work_left.seconds(program, self.clock())) is not None:
+            return -left
+        return self.lengths.queue_delay_s(program)
+
+    def acting_in_pause_order(self, worker: Worker) -> list[Program]:
+        now = self.clock()
+        work_left = (lambda p: self.work_left.seconds(p, now)) if self.config.waits.critical_path else None
+        programs = (self.programs[i] for i in worker.programs)
+        return acting_in_pause_order(programs, self.config.admission.pause_order, work_left)
+
+    def priced(self, held: list[tuple[Program, Held]]) -> list[tuple[Program, Held]]:
+        """The held programs priced retention may drop (in a batch, not its critical path)."""
+        return self.work_left.priced(held, self.clock()) if self.config.waits.critical_path else held

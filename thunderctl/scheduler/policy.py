@@ -10,14 +10,13 @@ from dataclasses import asdict
 from typing import Any
 
 from thunderctl.scheduler.admission import AdmissionTuner
-from thunderctl.scheduler.capacity import decode_fits, gpu_binds, gpu_room, headroom
-from thunderctl.scheduler.config import Decay, SchedulerConfig
-from thunderctl.scheduler.critical import WorkLeft
+from thunderctl.scheduler.capacity import Room
+from thunderctl.scheduler.config import SchedulerConfig
 from thunderctl.scheduler.ending import EndingLaw
 from thunderctl.scheduler.events import Counters, EventKind, Listener, ProgramEvent, notify
 from thunderctl.scheduler.groups import GroupBook
-from thunderctl.scheduler.ledger import Ledger, Load, recharged
-from thunderctl.scheduler.ordering import WaitingQueue, acting_decay, acting_in_pause_order
+from thunderctl.scheduler.ledger import Load
+from thunderctl.scheduler.ordering import Precedence, WaitingQueue
 from thunderctl.scheduler.placement import admit_in_order, fit, fits
 from thunderctl.scheduler.program import Phase, Program, Status, Worker
 from thunderctl.scheduler.progress import ProgramLengths
@@ -41,15 +40,15 @@ class Scheduler:
         self.listeners = list(listeners)
         self.programs: dict[str, Program] = {}
         self.workers: dict[str, Worker] = {}
-        self._ledgers: dict[str, Ledger] = {}
         self.lengths = ProgramLengths(self.config)
         self.groups = GroupBook(self.config)
-        self.work_left = WorkLeft(self.groups, self.lengths, self.programs)
-        self._waiting = WaitingQueue(self.config, self._queue_delay_s)
+        self.precedence = Precedence(self.config, self.lengths, self.groups, self.programs, clock)
+        self._waiting = WaitingQueue(self.config, self.precedence.queue_delay_s)
         self.retention = RetentionLaw.from_config(self.config)
         self.ending = EndingLaw.from_config(self.config)
         self.counters = Counters()
         self.tuner = AdmissionTuner(self.config)
+        self.room = Room(self.config.admission, self.programs, lambda: self.tuner.weight, clock)
         self._waited = False  # a request waited for admission since the last adapt()
         self._arrived = False  # a request arrived since the last adapt(): the load behind an open gate
         self._waiting_at_adapt = False
@@ -59,7 +58,7 @@ class Scheduler:
     def add_worker(self, worker_id: str, capacity: int | None, host_capacity: int = 0) -> Worker:
         """A worker of `capacity` GPU KV tokens, and `host_capacity` more in a host tier."""
         worker = self.workers.setdefault(worker_id, Worker(worker_id, capacity))
-        self._ledgers.setdefault(worker_id, Ledger())
+        self.room.add_worker(worker_id)
         worker.capacity, worker.host_capacity = capacity, host_capacity
         return worker
 
@@ -154,7 +153,7 @@ class Scheduler:
         self.retention.on_request(program, now)
         self._arrived = True
         waiting_since = program.waiting_since or now
-        with recharged(program, self._ledgers, self._waiting, self.config.admission.buffer_tokens):
+        with self.room.recharged(program, self._waiting):
             program.tokens = max(program.tokens, prompt_tokens)
             if prefix_key is not None:
                 program.prefix_key = prefix_key
@@ -162,7 +161,9 @@ class Scheduler:
             program.phase = Phase.REASONING
         program.last_activity = now
         if program.status is Status.ACTIVE:
-            if self._decode_fits(program):
+            worker = self.workers.get(program.worker or "")
+            # The open gate: the engine admits by its own cache.
+            if worker is None or self.tuner.gate_open or self.room.decode_fits(program, worker):
                 return program.worker
             # Its KV waits in the host tier; it resumes, by a transfer, as GPU room frees.
             self._pause(program)
@@ -182,7 +183,7 @@ class Scheduler:
         if program is None or program.status is Status.TERMINATED:
             return
         now = self.clock()
-        with recharged(program, self._ledgers, self._waiting, self.config.admission.buffer_tokens):
+        with self.room.recharged(program, self._waiting):
             program.tokens = prompt_tokens + completion_tokens
             program.prefix_tokens = min(program.prefix_tokens, program.tokens)
             program.phase = Phase.ACTING
@@ -202,7 +203,7 @@ class Scheduler:
         program = self.programs.get(program_id)
         if program is None or program.status is Status.TERMINATED:
             return
-        with recharged(program, self._ledgers, self._waiting, self.config.admission.buffer_tokens):
+        with self.room.recharged(program, self._waiting):
             program.phase = Phase.ACTING
         program.acting_since = program.last_activity = self.clock()
         program.responded_at = None  # no tool runs: the gap to its retry is not a tool time
@@ -285,7 +286,7 @@ class Scheduler:
                 program.status, program.paused_at = Status.PAUSED, now
             else:
                 worker.programs.add(program.id)
-                self._ledgers[worker.id].add(program, self.config.admission.buffer_tokens)
+                self.room.ledgers[worker.id].add(program, self.room.buffer)
         for program_id in interrupted:
             self.on_request_failed(program_id)
 
@@ -318,9 +319,7 @@ class Scheduler:
         """
         try:
             self._expire_idle()
-            if self.config.waits.nearest_end_s is not None or (self.config.waits.critical_path and self.groups.groups):
-                # else nobody asks: no sort of thousands a tick
-                self.lengths.survey(p.steps for p in self.programs.values())
+            self.precedence.survey(self.programs.values())
             self._pause_likely_ended()
             self._resume()
             self._make_room_for_overdue()
@@ -336,7 +335,7 @@ class Scheduler:
 
     def reserved_tokens(self, worker_id: str) -> int:
         """Physical (undecayed) tokens charged on a worker."""
-        return round(self._load(self.workers[worker_id], physical=True).tokens)
+        return round(self.room.load(self.workers[worker_id], physical=True).tokens)
 
     def paused(self) -> list[Program]:
         return [p for p in self.programs.values() if p.status is Status.PAUSED]
@@ -346,20 +345,6 @@ class Scheduler:
         return sorted(self.paused(), key=self._waiting.key)
 
     # ---- policy ---------------------------------------------------------------------------
-
-    def _weight(self, program: Program, physical: bool) -> float:
-        if physical or program.phase is Phase.REASONING:
-            return 1.0
-        return self.acting_weight * acting_decay(self.config, max(self.clock() - program.acting_since, 0.0))
-
-    def _load(self, worker: Worker, physical: bool) -> Load:
-        if physical or self.config.admission.acting_decay is Decay.OFF:
-            return self._ledgers[worker.id].load(1.0 if physical else self.acting_weight)
-        load = Load()
-        for program_id in worker.programs:
-            program = self.programs[program_id]
-            load.add(program, self._weight(program, physical), self.config.admission.buffer_tokens)
-        return load
 
     def _expire_idle(self) -> None:
         """End the programs not continued within the learnt law (ending.py), as a release does."""
@@ -396,9 +381,8 @@ class Scheduler:
             return
         # A program with no request waiting only reserves ahead of need: it gets room the
         # physical check leaves, never overbooked room, or the next pause pass takes it back.
-        physical = {b.id: self._load(b, physical=True) for b in targets}
-        buffer = self.config.admission.buffer_tokens
-        if not any(not b.programs or self._headroom(b, physical[b.id]) > buffer for b in targets):
+        physical = {b.id: self.room.load(b, physical=True) for b in targets}
+        if not any(not b.programs or self.room.headroom(b, physical[b.id]) > self.room.buffer for b in targets):
             return  # a full cluster: no need to sort thousands of paused programs
         # One that has likely ended is not coming back: no room is reserved for it.
         likely_ended = self._likely_ended()
@@ -409,7 +393,7 @@ class Scheduler:
         # Lazily: admission stops at the first program that does not fit, and a response
         # triggers this pass, so it must not cost a walk over a long queue.
         waiting: Iterable[Program] = (self.programs[program_id] for program_id in self._waiting)
-        loads = {b.id: self._load(b, physical=False) for b in targets}
+        loads = {b.id: self.room.load(b, physical=False) for b in targets}
         if self.tuner.gate_open:
             for program in list(waiting):
                 self._place_on_roomiest(program, targets, loads)
@@ -441,28 +425,13 @@ class Scheduler:
     def _place_on_roomiest(
         self, program: Program, targets: list[Worker], loads: dict[str, Load], forced: bool = False
     ) -> None:
-        worker = max(targets, key=lambda b: self._headroom(b, loads[b.id]))
+        worker = self.room.roomiest(targets, loads)
         self._place(program, worker, loads[worker.id], forced=forced)
-
-    def _headroom(self, worker: Worker, load: Load) -> float:
-        return headroom(worker, load, self.config.admission.resume_threshold)
-
-    def _decode_fits(self, program: Program) -> bool:
-        worker = self.workers.get(program.worker or "")
-        if worker is None or self.tuner.gate_open:  # the open gate: the engine admits by its own cache
-            return True
-        cfg = self.config
-        return decode_fits(
-            worker, self._ledgers[worker.id], program, cfg.admission.buffer_tokens, cfg.admission.pause_threshold
-        )
 
     def _place(self, program: Program, worker: Worker, load: Load, forced: bool = False) -> None:
         now = self.clock()
-        load.add(program, 1.0, self.config.admission.buffer_tokens)
-        worker.programs.add(program.id)
-        program.worker = worker.id
+        self.room.charge(program, worker, load)
         program.status = Status.ACTIVE
-        self._ledgers[worker.id].add(program, self.config.admission.buffer_tokens)
         self._waiting.remove(program)
         if program.paused_at is not None:
             program.paused_total_s += now - program.paused_at
@@ -477,55 +446,37 @@ class Scheduler:
     def _pause_overfull(self) -> None:
         if self.tuner.gate_open:
             return  # the engine admits by its own cache: a pause would only delay a request
-        cfg = self.config
         for worker in self.workers.values():
-            if worker.capacity is None:
-                continue
-            load = self._load(worker, physical=True)
-            if load.tokens <= worker.kv_capacity * cfg.admission.pause_threshold:
-                continue
-            target = worker.kv_capacity * cfg.admission.pause_target
-            for program in self._acting_in_pause_order(worker):
-                load.remove(program, 1.0, cfg.admission.buffer_tokens)
-                self._pause(program)
-                if load.tokens <= target:
-                    break
-            else:
-                # Nothing ACTING is left: the shortest decodes pause once their response is out.
-                for program in sorted((self.programs[i] for i in worker.programs), key=lambda p: (p.tokens, p.id)):
-                    if load.tokens <= target:
-                        break
-                    if program.phase is Phase.REASONING and program.status is Status.ACTIVE:
-                        program.pause_at_boundary = True
-                        load.remove(program, 1.0, cfg.admission.buffer_tokens)
+            load = self.room.load(worker, physical=True)
+            if self.room.overfull(worker, load):
+                now, at_boundary = self.room.relief(worker, load, self.precedence.acting_in_pause_order(worker))
+                for program in now:
+                    self._pause(program)
+                for program in at_boundary:
+                    program.pause_at_boundary = True
 
     def _make_room_for_overdue(self) -> None:
-        """A program that has waited `wait_bound_s` is admitted now onto the worker with the most
+        """A program that has waited `waits.bound_s` is admitted now onto the worker with the most
         headroom, ACTING programs there pausing for it in pause order: rotation where the cache
         is far smaller than the working set, so that no wait runs into the forced resume (which
         overbooks the cache) while others are admitted."""
-        cfg = self.config
-        bound = cfg.waits.bound_s
-        if bound is None or not self._waiting or self.tuner.gate_open:
-            return
+        bound = self.config.waits.bound_s
         targets = [b for b in self.workers.values() if b.schedulable and b.capacity]
+        if bound is None or not self._waiting or self.tuner.gate_open or not targets:
+            return
         for program in self._waiting.since_before(self.clock() - bound, self.programs):
-            if not targets:
-                return
-            loads = {b.id: self._load(b, physical=True) for b in targets}
-            worker = max(targets, key=lambda b: self._headroom(b, loads[b.id]))
+            loads = {b.id: self.room.load(b, physical=True) for b in targets}
+            worker = self.room.roomiest(targets, loads)
             load = loads[worker.id]
-            if load.need(program, 1.0, cfg.admission.buffer_tokens) > gpu_room(
-                worker, load, cfg.admission.resume_threshold
-            ):
+            if self.room.need(program, load) > self.room.gpu_room(worker, load):
                 continue  # what decodes fills the GPU: pausing ACTING programs frees none of it
-            for member in self._acting_in_pause_order(worker):
-                if load.need(program, 1.0, cfg.admission.buffer_tokens) <= self._headroom(worker, load):
+            for member in self.precedence.acting_in_pause_order(worker):
+                if self.room.takes(program, worker, load):
                     break
-                load.remove(member, 1.0, cfg.admission.buffer_tokens)
+                load.remove(member, 1.0, self.room.buffer)
                 self._pause(member)
                 self.counters.bound_pauses += 1
-            if load.need(program, 1.0, cfg.admission.buffer_tokens) <= self._headroom(worker, load):
+            if self.room.takes(program, worker, load):
                 self._place(program, worker, load)
 
     def _pause_priced(self) -> None:
@@ -533,18 +484,15 @@ class Scheduler:
         recompute (retention.py); the room goes to the queue at once."""
         if not (self.config.retention.enabled and self._waiting) or self.tuner.gate_open:
             return
-        demand = sum(self.programs[i].tokens + self.config.admission.buffer_tokens for i in self._waiting)
+        demand = sum(self.programs[i].tokens + self.room.buffer for i in self._waiting)
         held = [
             (self.programs[i], worker)
             for worker in self.workers.values()
-            if worker.capacity
-            and not gpu_binds(worker, self._load(worker, physical=False), self.config.admission.resume_threshold)
+            if worker.capacity and not self.room.gpu_binds(worker, self.room.load(worker, physical=False))
             for i in worker.programs
             if self.programs[i].phase is Phase.ACTING
         ]
-        if self.config.waits.critical_path:
-            held = self.work_left.priced(held, self.clock())
-        drops = self.retention.drops(held, demand, self.clock())
+        drops = self.retention.drops(self.precedence.priced(held), demand, self.clock())
         for program_id in drops:
             self._pause(self.programs[program_id])
         self.counters.priced_pauses += len(drops)
@@ -552,32 +500,12 @@ class Scheduler:
             self._resume_waiting()
 
     def _pause(self, program: Program) -> None:
-        self._detach(program)
+        self.room.discharge(program, self.workers)
         program.status = Status.PAUSED
         program.paused_at = self.clock()
         program.pause_at_boundary = False
         self.counters.pauses += 1
         self._emit(EventKind.PAUSED, program)
-
-    def _detach(self, program: Program) -> None:
-        if program.status is Status.ACTIVE and program.worker in self.workers:
-            self.workers[program.worker].programs.discard(program.id)
-            self._ledgers[program.worker].remove(program, self.config.admission.buffer_tokens)
-
-    def _acting_in_pause_order(self, worker: Worker) -> list[Program]:
-        now = self.clock()
-        work_left = (lambda p: self.work_left.seconds(p, now)) if self.config.waits.critical_path else None
-        return acting_in_pause_order(
-            (self.programs[i] for i in worker.programs), self.config.admission.pause_order, work_left
-        )
-
-    def _queue_delay_s(self, program: Program) -> float:
-        """How far behind its aged place a program that begins to wait queues: later the more
-        steps it has left (nearest the end first); in a batch, sooner the more work it has left (the
-        critical path first)."""
-        if self.config.waits.critical_path and (left := self.work_left.seconds(program, self.clock())) is not None:
-            return -left
-        return self.lengths.queue_delay_s(program)
 
     def _adopt(self, program: Program, parent_id: str | None) -> None:
         """A new program started from a live one: its parent is not silent while it lives."""
@@ -596,7 +524,7 @@ class Scheduler:
         self.retention.on_end(program)
         self.lengths.observe(program.steps)
         self.groups.end(program)
-        self._detach(program)
+        self.room.discharge(program, self.workers)
         self._waiting.remove(program)
         program.status = Status.TERMINATED
         del self.programs[program.id]
