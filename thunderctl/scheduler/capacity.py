@@ -4,7 +4,7 @@ ACTING programs' KV may spill to the host, bounded by GPU + host)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 
 from thunderctl.scheduler.config import Admission, Decay
@@ -105,6 +105,15 @@ class Room:
 
     def gpu_binds(self, worker: Worker, load: Load) -> bool:
         return gpu_binds(worker, load, self.admission.resume_threshold)
+
+    def acting(self, workers: Iterable[Worker]) -> list[tuple[Program, Worker]]:
+        """The ACTING programs placed on `workers`, each with its worker."""
+        return [(p, b) for b in workers for p in (self._programs[i] for i in b.programs) if p.phase is Phase.ACTING]
+
+    def droppable(self, workers: Iterable[Worker]) -> list[tuple[Program, Worker]]:
+        """The ACTING programs whose KV, dropped, makes room for the queue: on workers that have a
+        capacity and whose GPU does not bind (there a dropped KV would only free the host tier)."""
+        return self.acting(b for b in workers if b.capacity and not self.gpu_binds(b, self.load(b, physical=False)))
 
     def overfull(self, worker: Worker, load: Load) -> bool:
         return worker.capacity is not None and load.tokens > worker.kv_capacity * self.admission.pause_threshold

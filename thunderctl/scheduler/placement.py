@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from thunderctl.scheduler.capacity import headroom
 from thunderctl.scheduler.config import PlacementRule, SchedulerConfig
@@ -95,3 +95,22 @@ def fit(
         headroom=lambda b: headroom(b, loads[b.id], config.admission.resume_threshold), contended=contended,
         prefix_home=lambda b: loads[b.id].holds(program.prefix_key) and loads[b.id].tokens <= mean_load,
     )  # fmt: skip
+
+
+def placements(
+    chosen: list[Program],
+    waiting: int,
+    targets: list[Worker],
+    loads: dict[str, Load],
+    config: SchedulerConfig,
+    workers: Mapping[str, Worker],
+) -> Iterator[tuple[Program, Worker]]:
+    """Where each of the `chosen` goes, the largest first, while `waiting` programs wait in all:
+    while others are left waiting, or some chosen program fits no worker, the room decides (best
+    fit decreasing, onto the most headroom). The caller charges each on `loads` before the next."""
+    left_waiting = waiting > sum(p.waiting_since is not None for p in chosen)
+    contended = left_waiting or not all(any(fits(p, b, loads[b.id], config) for b in targets) for p in chosen)
+    for program in sorted(chosen, key=lambda p: p.tokens, reverse=True):
+        worker = fit(program, targets, loads, contended, config, workers)
+        if worker is not None:
+            yield program, worker

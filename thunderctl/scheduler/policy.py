@@ -17,7 +17,7 @@ from thunderctl.scheduler.events import Counters, EventKind, Listener, ProgramEv
 from thunderctl.scheduler.groups import GroupBook
 from thunderctl.scheduler.ledger import Load
 from thunderctl.scheduler.ordering import Precedence, WaitingQueue
-from thunderctl.scheduler.placement import admit_in_order, fit, fits
+from thunderctl.scheduler.placement import admit_in_order, placements
 from thunderctl.scheduler.program import Phase, Program, Status, Worker
 from thunderctl.scheduler.progress import ProgramLengths
 from thunderctl.scheduler.retention import RetentionLaw
@@ -361,11 +361,10 @@ class Scheduler:
         if not self._waiting:
             return
         likely_ended = self._likely_ended()
-        for worker in self.workers.values():
-            for program in [self.programs[i] for i in worker.programs]:
-                if program.phase is Phase.ACTING and likely_ended(program):
-                    self._pause(program)
-                    self.counters.ended_pauses += 1
+        for program, _ in self.room.acting(self.workers.values()):
+            if likely_ended(program):
+                self._pause(program)
+                self.counters.ended_pauses += 1
 
     def _resume_waiting(self) -> None:
         """The event-driven resume: only programs whose request waits, nobody forced."""
@@ -394,51 +393,28 @@ class Scheduler:
         # triggers this pass, so it must not cost a walk over a long queue.
         waiting: Iterable[Program] = (self.programs[program_id] for program_id in self._waiting)
         loads = {b.id: self.room.load(b, physical=False) for b in targets}
-        if self.tuner.gate_open:
-            for program in list(waiting):
-                self._place_on_roomiest(program, targets, loads)
-            return
-        if force_overdue:
-            waiting = self._force_overdue(list(waiting), targets, loads)
+        if self.tuner.gate_open or force_overdue:
+            # Behind the open gate every request goes, and a wait past its forced resume ends, at
+            # once onto the roomiest worker.
+            deadline = self.clock() - self.config.waits.forced_resume_s
+            queue, waiting = list(waiting), []
+            for program in queue:
+                since = program.waiting_since
+                if self.tuner.gate_open or (since is not None and since <= deadline):
+                    worker = self.room.roomiest(targets, loads)
+                    self._place(program, worker, loads[worker.id], forced=not self.tuner.gate_open)
+                else:
+                    waiting.append(program)
         self._place_all(admit_in_order(waiting, targets, loads, self.config), targets, loads)
 
     def _place_all(self, chosen: list[Program], targets: list[Worker], loads: dict[str, Load]) -> None:
-        # The largest chosen program first. While others wait the room decides who is admitted:
-        # best fit decreasing, onto the most headroom (placement.py).
-        left_waiting = len(self._waiting) > sum(p.waiting_since is not None for p in chosen)
-        contended = left_waiting or not all(any(fits(p, b, loads[b.id], self.config) for b in targets) for p in chosen)
-        for program in sorted(chosen, key=lambda p: p.tokens, reverse=True):
-            worker = fit(program, targets, loads, contended, self.config, self.workers)
-            if worker is not None:
-                self._place(program, worker, loads[worker.id])
-
-    def _force_overdue(self, queue: list[Program], targets: list[Worker], loads: dict[str, Load]) -> list[Program]:
-        deadline = self.clock() - self.config.waits.forced_resume_s
-        waiting = []
-        for program in queue:
-            if program.waiting_since is not None and program.waiting_since <= deadline:
-                self._place_on_roomiest(program, targets, loads, forced=True)
-            else:
-                waiting.append(program)
-        return waiting
-
-    def _place_on_roomiest(
-        self, program: Program, targets: list[Worker], loads: dict[str, Load], forced: bool = False
-    ) -> None:
-        worker = self.room.roomiest(targets, loads)
-        self._place(program, worker, loads[worker.id], forced=forced)
+        for program, worker in placements(chosen, len(self._waiting), targets, loads, self.config, self.workers):
+            self._place(program, worker, loads[worker.id])
 
     def _place(self, program: Program, worker: Worker, load: Load, forced: bool = False) -> None:
-        now = self.clock()
         self.room.charge(program, worker, load)
-        program.status = Status.ACTIVE
+        program.resume(self.clock())
         self._waiting.remove(program)
-        if program.paused_at is not None:
-            program.paused_total_s += now - program.paused_at
-        program.paused_at = None
-        program.pause_at_boundary = False
-        if program.phase is Phase.ACTING:
-            program.acting_since = now  # its tool time so far is not evidence of idleness here
         self.counters.resumes += 1
         self.counters.forced_resumes += forced
         self._emit(EventKind.RESUMED, program, forced=forced)
@@ -485,14 +461,8 @@ class Scheduler:
         if not (self.config.retention.enabled and self._waiting) or self.tuner.gate_open:
             return
         demand = sum(self.programs[i].tokens + self.room.buffer for i in self._waiting)
-        held = [
-            (self.programs[i], worker)
-            for worker in self.workers.values()
-            if worker.capacity and not self.room.gpu_binds(worker, self.room.load(worker, physical=False))
-            for i in worker.programs
-            if self.programs[i].phase is Phase.ACTING
-        ]
-        drops = self.retention.drops(self.precedence.priced(held), demand, self.clock())
+        held = self.precedence.priced(self.room.droppable(self.workers.values()))
+        drops = self.retention.drops(held, demand, self.clock())
         for program_id in drops:
             self._pause(self.programs[program_id])
         self.counters.priced_pauses += len(drops)
@@ -501,9 +471,7 @@ class Scheduler:
 
     def _pause(self, program: Program) -> None:
         self.room.discharge(program, self.workers)
-        program.status = Status.PAUSED
-        program.paused_at = self.clock()
-        program.pause_at_boundary = False
+        program.pause(self.clock())
         self.counters.pauses += 1
         self._emit(EventKind.PAUSED, program)
 

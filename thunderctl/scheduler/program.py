@@ -52,6 +52,18 @@ class Program:
     def private_tokens(self) -> int:
         return max(self.tokens - self.prefix_tokens, 0)
 
+    def resume(self, now: float) -> None:
+        """ACTIVE from `now`, its time paused counted."""
+        self.status = Status.ACTIVE
+        if self.paused_at is not None:
+            self.paused_total_s += now - self.paused_at
+        self.paused_at, self.pause_at_boundary = None, False
+        if self.phase is Phase.ACTING:
+            self.acting_since = now  # its tool time so far is not evidence of idleness here
+
+    def pause(self, now: float) -> None:
+        self.status, self.paused_at, self.pause_at_boundary = Status.PAUSED, now, False
+
 
 @dataclass
 class Worker:
