@@ -59,7 +59,7 @@ class AdmissionTuner:
     from the top goes to the open gate. Where protection does not pay, the law is there after
     one window rather than after one per rung.
 
-    After a move, and when load arrives after a quiet spell, `adapt_settle_s` pass uncounted
+    After a move, and when load arrives after a quiet spell, `adaptive.settle_s` pass uncounted
     before the next window starts: the programs admitted or held back reach the engine's pace
     first (a backlog draining right after a move would credit the move with steps its
     steady state does not make). Windows in which nobody waited (and the gate was shut) move
@@ -76,7 +76,7 @@ class AdmissionTuner:
     windows: int = 0  # windows with load measured so far
     _probed_from: int | None = None
     # The window in which a probe won by more than twice the tolerance: from there the law
-    # probes further only after `adapt_probe_windows`, as from a rung a probe confirmed.
+    # probes further only after `adaptive.probe_windows`, as from a rung a probe confirmed.
     _won_at: int | None = None
     _quiet: bool = True  # no load in the last window: the next load is just arriving
     _window_start: float = 0.0
@@ -88,6 +88,10 @@ class AdmissionTuner:
     # KV through its expected tool time costs less than recomputing it, even at the full price
     # of KV. Then the top rung is not left on a probe; only starved engines move it.
     retention_pays: bool = False
+    # What the scheduler saw since the end of its last period (`end_period`).
+    arrived: bool = False  # a request arrived: the load behind an open gate
+    waited: bool = False  # a request waited for admission
+    _waiting_at_end: bool = False
 
     def __post_init__(self) -> None:
         self.levels = admission_levels(self.config)
@@ -132,6 +136,14 @@ class AdmissionTuner:
         load_at, load_steps = snapshot["last_load"]
         self._last_load = (load_at + shift_s, load_steps)
         self._started, self.retention_pays = snapshot["started"], snapshot["retention_pays"]
+
+    def end_period(self, now: float, steps: int, utilization: float, waiting: bool) -> None:
+        """The end of one of the scheduler's periods (`Scheduler.adapt`): `waiting`, whether a
+        request waits now; the law moves when it is enabled."""
+        waited, throughout, arrived = self.waited or waiting, waiting and self._waiting_at_end, self.arrived
+        self.waited, self._waiting_at_end, self.arrived = False, waiting, False
+        if self.config.adaptive.enabled:
+            self.observe(now, steps, utilization, waited, throughout, arrived)
 
     def observe(
         self,

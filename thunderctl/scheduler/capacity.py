@@ -138,6 +138,17 @@ class Room:
                 load.remove(program, 1.0, self.buffer)
         return now, at_boundary
 
+    def make_room(self, program: Program, worker: Worker, load: Load, acting: list[Program]) -> list[Program]:
+        """Those of `acting` (in pause order) that pause, taken off `load`, until the program fits
+        the worker's headroom (all of them when it never does)."""
+        pausing = []
+        for member in acting:
+            if self.takes(program, worker, load):
+                break
+            load.remove(member, 1.0, self.buffer)
+            pausing.append(member)
+        return pausing
+
     def decode_fits(self, program: Program, worker: Worker) -> bool:
         return decode_fits(worker, self.ledgers[worker.id], program, self.buffer, self.admission.pause_threshold)
 

@@ -49,9 +49,6 @@ class Scheduler:
         self.counters = Counters()
         self.tuner = AdmissionTuner(self.config)
         self.room = Room(self.config.admission, self.programs, lambda: self.tuner.weight, clock)
-        self._waited = False  # a request waited for admission since the last adapt()
-        self._arrived = False  # a request arrived since the last adapt(): the load behind an open gate
-        self._waiting_at_adapt = False
 
     # ---- workers -------------------------------------------------------------------------
 
@@ -151,7 +148,7 @@ class Scheduler:
         self.groups.join(program, group)
         self.ending.on_request(program)
         self.retention.on_request(program, now)
-        self._arrived = True
+        self.tuner.arrived = True
         waiting_since = program.waiting_since or now
         with self.room.recharged(program, self._waiting):
             program.tokens = max(program.tokens, prompt_tokens)
@@ -172,7 +169,7 @@ class Scheduler:
         self._pause_likely_ended()  # the room of programs that have likely ended is for this one now
         self._resume_waiting()
         if program.status is not Status.ACTIVE:
-            self._waited = True
+            self.tuner.waited = True
             return None
         return program.worker
 
@@ -285,8 +282,7 @@ class Scheduler:
             if worker is None:
                 program.status, program.paused_at = Status.PAUSED, now
             else:
-                worker.programs.add(program.id)
-                self.room.ledgers[worker.id].add(program, self.room.buffer)
+                self.room.charge(program, worker, Load())
         for program_id in interrupted:
             self.on_request_failed(program_id)
 
@@ -299,16 +295,12 @@ class Scheduler:
 
     def adapt(self, utilization: float) -> None:
         """Feed the workers' busy fraction over the last period (0-1) to the admission law."""
-        waiting = bool(self._waiting)
-        waited, waited_throughout = self._waited or waiting, waiting and self._waiting_at_adapt
-        arrived = self._arrived
-        self._waited, self._waiting_at_adapt, self._arrived = False, waiting, False
         if self.config.adaptive.enabled:
             self.tuner.retention_pays = self.config.retention.enabled and self.retention.pays(self.workers.values())
-            before = self.tuner.label
-            self.tuner.observe(self.clock(), self.counters.steps, utilization, waited, waited_throughout, arrived)
-            if self.tuner.label != before:
-                log.info("admission: %s -> %s (workers busy %.0f%%)", before, self.tuner.label, 100 * utilization)
+        before = self.tuner.label
+        self.tuner.end_period(self.clock(), self.counters.steps, utilization, waiting=bool(self._waiting))
+        if self.tuner.label != before:
+            log.info("admission: %s -> %s (workers busy %.0f%%)", before, self.tuner.label, 100 * utilization)
 
     def tick(self) -> None:
         """Expire idle programs, then resume (and make room for waits at their bound), then pause
@@ -446,10 +438,7 @@ class Scheduler:
             load = loads[worker.id]
             if self.room.need(program, load) > self.room.gpu_room(worker, load):
                 continue  # what decodes fills the GPU: pausing ACTING programs frees none of it
-            for member in self.precedence.acting_in_pause_order(worker):
-                if self.room.takes(program, worker, load):
-                    break
-                load.remove(member, 1.0, self.room.buffer)
+            for member in self.room.make_room(program, worker, load, self.precedence.acting_in_pause_order(worker)):
                 self._pause(member)
                 self.counters.bound_pauses += 1
             if self.room.takes(program, worker, load):
