@@ -121,3 +121,18 @@ def test_tool_calling_agents_show_a_tool_in_every_answer_but_their_last(tool_cal
         tools = router.tools[f"sim-3-{run.program_index}"]
         assert len(tools) == run.steps
         assert tools == ([TOOL] * (run.steps - 1) + [None] if tool_calls else [None] * run.steps)
+
+
+def test_answers_sent_back_re_tokenized_grow_each_next_prompt_by_the_ratio() -> None:
+    clock = VirtualClock()
+    router = StickyRouter([SimWorker("w0", Engine(SHAPE, COST), clock)])
+    loop = VirtualAgents(WORKLOAD, 3, CONCURRENCY, clock, router, SHAPE.block_size, answer_retokenized_ratio=1.5)
+    loop.start()
+    clock.run_until(600.0)
+    program = WORKLOAD.program(3, 0)
+    sent = sorted((r.step, r.prompt_tokens) for r in loop.records if r.program_index == 0)
+    assert len(sent) > 2, "the program ran some steps"
+    grown = 0
+    for step, prompt_tokens in sent:
+        assert prompt_tokens == program.steps[step].prompt_tokens + grown
+        grown += round(0.5 * max(1, program.steps[step].completion_tokens))

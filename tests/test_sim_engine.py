@@ -11,7 +11,7 @@ from thunderctl.sim.clock import VirtualClock
 from thunderctl.sim.cost import EngineShape, StepLoad
 from thunderctl.sim.engine import Engine
 from thunderctl.sim.kv import HostTier
-from thunderctl.sim.requests import Request, TokenStream
+from thunderctl.sim.requests import Request, RetokenizedAnswer, TokenStream
 from thunderctl.sim.worker import SimWorker
 
 BLOCK = 4
@@ -71,6 +71,24 @@ def test_a_prompt_extending_a_cached_one_hits_its_whole_blocks(second_prompt: in
     assert c.prefix_cache_queries == 10 + second_prompt
     assert c.prefix_cache_hits == hit_tokens
     assert c.prefill_tokens == 10 + second_prompt - hit_tokens
+
+
+def test_a_retokenized_answer_is_missed_from_the_block_where_it_starts() -> None:
+    # The first turn's prompt is 10 tokens (2 whole blocks), its answer 8; the next prompt, 20
+    # tokens, holds the answer re-tokenized: only the first turn's whole prompt blocks hit.
+    engine = Engine(shape(), LinearCost())
+    stream = TokenStream(1)
+    first = Request(RetokenizedAnswer(stream, 10 // BLOCK, turn=0), 10, 8)
+    second = Request(RetokenizedAnswer(stream, 20 // BLOCK, turn=1), 20, 1)
+    serve_one_by_one(engine, [first, second])
+    assert second.cached_tokens == 2 * BLOCK
+
+
+def test_an_answer_that_round_trips_is_hit_by_the_next_prompt() -> None:
+    engine = Engine(shape(), LinearCost())
+    first, second = req(1, 10, answer=8), req(1, 20)
+    serve_one_by_one(engine, [first, second])
+    assert second.cached_tokens == 4 * BLOCK  # the 17 tokens computed: 4 whole blocks
 
 
 def test_programs_share_the_system_prompt_blocks_only() -> None:

@@ -15,7 +15,7 @@ from enum import StrEnum
 from typing import Protocol
 
 from thunderctl.sim.clock import VirtualClock
-from thunderctl.sim.requests import Request, TokenStream
+from thunderctl.sim.requests import BlockHashes, Request, RetokenizedAnswer, TokenStream
 from thunderctl.sim.worker import SimWorker
 
 
@@ -164,6 +164,7 @@ class _AgentRun:
     steps: Sequence[Step]
     next_step: int = 0
     sent_s: float | None = None  # its first request; None for an aged program, whose start is history
+    retokenized: int = 0  # tokens its answers so far gained re-tokenized in its prompts
 
 
 @dataclass
@@ -184,6 +185,9 @@ class VirtualAgents:
     # A rollout batch (sim/rollout.py): programs in groups of `samples` (index // samples), which
     # share their first prompt; and no program starts after the first `concurrency`.
     samples: int = 0
+    # The preset's: how many tokens a generated one becomes sent back in the next prompt, when
+    # answers do not round-trip (None: they do).
+    answer_retokenized_ratio: float | None = None
     records: list[SimStep] = field(default_factory=list)
     completed: list[ProgramRun] = field(default_factory=list)  # programs that started at step 0, in end order
     sent: dict[int, float] = field(default_factory=dict)  # every such program's first request, ended or not
@@ -221,17 +225,21 @@ class VirtualAgents:
         start = self.clock.now
         if run.next_step == 0:
             run.sent_s = self.sent[run.index] = start
+        prompt = step.prompt_tokens + run.retokenized
+        stream: BlockHashes = run.stream
+        if self.answer_retokenized_ratio is not None:
+            stream = RetokenizedAnswer(run.stream, prompt // self.block_size, run.next_step)
 
         def submit(worker: SimWorker) -> None:
             admitted = self.clock.now
             request = Request(
-                run.stream, step.prompt_tokens, max(1, step.completion_tokens), arrival_s=start,
+                stream, prompt, max(1, step.completion_tokens), arrival_s=start,
                 on_finish=lambda finished: self._done(run, worker, finished, admitted),
                 program=run.program_id, tool_call=run.next_step + 1 < len(run.steps),
             )  # fmt: skip
             worker.submit(request)
 
-        self.router.send(run.program_id, step.prompt_tokens, self.workload.system_prompt_tokens, submit, run.group)
+        self.router.send(run.program_id, prompt, self.workload.system_prompt_tokens, submit, run.group)
 
     def _done(self, run: _AgentRun, worker: SimWorker, request: Request, admitted_s: float) -> None:
         step = run.steps[run.next_step]
@@ -248,6 +256,8 @@ class VirtualAgents:
         )
         tool = TOOL if self.tool_calls and request.tool_call else None
         self.router.done(run.program_id, worker, request.prompt_tokens, request.max_tokens, tool)
+        if self.answer_retokenized_ratio is not None:
+            run.retokenized += round((self.answer_retokenized_ratio - 1.0) * request.max_tokens)
         run.next_step += 1
         if run.next_step < len(run.steps):
             self.clock.after(step.tool_s, lambda: self._send(run))

@@ -255,7 +255,7 @@ def run_arm(arm: ArmName, spec: SimSpec, progress: Callable[[float], None] | Non
     loop = VirtualAgents(
         SampledWorkload(spec.workload, samples) if samples else spec.workload, spec.seed, spec.concurrency, clock,
         router, preset.engine.block_size, age_initial_programs=spec.age_initial_programs, client=spec.client,
-        tool_calls=spec.tool_calls, samples=samples,
+        tool_calls=spec.tool_calls, samples=samples, answer_retokenized_ratio=preset.answer_retokenized_ratio,
     )  # fmt: skip
     occupancy: list[OccupancySample] = []
     at_warmup: list[EngineCounters] = []

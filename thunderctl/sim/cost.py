@@ -100,6 +100,11 @@ class Preset:
     kv_bytes_per_token: int  # one worker's KV bytes per token, over all its GPUs
     host_link_bytes_per_s: float  # host ↔ GPU, what a host-tier hit moves its blocks over
     frontend: FrontendCost = FrontendCost()
+    # How many tokens an answer becomes when the client sends it back in the next prompt, per
+    # token generated, for a model whose answers do not survive detokenizing and re-tokenizing
+    # (other ids): then the next prompt's cache match ends at the block where the answer starts.
+    # None: answers come back as generated (a real model's text round-trips).
+    answer_retokenized_ratio: float | None = None
 
     def transfer_seconds(self, tokens: int) -> float:
         """Time to bring `tokens` of KV from the host tier back to the GPU."""

@@ -40,6 +40,30 @@ class TokenStream:
         return list(chain.from_iterable(self.block_runs(start, stop)))
 
 
+@dataclass(frozen=True)
+class RetokenizedAnswer:
+    """One request's blocks when its answer does not come back in the next prompt as generated
+    (re-tokenized to other ids): the blocks wholly inside its prompt are the program's stream;
+    from the block where the answer starts, hashes of this turn alone, which no later prompt
+    of the program hits (the request itself does, recomputed after a preemption)."""
+
+    stream: TokenStream
+    prompt_blocks: int
+    turn: int
+
+    def block_runs(self, start: int, stop: int) -> list[range]:
+        runs = self.stream.block_runs(start, min(stop, self.prompt_blocks))
+        lo = max(start, self.prompt_blocks)
+        if lo < stop:
+            # Above every hash of a TokenStream: (uid, turn) in the high bits, the block index low.
+            base = (1 << 96) + (self.stream.uid << 48) + (self.turn << 24)
+            runs.append(range(base + lo, base + stop))
+        return runs
+
+    def block_hashes(self, start: int, stop: int) -> list[int]:
+        return list(chain.from_iterable(self.block_runs(start, stop)))
+
+
 class BlockHashes(Protocol):
     """What the engine knows of a request's tokens: the hashes of its blocks start..stop-1, as
     increasing runs of consecutive integers and one by one (a `TokenStream`, or the HTTP
