@@ -131,13 +131,20 @@ def first_step_at(start_fraction: float, n_steps: int) -> int:
     return min(int(start_fraction * n_steps), n_steps - 1)
 
 
-def steps_that_fit(steps: Sequence[Step], max_context_tokens: int | None) -> Sequence[Step]:
-    """The steps before the first whose prompt and answer exceed the context (at least one)."""
+def steps_that_fit(
+    steps: Sequence[Step], max_context_tokens: int | None, first_step: int = 0, answer_ratio: float | None = None
+) -> Sequence[Step]:
+    """The steps before the first whose prompt and answer exceed the context (at least one). With
+    `answer_ratio`, each prompt from `first_step` on also carries the answers sent before it
+    re-tokenized, at that many tokens a generated one."""
     if max_context_tokens is None:
         return steps
+    grown = 0
     for k, step in enumerate(steps):
-        if k > 0 and step.prompt_tokens + step.completion_tokens > max_context_tokens:
+        if k > 0 and step.prompt_tokens + grown + step.completion_tokens > max_context_tokens:
             return steps[:k]
+        if answer_ratio is not None and k >= first_step:
+            grown += round((answer_ratio - 1.0) * max(1, step.completion_tokens))
     return steps
 
 
@@ -205,10 +212,12 @@ class VirtualAgents:
         self._next_index += 1
         program = self.workload.program(self.seed, index)
         steps = steps_that_fit(program.steps, self.workload.max_context_tokens)
-        self.steps_cut += len(program.steps) - len(steps)
         shared_blocks = self.workload.system_prompt_tokens // self.block_size
         aged = self.age_initial_programs and index < self.concurrency
         first_step = first_step_at(aged_start_fraction(self.seed, index), len(steps)) if aged else 0
+        # Answers re-tokenized in the prompts after them may cut the program sooner.
+        steps = steps_that_fit(steps, self.workload.max_context_tokens, first_step, self.answer_retokenized_ratio)
+        self.steps_cut += len(program.steps) - len(steps)
         group, stream = None, TokenStream(index + 1, shared_blocks)
         if self.samples:
             task = index // self.samples

@@ -225,7 +225,9 @@ class Engine:
                 continue
             self._extend(request, chunk)
             budget -= chunk
-        if not preempted:
+        # As vLLM, a step that preempted admits nobody; one that preempted its last request would
+        # be empty, and vLLM's next step, at once, admits.
+        if not preempted or not self.running:
             self._admit_waiting(now, budget)
         load = self._load()
         if load.scheduled_tokens == 0:
@@ -303,6 +305,8 @@ class Engine:
                 self._register(request, request.computed_tokens)
             if request.computed_tokens == 0:
                 if not self._admit_from_cache(request, now, budget):
+                    if index == 0 and self._give_back_held_blocks(now):
+                        continue
                     break
                 if request.ready_s is not None:
                     index += 1
@@ -310,6 +314,8 @@ class Engine:
             chunk = min(request.num_tokens - request.computed_tokens, budget)
             need = cdiv(request.computed_tokens + chunk, self.block_size) - request.num_blocks
             if need > self.pool.num_free:
+                if index == 0 and self._give_back_held_blocks(now):
+                    continue
                 break
             del self.waiting[index]
             if request.scheduled_s is None:
@@ -320,6 +326,21 @@ class Engine:
             self._prefilling.append(request)
             self._extend(request, chunk)
             budget -= chunk
+
+    def _give_back_held_blocks(self, now: float) -> bool:
+        """The waiting head does not fit while nothing runs or is pinned, so no block will ever be
+        freed for it: the waiting requests behind it that hold blocks (their host-tier loads) give
+        them back, what landed cached, and load again when their turn comes. Whether any did."""
+        if self.running or self._pinned:
+            return False
+        holders = [request for request in self.waiting[1:] if request.num_blocks]
+        for request in holders:
+            if request.ready_s is not None and request.ready_s > now:
+                request.computed_tokens = request.registered_blocks * self.block_size  # nothing landed
+            request.ready_s = None
+            self._release_blocks(request)
+            request.computed_tokens = 0
+        return bool(holders)
 
     def _admit_from_cache(self, request: Request, now: float, budget: int) -> bool:
         """Look the request's prefix up (device, then host) and adopt the hits; False when the
