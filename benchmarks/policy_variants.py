@@ -1,7 +1,7 @@
 """Variants of thunderctl's policy in the simulator, on the same programs: steps/min and whole programs.
 
     python benchmarks/policy_variants.py --variant default='{}' \\
-        --variant law='{"nearest_end_s": 300}' --workload long-tail --concurrency 64,128,256 --out results/variants.json
+        --variant law='{"waits.nearest_end_s": 300}' --workload long-tail --concurrency 64,128,256 --out results/variants.json
 
 Each variant is the thunderctl arm with some SchedulerConfig fields overridden (JSON); the
 named arms (`--arms`, e.g. sticky,reference) run beside them as baselines. One process, runs one

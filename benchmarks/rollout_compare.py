@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--engine-url", help="Use this running vLLM server (with VLLM_SERVER_DEV_MODE=1).")
     parser.add_argument(
         "--scheduler", action="append", default=[], metavar="KEY=VALUE",
-        help="A scheduler setting of the gateway (repeat), e.g. critical_path=false: a variant against vLLM alone.",
+        help="A scheduler setting of the gateway (repeat), e.g. waits.critical_path=false: a variant against vLLM alone.",
     )  # fmt: skip
     parser.add_argument("--out-dir", type=Path, default=Path("results/rollout"))
     parser.add_argument("bench_args", nargs="*", help="More `bench rollout` options, after --.")
