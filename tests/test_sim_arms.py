@@ -225,3 +225,14 @@ def test_bench_simulate_runs_the_long_tail_and_reports_whole_programs(tmp_path: 
     assert {"program_p50_s", "program_p90_s", "program_p99_s", "programs_per_min", "makespan_s"} <= figures.keys()
     assert figures["programs_done"] == 0, "30-90 steps with tools of seconds to minutes: none ends in two minutes"
     assert "programs/min" in result.output
+
+
+@pytest.mark.slow
+def test_cpu_tiny_with_a_host_tier_at_its_cache_knee_runs_to_the_end(tmp_path: Path) -> None:
+    # Re-tokenized answers and a host tier once left a preempted head behind requests holding
+    # loaded blocks with nothing running: the engine stopped with a wake in the past.
+    out = tmp_path / "knee.json"
+    args = "--preset cpu-tiny --workers 1 --concurrency 48 --duration 600 --host-kv-gib 1 --arms thunderctl"
+    result = CliRunner().invoke(app, ["bench", "simulate", *args.split(), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert out.is_file()
