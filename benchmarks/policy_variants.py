@@ -2,6 +2,13 @@
 
     python benchmarks/policy_variants.py --variant default='{}' \\
         --variant law='{"waits.nearest_end_s": 300}' --workload long-tail --concurrency 64,128,256 --out results/variants.json
+    python benchmarks/policy_variants.py --rollout 16x8 --arms sticky,reference \
+        --variant default='{}' --variant no-retention='{"retention.enabled": false}' --seed 2
+
+With `--rollout TASKSxSAMPLES` each run is one RL batch (tasks × samples a task, measured whole,
+from its start, for at most `--duration`, default 6 h) and reports its makespan, the last group's
+end ÷ the median group's, the makespan ÷ the critical path (the longest program alone) and the
+cache hit rate, instead of steps/min at each concurrency.
 
 Each variant is the thunderctl arm with some SchedulerConfig fields overridden (JSON); the
 named arms (`--arms`, e.g. sticky,reference) run beside them as baselines. One process, runs one
@@ -23,8 +30,12 @@ from thunderctl.bench.report import fmt
 from thunderctl.bench.simulate import WorkloadName, build_workload
 from thunderctl.sim.arms import ArmName, SimSpec, run_arm
 from thunderctl.sim.presets import get_preset, preset_names
+from thunderctl.sim.rollout import Rollout, critical_figures, critical_path
 
 FIGURES = ("steps_per_min", "program_p50_s", "program_p90_s", "program_p99_s", "programs_per_min", "p99_s")
+BATCH_FIGURES = ("makespan_s", "group_last_to_median", "makespan_to_critical_path", "hit_rate")
+DIGITS = {"makespan_s": 0, "group_last_to_median": 3, "makespan_to_critical_path": 3, "hit_rate": 3}
+BATCH_DURATION_S = 6 * 3600.0  # as `bench simulate --rollout`: a batch not over by then has no makespan
 
 
 def variant(text: str) -> tuple[str, dict[str, Any]]:
@@ -36,12 +47,20 @@ def variant(text: str) -> tuple[str, dict[str, Any]]:
     return name, parsed
 
 
+def rollout(text: str) -> Rollout:
+    try:
+        return Rollout.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="h100-tp4-32b", choices=preset_names())
     parser.add_argument("--workload", default=WorkloadName.LONG_TAIL.value, choices=[w.value for w in WorkloadName])
     parser.add_argument("--concurrency", default="64,128,256")
-    parser.add_argument("--duration", type=float, default=900.0)
+    parser.add_argument("--duration", type=float, help="Simulated seconds a point (default 900; 6 h a batch).")
+    parser.add_argument("--rollout", type=rollout, help="One RL batch of TASKSxSAMPLES instead of --concurrency.")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--arms", default="reference", help="Baseline arms, comma-separated (may be empty).")
@@ -54,30 +73,41 @@ def main() -> None:
     baselines = [ArmName(a) for a in args.arms.split(",") if a]
     report: dict[str, dict[str, dict[str, Any]]] = {}
     console = Console(width=160)
-    for concurrency in [int(c) for c in args.concurrency.split(",")]:
+    batch: Rollout | None = args.rollout
+    figures_shown = BATCH_FIGURES if batch else FIGURES
+    duration_s = args.duration or (BATCH_DURATION_S if batch else 900.0)
+    for concurrency in [batch.programs] if batch else [int(c) for c in args.concurrency.split(",")]:
         spec = SimSpec(
-            preset, workload, concurrency, args.duration, workers=args.workers, warmup_s=args.duration / 6,
-            seed=args.seed,
+            preset, workload, concurrency, duration_s, workers=args.workers, seed=args.seed, rollout=batch,
+            warmup_s=0.0 if batch else duration_s / 6,
         )  # fmt: skip
+        # The same programs in every run: one critical path (the longest program alone) for all.
+        path_s = critical_path(workload, args.seed, batch, preset).seconds if batch else None
         runs = [(arm.value, arm, {}) for arm in baselines] + [(n, ArmName.THUNDERCTL, o) for n, o in variants]
         point = report.setdefault(str(concurrency), {})
         for name, arm, overrides in runs:
             started = time.process_time()
             summary = run_arm(arm, SimSpec(**{**vars(spec), "policy": overrides})).summary(spec.warmup_s)
-            point[name] = {f: summary[f] for f in FIGURES} | {
+            if batch:
+                summary.update(critical_figures(summary["makespan_s"], path_s))
+            point[name] = {f: summary[f] for f in figures_shown} | {
                 "bound_pauses": summary.get("bound_pauses"), "cpu_s": time.process_time() - started,
             }  # fmt: skip
-        table = Table(title=f"{args.preset} × {args.workers}, {args.workload}, {concurrency} programs")
-        for column in ("variant", *FIGURES, "bound pauses"):
+        what = f"rollout {batch}" if batch else f"{concurrency} programs"
+        table = Table(title=f"{args.preset} × {args.workers}, {args.workload}, {what}, seed {args.seed}")
+        for column in ("variant", *figures_shown, "bound pauses"):
             table.add_column(column, justify="left" if column == "variant" else "right")
         for name, figures in point.items():
-            cells = [fmt(figures[f], digits=1) for f in FIGURES]
+            cells = [fmt(figures[f], digits=DIGITS.get(f, 1)) for f in figures_shown]
             table.add_row(name, *cells, str(figures["bound_pauses"] or ""))
         console.print(table)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(
-            json.dumps({"parameters": {**vars(args), "out": str(args.out)}, "points": report}, indent=1)
+            json.dumps(
+                {"parameters": {**vars(args), "out": str(args.out), "rollout": batch and str(batch)}, "points": report},
+                indent=1,
+            )
         )
 
 
