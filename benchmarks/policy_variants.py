@@ -2,7 +2,7 @@
 
     python benchmarks/policy_variants.py --variant default='{}' \\
         --variant law='{"waits.nearest_end_s": 300}' --workload long-tail --concurrency 64,128,256 --out results/variants.json
-    python benchmarks/policy_variants.py --rollout 16x8 --arms sticky,reference \
+    python benchmarks/policy_variants.py --rollout 16x8 --arms sticky,reference \\
         --variant default='{}' --variant no-retention='{"retention.enabled": false}' --seed 2
 
 With `--rollout TASKSxSAMPLES` each run is one RL batch (tasks × samples a task, measured whole,
@@ -30,12 +30,11 @@ from thunderctl.bench.report import fmt
 from thunderctl.bench.simulate import WorkloadName, build_workload
 from thunderctl.sim.arms import ArmName, SimSpec, run_arm
 from thunderctl.sim.presets import get_preset, preset_names
-from thunderctl.sim.rollout import Rollout, critical_figures, critical_path
+from thunderctl.sim.rollout import BATCH_MAX_S, Rollout, critical_figures, critical_path
 
 FIGURES = ("steps_per_min", "program_p50_s", "program_p90_s", "program_p99_s", "programs_per_min", "p99_s")
 BATCH_FIGURES = ("makespan_s", "group_last_to_median", "makespan_to_critical_path", "hit_rate")
 DIGITS = {"makespan_s": 0, "group_last_to_median": 3, "makespan_to_critical_path": 3, "hit_rate": 3}
-BATCH_DURATION_S = 6 * 3600.0  # as `bench simulate --rollout`: a batch not over by then has no makespan
 
 
 def variant(text: str) -> tuple[str, dict[str, Any]]:
@@ -75,14 +74,14 @@ def main() -> None:
     console = Console(width=160)
     batch: Rollout | None = args.rollout
     figures_shown = BATCH_FIGURES if batch else FIGURES
-    duration_s = args.duration or (BATCH_DURATION_S if batch else 900.0)
+    # The same programs in every run: one critical path (the longest program alone) for all.
+    path_s = critical_path(workload, args.seed, batch, preset).seconds if batch else None
+    duration_s = args.duration or (BATCH_MAX_S if batch else 900.0)
     for concurrency in [batch.programs] if batch else [int(c) for c in args.concurrency.split(",")]:
         spec = SimSpec(
             preset, workload, concurrency, duration_s, workers=args.workers, seed=args.seed, rollout=batch,
             warmup_s=0.0 if batch else duration_s / 6,
         )  # fmt: skip
-        # The same programs in every run: one critical path (the longest program alone) for all.
-        path_s = critical_path(workload, args.seed, batch, preset).seconds if batch else None
         runs = [(arm.value, arm, {}) for arm in baselines] + [(n, ArmName.THUNDERCTL, o) for n, o in variants]
         point = report.setdefault(str(concurrency), {})
         for name, arm, overrides in runs:

@@ -29,7 +29,7 @@ from thunderctl.bench.workloads import WorkloadChoice
 from thunderctl.sim.agents import Client
 from thunderctl.sim.arms import ArmName, SimSpec
 from thunderctl.sim.presets import UnknownPreset, get_preset, preset_names
-from thunderctl.sim.rollout import Rollout
+from thunderctl.sim.rollout import BATCH_MAX_S, Rollout
 from thunderctl.sim.sweep import BASELINE, run_sweep
 from thunderctl.terminal import fail
 from thunderctl.traceformat import TraceFormatError
@@ -263,7 +263,7 @@ def simulate(
         if batch is not None and warmup:
             raise ValueError("--warmup: a rollout batch is measured whole, from its start; leave --warmup out")
         concurrencies = [batch.programs] if batch else parse_list(concurrency, "--concurrency", int)
-        duration = duration or (6 * 3600.0 if batch else 1800.0)
+        duration = duration or (BATCH_MAX_S if batch else 1800.0)
         arm_names = parse_arms(arms)
         programs = build_workload(workload, trace, scale, shared_prefix, chosen.engine.max_model_len)
         spec = SimSpec(

@@ -30,6 +30,8 @@ from thunderctl.sim.cost import Preset
 STEPS_SIGMA = 0.3
 ANSWER_SIGMA = 0.5
 TOOL_SIGMA = 0.5
+# The most a simulated batch may take: one not over by then has no makespan.
+BATCH_MAX_S = 6 * 3600.0
 
 
 @dataclass(frozen=True)
