@@ -17,6 +17,10 @@ import uvicorn
 
 from thunderctl.engines.simulated.server import SimEngineConfig, SimServer
 from thunderctl.gateway import Gateway, WorkerLink, build_app
+from thunderctl.gateway.admissions import Admission, Admitted, AnswerEnd, Failure
+from thunderctl.gateway.apis import CHAT
+from thunderctl.gateway.relay import Relay
+from thunderctl.gateway.requests import PromptShape
 from thunderctl.gateway.views import programs_view
 from thunderctl.prometheus import parse_samples
 
@@ -325,3 +329,61 @@ async def test_a_worker_started_again_gets_no_request_until_its_new_engine_answe
         assert response.status_code == 200 and program(gateway, f"p{index}")["backend"] == "b"
     await gateway.refresh_metrics()  # its engine answers again
     assert gateway.worker_state(gateway.links["a"]) == "ready"
+
+
+@dataclass
+class Told:
+    """The scheduler side as a relay sees it (admissions.py), recording every message: it admits to
+    worker a, or to b when a just failed the request, and asks a failed request to go again once."""
+
+    messages: list[object] = field(default_factory=list)
+    keeps_answers: bool = False
+
+    async def admit(self, admission: Admission) -> Admitted:
+        self.messages.append(admission)
+        worker = "b" if admission.avoid == "a" else "a"
+        return Admitted(worker, f"http://{worker}:8000")
+
+    def finished(self, end: AnswerEnd) -> None:
+        self.messages.append(end)
+
+    def failed(self, failure: Failure) -> bool:
+        self.messages.append(failure)
+        return failure.attempt == 1
+
+    async def kept(self, program_id: str | None) -> None:
+        self.messages.append(("kept", program_id))
+
+    def route(self, program_id: str | None) -> Admitted:
+        return Admitted("a", "http://a:8000")
+
+
+async def relayed_through(told: Told, workers: Workers, body: dict) -> bytes:
+    """One request through a relay whose scheduler side is `told`; the answer's bytes."""
+    transport = workers.transport()
+    async with httpx.AsyncClient(transport=transport) as client:
+        relay = Relay(told, client, transport, clock=lambda: 0.0)
+        relayed = await relay.relay(CHAT, "/v1/chat/completions", body, "p1", PromptShape(chars=14))
+        if isinstance(relayed.body, bytes):
+            return relayed.body
+        return b"".join([chunk async for chunk in relayed.body])
+
+
+async def test_a_relay_tells_the_scheduler_side_a_streamed_answers_usage_tool_and_text_as_it_ends() -> None:
+    told = Told()
+    answer = await relayed_through(told, Workers(), chat(stream=True))
+    assert answer.endswith(b"data: [DONE]\n\n")
+    admission, end = told.messages
+    assert isinstance(admission, Admission) and (admission.program_id, admission.attempt) == ("p1", 1)
+    assert isinstance(end, AnswerEnd) and (end.worker, end.program_id, end.usage) == ("a", "p1", USAGE)
+    assert end.answer is not None and end.answer.text == "ok"
+    assert end.ttft_s is not None
+
+
+async def test_a_relay_tells_a_refused_connection_and_asks_again_away_from_that_worker() -> None:
+    told = Told()
+    await relayed_through(told, Workers(dead={"a"}), chat())
+    admission, failure, again, end = told.messages
+    assert failure == Failure("a", "p1", worker_down=True, attempt=1)
+    assert isinstance(again, Admission) and (again.avoid, again.attempt) == ("a", 2)
+    assert isinstance(end, AnswerEnd) and (end.worker, end.usage) == ("b", USAGE)

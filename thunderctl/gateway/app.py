@@ -15,12 +15,14 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from thunderctl.gateway.admin import WeightSync, admin_routes
-from thunderctl.gateway.apis import CHAT, GENERATION_ROUTES, MESSAGES, Answer, Api
+from thunderctl.gateway.admissions import ChainStep
+from thunderctl.gateway.apis import CHAT, GENERATION_ROUTES, MESSAGES, Api
 from thunderctl.gateway.auth import GatewayAuth, RequireApiKey
 from thunderctl.gateway.chains import not_found
 from thunderctl.gateway.disconnects import CountDisconnects
-from thunderctl.gateway.gateway import Gateway, WorkerError
+from thunderctl.gateway.gateway import Gateway
 from thunderctl.gateway.metrics import render_metrics
+from thunderctl.gateway.relay import WorkerError
 from thunderctl.gateway.requests import (
     PROGRAM_HEADER,
     Named,
@@ -90,7 +92,7 @@ def build_app(
             api.check(body)
         except BadRequest as exc:
             return api.error(exc.status, str(exc))
-        program_id, group, on_answer = named.program_id, named.group, None
+        program_id, group, chain = named.program_id, named.group, None
         if api.chained:
             previous = body.pop("previous_response_id", None)
             own_input = api.own_input(body)
@@ -102,7 +104,7 @@ def build_app(
                 body["input"], sent = [*gateway.chains.items(previous), *own_input], None
                 program_id = program_id or kept.program_id
             if body.get("store") is not False:
-                on_answer = keeper(previous, own_input, program_id)
+                chain = ChainStep(program_id, previous, own_input)
         turn = api.turn(body)
         shape = api.shape(body, turn)
         claim = gateway.derived.claim(turn) if program_id is None else None
@@ -111,9 +113,9 @@ def build_app(
         if docker_ids and program_id is not None and on_docker_ids is not None:
             on_docker_ids(program_id, docker_ids)
         try:
-            relayed = await gateway.relay(
+            relayed = await gateway.relay.relay(
                 api, request.url.path, body, program_id, shape, claim, group, sent, named.parent,
-                forwarded_headers(request.headers, keyed), on_answer,
+                forwarded_headers(request.headers, keyed), chain,
             )  # fmt: skip
         except (WorkerError, httpx.HTTPError) as exc:
             return api.error(502, str(exc), "backend_error")
@@ -122,13 +124,6 @@ def build_app(
         if isinstance(relayed.body, bytes):
             return Response(relayed.body, relayed.status, headers=headers, media_type=relayed.media_type)
         return RelayedStream(relayed.body, relayed.status, media_type=relayed.media_type, headers=headers)
-
-    def keeper(previous: str | None, own_input: list[Any], program_id: str | None) -> Callable[[Answer], None]:
-        def keep(answer: Answer) -> None:
-            if answer.whole is not None:
-                gateway.chains.keep(program_id, previous, own_input, answer.whole)
-
-        return keep
 
     async def stored_response(request: Request) -> Response:
         """`GET /v1/responses/{id}`: the gateway's copy; `POST …/cancel`: as vLLM answers for a response
@@ -150,7 +145,7 @@ def build_app(
             except BadRequest as exc:
                 return api.error(exc.status, str(exc))
             try:
-                answer = await gateway.forward(
+                answer = await gateway.relay.forward(
                     request.method, request.url.path, request.url.query, body, forwarded_headers(request.headers, keyed),
                     request.headers.get(PROGRAM_HEADER),
                 )  # fmt: skip

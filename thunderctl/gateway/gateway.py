@@ -1,35 +1,34 @@
-"""The gateway: admits each program's requests through the scheduler and relays them to vLLM.
+"""The gateway's scheduler side: admits each program's requests through the scheduler, hears how
+their answers end, and watches the workers.
 
-One asyncio process: request handlers, a scheduler tick loop and an engine-metrics poller.
-The scheduler stays synchronous; this module is the only place it meets I/O.
+One asyncio process: request handlers, a scheduler tick loop and an engine-metrics poller. The
+scheduler stays synchronous; this module is the only place it meets I/O. The bytes of each request
+and answer go through the relay (relay.py), which asks and tells this side only through the
+messages of admissions.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Awaitable, Callable
 
 import httpx
 
 from thunderctl.engines.vllm import EngineMetrics, engine_paused, fetch_metrics, is_healthy
+from thunderctl.gateway.admissions import Admission, Admitted, AnswerEnd, Failure
 from thunderctl.gateway.answers import uncached_prompt_tokens
-from thunderctl.gateway.apis import Api
-from thunderctl.gateway.apis.base import Answer, StreamedAnswer
 from thunderctl.gateway.chains import ResponseChains
 from thunderctl.gateway.derived import DerivedPrograms
-from thunderctl.gateway.identity import Claim, IdentityConfig
+from thunderctl.gateway.identity import IdentityConfig
 from thunderctl.gateway.links import WorkerLink, WorkerState
 from thunderctl.gateway.recorder import TraceRecorder
-from thunderctl.gateway.requests import PromptShape, TokenEstimator, relayed_payload
+from thunderctl.gateway.relay import Relay
+from thunderctl.gateway.requests import PromptShape, TokenEstimator
 from thunderctl.gateway.restored import Restored
-from thunderctl.gateway.sse import StreamRelay
-from thunderctl.gateway.stalls import StallWatch, UnansweredRequests, WorkerStalled
+from thunderctl.gateway.stalls import StallWatch
 from thunderctl.gateway.timings import GatewayTimings, watch_loop_lag
 from thunderctl.gateway.transport import AiohttpTransport
 from thunderctl.jsonapi import bearer_headers
@@ -49,10 +48,6 @@ class WorkerUnreachable(RuntimeError):
     pass
 
 
-class WorkerError(RuntimeError):
-    """A worker could not be reached mid-request; the client gets a 502 naming it."""
-
-
 # Consecutive failed health/metrics polls before a worker is taken out of scheduling.
 UNHEALTHY_AFTER = 3
 # How long a connect to a worker may take. Its timing out is no verdict on the worker (see _fail_over).
@@ -64,24 +59,6 @@ WORKER_KEEPALIVE_S = 4.0
 # Agents' connections idle through their tool calls; the gateway keeps them open longer than
 # their clients' pools (httpx: 5 s), so that the client, not the gateway, closes an idle one.
 AGENT_KEEPALIVE_S = 65
-
-
-@dataclass(frozen=True)
-class Relayed:
-    """A worker's answer: a whole body, or a stream of SSE events as they come."""
-
-    status: int
-    media_type: str
-    body: bytes | AsyncGenerator[bytes, None]
-
-
-def reads(response: httpx.Response) -> AsyncIterator[bytes]:
-    """A streamed answer's body, read by read. An SSE stream is not content-encoded (vLLM's is
-    not), so its reads come straight from the transport, past httpx's two layers of decoding and
-    re-chunking that would pass them on unchanged, at a cost per read."""
-    if "content-encoding" in response.headers or not isinstance(response.stream, httpx.AsyncByteStream):
-        return response.aiter_bytes()
-    return aiter(response.stream)
 
 
 class Gateway:
@@ -110,13 +87,11 @@ class Gateway:
         # Responses kept for `previous_response_id` chains across workers.
         self.chains = ResponseChains()
         self.timings = GatewayTimings()
-        self.resumed_priority = resumed_priority  # sent with a request that waited for its resume
         self.metrics_interval_s = metrics_interval_s
         self.started_at = clock()
         self._clock = clock
         self._resumed: dict[str, asyncio.Event] = {}
         self.stalls = StallWatch(self.scheduler.config.stall_timeout_s)
-        self.unanswered = UnansweredRequests()
         # Cleared while the cluster is paused for a weight update (admin.py): requests wait here.
         self.admitting = asyncio.Event()
         self.admitting.set()
@@ -127,8 +102,6 @@ class Gateway:
         # there, so that a client that has its answer whole can count on a restarted daemon knowing
         # it. None: nothing is kept.
         self.keep_answers: Callable[[str | None], Awaitable[None]] | None = None
-        # Each worker's endpoints parsed once: httpx parses a URL given as text on every request.
-        self._endpoints: dict[tuple[str, str], httpx.URL] = {}
         # Every call to a worker (relay, health, metrics) carries the cluster's worker key.
         self._transport = transport or AiohttpTransport(WORKER_KEEPALIVE_S)
         self._client = httpx.AsyncClient(
@@ -136,12 +109,8 @@ class Gateway:
             timeout=httpx.Timeout(None, connect=connect_timeout_s),
             transport=self._transport,
         )
-        # A relayed request goes straight to the transport with the client's headers and timeouts:
-        # the client's per-request work (URL and cookie merging, its cookie jar read and written,
-        # auth and redirect handling, a wrapper around every read of the answer) is none a relay needs.
-        self._relay_headers = httpx.Headers(self._client.headers)
-        self._relay_headers["content-type"] = "application/json"
-        self._relay_extensions = {"timeout": self._client.timeout.as_dict()}
+        # This process's relay; it asks and tells the gateway only what admissions.py declares.
+        self.relay = Relay(self, self._client, self._transport, clock, resumed_priority)
 
     # ---- life -----------------------------------------------------------------------------
 
@@ -273,7 +242,7 @@ class Gateway:
             return
         link.stalled = stalled
         if stalled:
-            given_up = self.unanswered.give_up(link.id)
+            given_up = self.relay.unanswered.give_up(link.id)
             log.warning(
                 "worker %s stalled (%d request(s) in flight, no progress for %gs); its programs and %d unanswered "
                 "request(s) move to other workers",
@@ -322,22 +291,16 @@ class Gateway:
             if waiter is not None:
                 waiter.set()
 
-    async def admit(
-        self,
-        program_id: str | None,
-        shape: PromptShape,
-        group: str | None = None,
-        parent: str | None = None,
-        avoid: WorkerLink | None = None,
-    ) -> tuple[WorkerLink, bool]:
-        """Where this request (of a program of `group`, under `parent`, when named) goes, and whether it
-        waited here for its program's resume. An unscheduled one goes elsewhere than `avoid` (the
-        worker that just failed it) while another worker is usable; a program's requeue did the same."""
+    async def _admit(self, admission: Admission) -> tuple[WorkerLink, bool]:
+        """Where a request goes, and whether it waited here for its program's resume. An unscheduled
+        one goes elsewhere than `avoid` (the worker that just failed it) while another worker is
+        usable; a program's requeue did the same."""
         await self.admitting.wait()
-        if program_id is None:
+        if admission.program_id is None:
+            avoid = self.links.get(admission.avoid) if admission.avoid is not None else None
             return self.least_loaded(avoid), False
         with self.timings.admission_wait.time():
-            return await self._admit_program(program_id, shape, group, parent)
+            return await self._admit_program(admission.program_id, admission.shape, admission.group, admission.parent)
 
     async def _admit_program(
         self, program_id: str, shape: PromptShape, group: str | None, parent: str | None
@@ -364,223 +327,66 @@ class Gateway:
         candidates = [u for u in usable if u is not avoid] or usable or list(self.links.values())
         return min(candidates, key=lambda u: u.in_flight)
 
-    # ---- relaying -------------------------------------------------------------------------
+    # ---- the relay's messages (admissions.py) ----------------------------------------------
 
-    async def relay(
-        self,
-        api: Api,
-        path: str,
-        body: dict[str, Any],
-        program_id: str | None,
-        shape: PromptShape,
-        claim: Claim | None = None,
-        group: str | None = None,
-        sent: bytes | None = None,
-        parent: str | None = None,
-        client_headers: Sequence[tuple[str, str]] = (),
-        on_answer: Callable[[Answer], None] | None = None,
-    ) -> Relayed:
-        """Send the request to its worker; account the engine's usage when it ends. `claim`: the
-        request's derived program, whose conversation its answer extends; `group`: the program's
-        group (groups.py), named or derived; `sent`: the body's bytes as the client sent them, when
-        the worker can have them so (requests.as_sent); `parent`: the program it was started from;
-        `client_headers`: the client's headers that go on to the worker (requests.forwarded_headers);
-        `on_answer`: called with a whole answer (not one cut short).
+    @property
+    def keeps_answers(self) -> bool:
+        return self.keep_answers is not None
 
-        A request that fails before any byte reached the client (its worker died or stalled) is tried
-        once more on another worker.
-        """
-        stream = bool(body.get("stream"))
-        client_wants_usage = True
-        ask_usage = stream and api.asks_usage
-        if ask_usage:
-            options = body.get("stream_options") or {}
-            client_wants_usage = bool(options.get("include_usage"))
-            body["stream_options"] = {**options, "include_usage": True}
-        if self.recorder is not None and program_id is not None:
-            self.recorder.on_request(program_id)
-        payload = relayed_payload(body, sent, ask_usage)
-        headers = self._worker_headers(client_headers)
-        failed: WorkerLink | None = None
-        for attempt in (1, 2):
-            link, waited = await self.admit(program_id, shape, group, parent, avoid=failed)
-            if waited and self.resumed_priority is not None:
-                # Resumed programs first inside the engine, as Dynamo's resume boost does.
-                payload = json.dumps({**body, "priority": self.resumed_priority}).encode()
-            link.add_in_flight(1, self._clock())
-            answer = api.streamed(self._clock())
-            response = None
-            try:
-                async with self.unanswered.waiting_on(link.id):  # given up if the worker stalls
-                    request = httpx.Request(
-                        "POST",
-                        self._endpoint(link, path),
-                        headers=headers,
-                        content=payload,
-                        extensions=self._relay_extensions,
-                    )
-                    response = await self._transport.handle_async_request(request)
-                    if response.status_code == 200 and stream:
-                        followed = program_id is not None or on_answer is not None
-                        relay = StreamRelay(answer if followed else None, client_wants_usage, self._clock, api.usage_of)
-                        lines = self._relay_stream(
-                            response, link, program_id, shape, relay, answer, claim, on_answer, api.final_events
-                        )
-                        return Relayed(200, response.headers.get("content-type", "text/event-stream"), lines)
-                    content = await response.aread()
-                break
-            except (httpx.TransportError, WorkerStalled) as exc:
-                link.add_in_flight(-1, self._clock())
-                if attempt == 1 and self._fail_over(link, program_id, exc):
-                    log.warning("worker %s failed (%r); the request goes again", link.id, exc)
-                    failed = link
-                    continue
-                self._finish_failed(program_id)
-                raise WorkerError(f"backend {link.id} ({link.url}) failed: {exc!r}") from exc
-            finally:
-                if response is not None and not (stream and response.status_code == 200):
-                    await response.aclose()
-        usage, tool = None, None
-        if response.status_code == 200:
-            with contextlib.suppress(ValueError, AttributeError):
-                answered = api.answered(json.loads(content))
-                usage, tool = answered.usage, answered.tool
-                self._answered(claim, answered, on_answer)
-        self._finish(link, program_id, shape, usage, tool)
-        if response.status_code == 200:
-            await self._keep(program_id, claim, on_answer)
-        media_type = response.headers.get("content-type", "application/json")
-        return Relayed(response.status_code, media_type, content)
+    async def admit(self, admission: Admission) -> Admitted:
+        if self.recorder is not None and admission.program_id is not None and admission.attempt == 1:
+            self.recorder.on_request(admission.program_id)
+        link, waited = await self._admit(admission)
+        link.add_in_flight(1, self._clock())
+        return Admitted(link.id, link.url, waited)
 
-    async def _relay_stream(
-        self,
-        response: httpx.Response,
-        link: WorkerLink,
-        program_id: str | None,
-        shape: PromptShape,
-        relay: StreamRelay,
-        answer: StreamedAnswer,
-        claim: Claim | None,
-        on_answer: Callable[[Answer], None] | None,
-        final_events: tuple[bytes, ...],
-    ) -> AsyncGenerator[bytes, None]:
-        ended = False
-        holds = self.keep_answers is not None and (claim is not None or on_answer is not None)
-        held = b""  # the stream's last event and anything after it, until the answer is kept
-        try:
-            async for data in reads(response):
-                if relayed := relay.feed(data):
-                    if holds and (held or any(event in relayed for event in final_events)):
-                        held += relayed
-                    else:
-                        yield relayed
-            if rest := relay.end():
-                if held:
-                    held += rest
-                else:
-                    yield rest
-            ended = True
-        finally:
-            # Runs on normal end, worker error and client disconnect alike: the slot is freed.
-            await response.aclose()
-            relay.settle()
-            whole = answer.answer() if program_id is not None or ended else None
-            tool = whole.tool if whole is not None and program_id is not None else None
-            self._finish(link, program_id, shape, relay.usage, tool, answer.ttft_s)
-            if ended and whole is not None:
-                # Only a whole answer: a client whose stream was cut does not echo it back.
-                self._answered(claim, whole, on_answer)
-        if held:
-            await self._keep(program_id, claim, on_answer)
-            yield held
+    def finished(self, end: AnswerEnd) -> None:
+        usage = end.usage
+        self.links[end.worker].add_in_flight(-1, self._clock())
+        if usage and usage.get("prompt_tokens"):
+            self.estimator.observe(end.shape, usage["prompt_tokens"])
+        if end.program_id is not None and usage and self.recorder is not None:
+            self.recorder.on_usage(end.program_id, usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0))
+        if usage and end.ttft_s:
+            self.scheduler.observe_prefill(uncached_prompt_tokens(usage), end.ttft_s)
+        account(self.scheduler, end.program_id, usage, end.tool)
+        if end.answer is not None:
+            self.derived.remember(end.claim, end.answer)
+            if end.chain is not None and end.answer.whole is not None:
+                self.chains.keep(end.chain.program_id, end.chain.previous, end.chain.own_input, end.answer.whole)
 
-    def _answered(self, claim: Claim | None, answer: Answer, on_answer: Callable[[Answer], None] | None) -> None:
-        self.derived.remember(claim, answer)
-        if on_answer is not None:
-            on_answer(answer)
+    def failed(self, failure: Failure) -> bool:
+        link = self.links[failure.worker]
+        link.add_in_flight(-1, self._clock())
+        if failure.attempt == 1 and self._fail_over(link, failure.program_id, failure.worker_down):
+            return True
+        if failure.program_id is not None:
+            self.scheduler.on_request_failed(failure.program_id)
+        return False
 
-    async def _keep(
-        self, program_id: str | None, claim: Claim | None, on_answer: Callable[[Answer], None] | None
-    ) -> None:
-        """Wait until what an answer taught the gateway (`_answered`) is kept, where something keeps it."""
-        if self.keep_answers is not None and (claim is not None or on_answer is not None):
+    async def kept(self, program_id: str | None) -> None:
+        if self.keep_answers is not None:
             await self.keep_answers(program_id)
 
-    def _endpoint(self, link: WorkerLink, path: str) -> httpx.URL:
-        url = self._endpoints.get((link.url, path))
-        if url is None:
-            url = self._endpoints[link.url, path] = httpx.URL(f"{link.url}{path}")
-        return url
+    def route(self, program_id: str | None) -> Admitted:
+        program = self.scheduler.programs.get(program_id) if program_id else None
+        worker = program.worker if program is not None and program.worker in self.links else None
+        link = self.links[worker] if worker is not None and self.links[worker].usable else self.least_loaded()
+        return Admitted(link.id, link.url)
 
-    def _fail_over(self, link: WorkerLink, program_id: str | None, exc: Exception) -> bool:
+    def _fail_over(self, link: WorkerLink, program_id: str | None, worker_down: bool) -> bool:
         """Take a worker that refused a connection out of scheduling (a stalled one is out already);
         the request goes back to the queue, to go again elsewhere. Is there a worker to try it on?"""
-        # A connect timeout is no verdict: on a starved event loop the timer fires before the loop
-        # sees the connection the worker made at once. The worker stays in service and the health
-        # poll decides whether it is dead; the request goes to another worker if one is usable (a
-        # worker whose accept queue is full drops connects until it catches up), else to the same.
-        if not isinstance(exc, WorkerStalled | httpx.ConnectTimeout):
+        # A connect timeout is no verdict (not `worker_down`): on a starved event loop the timer
+        # fires before the loop sees the connection the worker made at once. The worker stays in
+        # service and the health poll decides whether it is dead; the request goes to another worker
+        # if one is usable (a worker whose accept queue is full drops connects until it catches up),
+        # else to the same.
+        if worker_down:
             self.mark_unhealthy(link)
         if program_id is not None:
             self.scheduler.requeue(program_id, avoid=link.id)
         return any(u.usable for u in self.links.values())
-
-    def _finish(
-        self,
-        link: WorkerLink,
-        program_id: str | None,
-        shape: PromptShape,
-        usage: dict | None,
-        tool: str | None = None,
-        ttft_s: float | None = None,
-    ) -> None:
-        link.add_in_flight(-1, self._clock())
-        if usage and usage.get("prompt_tokens"):
-            self.estimator.observe(shape, usage["prompt_tokens"])
-        if program_id is not None and usage and self.recorder is not None:
-            self.recorder.on_usage(program_id, usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0))
-        if usage and ttft_s:
-            self.scheduler.observe_prefill(uncached_prompt_tokens(usage), ttft_s)
-        account(self.scheduler, program_id, usage, tool)
-
-    def _finish_failed(self, program_id: str | None) -> None:
-        if program_id is not None:
-            self.scheduler.on_request_failed(program_id)
-
-    def _worker_headers(self, client_headers: Sequence[tuple[str, str]]) -> httpx.Headers:
-        """The gateway's headers to a worker, with the client's that go on (its key but where the
-        worker has one of its own)."""
-        if not client_headers:
-            return self._relay_headers
-        headers = httpx.Headers(self._relay_headers)
-        keyed = "authorization" in self._relay_headers
-        for name, value in client_headers:
-            if not (keyed and name.lower() == "authorization"):
-                headers[name] = value
-        return headers
-
-    async def forward(
-        self,
-        method: str,
-        path: str,
-        query: str,
-        body: bytes,
-        client_headers: Sequence[tuple[str, str]] = (),
-        program_id: str | None = None,
-    ) -> Relayed:
-        """A request of an engine's route the gateway does not schedule (tokenize, a model's card,
-        embeddings…), relayed whole: to the worker of the program it names when that program is placed
-        (its tokens and cache are there), else to the least-loaded worker."""
-        program = self.scheduler.programs.get(program_id) if program_id else None
-        worker = program.worker if program is not None and program.worker in self.links else None
-        link = self.links[worker] if worker is not None and self.links[worker].usable else self.least_loaded()
-        url = f"{link.url}{path}" + (f"?{query}" if query else "")
-        headers = self._worker_headers(client_headers)
-        try:
-            response = await self._client.request(method, url, content=body or None, headers=headers)
-        except httpx.HTTPError as exc:
-            raise WorkerError(f"backend {link.id} ({link.url}) failed: {exc!r}") from exc
-        return Relayed(response.status_code, response.headers.get("content-type", "application/json"), response.content)
 
     def count_client_disconnect(self) -> int:
         self.client_disconnects += 1

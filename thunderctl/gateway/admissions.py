@@ -1,0 +1,111 @@
+"""What a relay asks of the scheduler side, and tells it, about each generation request.
+
+The relay (relay.py) carries bytes; the scheduler side (gateway.py) decides. They meet only here,
+in four messages of plain data: a request's admission (where it goes, once its program may run),
+the end of its answer (what the answer taught the scheduler), a failure (whether to try again),
+and the wait until what an answer taught is kept. Today the gateway answers them in its own
+process; they are the messages a relay process would send to the scheduler's process
+(docs/gateway.md, "Past one core").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from thunderctl.apiusage import Usage
+from thunderctl.gateway.apis.base import Answer
+from thunderctl.gateway.identity import Claim
+from thunderctl.gateway.requests import PromptShape
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """A generation request's ask for a worker: of its program (None: unscheduled), the program's
+    group and parent, the worker that just failed it (`avoid`), and which try it is."""
+
+    program_id: str | None
+    shape: PromptShape
+    group: str | None = None
+    parent: str | None = None
+    avoid: str | None = None
+    attempt: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """The worker a request goes to, and whether it waited for its program's resume."""
+
+    worker: str
+    url: str
+    waited: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ChainStep:
+    """A Responses answer to keep for `previous_response_id` chains: the response it follows, and
+    the input it added (chains.py)."""
+
+    program_id: str | None
+    previous: str | None
+    own_input: list[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerEnd:
+    """The end of a request's answer on `worker`, whole or cut short: the engine's usage, the tool
+    the answer called, its first token's time, and, when the client had it whole, the answer itself
+    with what it extends (a derived program's conversation, a chain)."""
+
+    worker: str
+    program_id: str | None
+    shape: PromptShape
+    usage: Usage | None
+    tool: str | None = None
+    ttft_s: float | None = None
+    answer: Answer | None = None
+    claim: Claim | None = None
+    chain: ChainStep | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """A request that failed on `worker` before any byte reached its client. `worker_down`: the
+    failure says the worker is gone (a refused connection), not only slow or stalled."""
+
+    worker: str
+    program_id: str | None
+    worker_down: bool
+    attempt: int
+
+
+class Admissions(Protocol):
+    """The scheduler side, as a relay sees it."""
+
+    @property
+    def keeps_answers(self) -> bool:
+        """Whether what an answer teaches is kept somewhere (the daemon's journal) before its client
+        has the answer's end."""
+        ...
+
+    async def admit(self, admission: Admission) -> Admitted:
+        """Where the request goes; waits while its program is paused or the cluster pauses for a
+        weight update. The worker counts it in flight from here."""
+        ...
+
+    def finished(self, end: AnswerEnd) -> None:
+        """The answer ended; its worker no longer counts it in flight."""
+        ...
+
+    def failed(self, failure: Failure) -> bool:
+        """The request failed; whether it goes again (to another worker, when one is usable)."""
+        ...
+
+    async def kept(self, program_id: str | None) -> None:
+        """Until what the program's last answer taught is kept."""
+        ...
+
+    def route(self, program_id: str | None) -> Admitted:
+        """Where a request of an unscheduled engine route goes: the worker of the program it names,
+        when that program is placed there, else the least-loaded worker."""
+        ...
