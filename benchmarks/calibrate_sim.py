@@ -16,9 +16,10 @@ one on the same closed-loop load (issue 16).
 
     python benchmarks/calibrate_sim.py --kv-blocks 1024 --concurrency 16,48 --sim-engine --out results/sim_engine.jsonl
 
-This machine's speed moves about 2x between sessions (the same rows made 152-220 and 171-404
-steps/min on two days), so the simulated side can run on a machine fitted to the run: with
-`--resimulate --slowdown auto` the simulator's engine and API server are slowed by the one
+This machine's speed moves between sessions, and not by one factor (the row of 16 programs on the
+small cache made 220 and 152 steps/min on two days, the one of 48 404 and 171), so the simulated
+side can run on a machine fitted to the run: with `--resimulate --slowdown auto` the virtual-time
+simulator's engine and API server (not `--sim-engine`'s) are slowed by the one
 factor at which each cache's row with the fewest programs makes the real engine's steps/min, and
 the other rows are predicted from it. At a cache's knee one 180 s window is a single draw of a
 wide spread: `--sim-seeds N` simulates each row at N seeds and reports the hit rate's range.
@@ -99,8 +100,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--slowdown", default="1",
-        help="How many times slower than cpu-tiny's fit the simulated machine runs (its engine steps and API "
-        "server alike); `auto`, with --resimulate: fitted to each cache's row with the fewest programs.",
+        help="How many times slower than cpu-tiny's fit the virtual-time simulator's machine runs (its engine "
+        "steps and API server alike); `auto`, with --resimulate: fitted to each cache's row with the fewest programs.",
     )  # fmt: skip
     parser.add_argument(
         "--sim-seeds", type=int, default=1,
