@@ -1,11 +1,12 @@
 """What a relay asks of the scheduler side, and tells it, about each generation request.
 
 The relay (relay.py) carries bytes; the scheduler side (gateway.py) decides. They meet only here,
-in four messages of plain data: a request's admission (where it goes, once its program may run),
-the end of its answer (what the answer taught the scheduler), a failure (whether to try again),
-and the wait until what an answer taught is kept. Today the gateway answers them in its own
-process; they are the messages a relay process would send to the scheduler's process
-(docs/gateway.md, "Past one core").
+in messages of plain data: a request's admission (where it goes, once its program may run), the
+end of its answer (what the answer taught the scheduler), a failure (whether to try again), the
+wait until what an answer taught is kept, and the route of an unscheduled request; the other way,
+one push: give up the unanswered requests on a stalled worker. Today they are calls within the
+gateway's process; they are the messages a relay process and the scheduler's process would send
+each other (docs/gateway.md, "Past one core").
 """
 
 from __future__ import annotations
@@ -108,4 +109,13 @@ class Admissions(Protocol):
     def route(self, program_id: str | None) -> Admitted:
         """Where a request of an unscheduled engine route goes: the worker of the program it names,
         when that program is placed there, else the least-loaded worker."""
+        ...
+
+
+class Relays(Protocol):
+    """The relays, as the scheduler side sees them: what it tells them unasked."""
+
+    def give_up(self, worker: str) -> int:
+        """Give up the requests on `worker` with no byte of their answer yet (it stalled; each goes
+        to another worker); how many there were."""
         ...

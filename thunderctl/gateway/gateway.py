@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 import httpx
 
 from thunderctl.engines.vllm import EngineMetrics, engine_paused, fetch_metrics, is_healthy
-from thunderctl.gateway.admissions import Admission, Admitted, AnswerEnd, Failure
+from thunderctl.gateway.admissions import Admission, Admitted, AnswerEnd, Failure, Relays
 from thunderctl.gateway.answers import uncached_prompt_tokens
 from thunderctl.gateway.chains import ResponseChains
 from thunderctl.gateway.derived import DerivedPrograms
@@ -109,8 +109,9 @@ class Gateway:
             timeout=httpx.Timeout(None, connect=connect_timeout_s),
             transport=self._transport,
         )
-        # This process's relay; it asks and tells the gateway only what admissions.py declares.
+        # This process's relay; it and the gateway tell each other only what admissions.py declares.
         self.relay = Relay(self, self._client, self._transport, clock, resumed_priority)
+        self.relays: list[Relays] = [self.relay]
 
     # ---- life -----------------------------------------------------------------------------
 
@@ -242,7 +243,7 @@ class Gateway:
             return
         link.stalled = stalled
         if stalled:
-            given_up = self.relay.unanswered.give_up(link.id)
+            given_up = sum(relay.give_up(link.id) for relay in self.relays)
             log.warning(
                 "worker %s stalled (%d request(s) in flight, no progress for %gs); its programs and %d unanswered "
                 "request(s) move to other workers",

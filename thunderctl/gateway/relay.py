@@ -65,7 +65,7 @@ class Relay:
         self.admissions = admissions
         self.resumed_priority = resumed_priority
         # Each worker's requests with no byte of their answer yet, given up when it stalls.
-        self.unanswered = UnansweredRequests()
+        self._unanswered = UnansweredRequests()
         self._client = client
         self._transport = transport
         self._clock = clock
@@ -120,7 +120,7 @@ class Relay:
             answer = api.streamed(self._clock())
             response = None
             try:
-                async with self.unanswered.waiting_on(admitted.worker):  # given up if the worker stalls
+                async with self._unanswered.waiting_on(admitted.worker):  # given up if the worker stalls
                     request = httpx.Request(
                         "POST",
                         self._endpoint(admitted.url, path),
@@ -160,6 +160,9 @@ class Relay:
             await self.admissions.kept(program_id)
         media_type = response.headers.get("content-type", "application/json")
         return Relayed(response.status_code, media_type, content)
+
+    def give_up(self, worker: str) -> int:
+        return self._unanswered.give_up(worker)
 
     def _holds(self, claim: Claim | None, chain: ChainStep | None) -> bool:
         """Whether an answer's end waits until what it taught is kept."""
