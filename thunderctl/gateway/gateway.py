@@ -292,17 +292,6 @@ class Gateway:
             if waiter is not None:
                 waiter.set()
 
-    async def _admit(self, admission: Admission) -> tuple[WorkerLink, bool]:
-        """Where a request goes, and whether it waited here for its program's resume. An unscheduled
-        one goes elsewhere than `avoid` (the worker that just failed it) while another worker is
-        usable; a program's requeue did the same."""
-        await self.admitting.wait()
-        if admission.program_id is None:
-            avoid = self.links.get(admission.avoid) if admission.avoid is not None else None
-            return self.least_loaded(avoid), False
-        with self.timings.admission_wait.time():
-            return await self._admit_program(admission.program_id, admission.shape, admission.group, admission.parent)
-
     async def _admit_program(
         self, program_id: str, shape: PromptShape, group: str | None, parent: str | None
     ) -> tuple[WorkerLink, bool]:
@@ -335,9 +324,18 @@ class Gateway:
         return self.keep_answers is not None
 
     async def admit(self, admission: Admission) -> Admitted:
-        if self.recorder is not None and admission.program_id is not None and admission.attempt == 1:
-            self.recorder.on_request(admission.program_id)
-        link, waited = await self._admit(admission)
+        """An unscheduled request goes elsewhere than `avoid` (the worker that just failed it) while
+        another worker is usable; a program's requeue did the same."""
+        program_id = admission.program_id
+        if self.recorder is not None and program_id is not None and admission.attempt == 1:
+            self.recorder.on_request(program_id)
+        await self.admitting.wait()
+        if program_id is None:
+            avoid = self.links[admission.avoid] if admission.avoid is not None else None
+            link, waited = self.least_loaded(avoid), False
+        else:
+            with self.timings.admission_wait.time():
+                link, waited = await self._admit_program(program_id, admission.shape, admission.group, admission.parent)
         link.add_in_flight(1, self._clock())
         return Admitted(link.id, link.url, waited)
 
