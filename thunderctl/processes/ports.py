@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import random
 import socket
+from pathlib import Path
+
+# Where Linux says which ports it hands to outgoing connections.
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+# Below this sit the well-known servers a developer machine runs (databases, dev servers).
+UNHANDED_LOW = 10000
 
 
 def port_free(host: str, port: int) -> bool:
@@ -22,15 +29,39 @@ def pick_free_port(host: str = "127.0.0.1") -> int:
 
 
 def pick_free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """`count` distinct free ports: all sockets stay bound until every port is chosen."""
-    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    """`count` distinct free ports: all sockets stay bound until every port is chosen.
+
+    They come from outside the kernel's ephemeral range: a port asked of the kernel (bind to 0)
+    is one it also hands to outgoing connections, so between the choice and the server's bind
+    any client on the machine could take it (a soak's `up` failed so in CI)."""
+    candidates = _unhanded_ports()
+    sockets: list[socket.socket] = []
     try:
-        for sock in sockets:
-            sock.bind((host, 0))
+        for port in random.SystemRandom().sample(candidates, len(candidates)):
+            if len(sockets) == count:
+                break
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                sock.bind((host, port))
+            except OSError:
+                sock.close()
+                continue
+            sockets.append(sock)
+        if len(sockets) < count:
+            raise OSError(f"fewer than {count} free ports on {host} outside the ephemeral range")
         return [sock.getsockname()[1] for sock in sockets]
     finally:
         for sock in sockets:
             sock.close()
+
+
+def _unhanded_ports() -> list[int]:
+    """Ports from 10000 up that the kernel does not hand to outgoing connections."""
+    try:
+        low, high = (int(word) for word in EPHEMERAL_RANGE.read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default, where the range cannot be read
+    return [*range(UNHANDED_LOW, max(low, UNHANDED_LOW)), *range(max(high + 1, UNHANDED_LOW), 65536)]
 
 
 def listening_socket(host: str, port: int, backlog: int) -> socket.socket:
