@@ -31,9 +31,9 @@ def loaded_gateway(programs: int, remembered: int) -> tuple[Gateway, VirtualCloc
     index = gateway.derived.conversations
     assert index is not None
     for n in range(remembered):  # conversations of programs that ended long ago, and the live ones last
-        claim = gateway.derived.claim(Turn(messages=[{"role": "user", "content": f"task {n}"}]))
+        claim = index.follow(Turn(messages=[{"role": "user", "content": f"task {n}"}]))
         assert claim is not None
-        index.answered_chat(claim, {"content": f"answer {n}"})
+        index.answered(claim, message={"content": f"answer {n}"})
     for n in range(programs):
         step(gateway, clock, f"p{n}", 30)
     return gateway, clock
@@ -69,7 +69,7 @@ async def measure(programs: int, remembered: int, ticks: int) -> None:
         for _ in range(ticks):
             for n, program in enumerate(list(gateway.scheduler.programs)):  # every program one step on
                 step(gateway, clock, program)
-                index.answered_chat(live[n], {"content": f"step {clock.now}"})
+                index.answered(live[n], message={"content": f"step {clock.now}"})
             await journal.write(gateway)
             loop_ms.append(journal.stats.capture_ms)
             thread_ms.append(journal.stats.write_ms)
@@ -81,7 +81,7 @@ async def measure(programs: int, remembered: int, ticks: int) -> None:
         alone_ms = []
         for n, program in enumerate(list(gateway.scheduler.programs)):
             step(gateway, clock, program)
-            index.answered_chat(live[n], {"content": f"kept {clock.now}"})
+            index.answered(live[n], message={"content": f"kept {clock.now}"})
             started = time.perf_counter()
             await journal.keep(gateway, program)
             alone_ms.append(1000 * (time.perf_counter() - started))
@@ -90,7 +90,7 @@ async def measure(programs: int, remembered: int, ticks: int) -> None:
               f"p99 {alone_ms[int(0.99 * len(alone_ms))]:.2f} ms")  # fmt: skip
         for n, program in enumerate(list(gateway.scheduler.programs)):
             step(gateway, clock, program)
-            index.answered_chat(live[n], {"content": f"together {clock.now}"})
+            index.answered(live[n], message={"content": f"together {clock.now}"})
         started = time.perf_counter()
         await asyncio.gather(*(journal.keep(gateway, p) for p in list(gateway.scheduler.programs)))
         print(f"{programs} answers kept at once: {1000 * (time.perf_counter() - started):.0f} ms for all")
@@ -113,7 +113,7 @@ async def measure(programs: int, remembered: int, ticks: int) -> None:
 
 
 def claim_of(gateway: Gateway, n: int):
-    claim = gateway.derived.claim(Turn(messages=[{"role": "user", "content": f"live {n}"}]))
+    claim = asyncio.run(gateway.relay.follow(Turn(messages=[{"role": "user", "content": f"live {n}"}])))
     assert claim is not None
     return claim
 

@@ -217,9 +217,9 @@ def filled_index(remembered: int) -> ConversationIndex:
     """An index holding `remembered` short conversations."""
     index = ConversationIndex(remembered)
     for i in range(remembered):
-        claim = index.claim(Turn(messages=[{"role": "user", "content": f"task {i}"}]))
+        claim = index.follow(Turn(messages=[{"role": "user", "content": f"task {i}"}]))
         assert claim is not None
-        index.answered_chat(claim, {"role": "assistant", "content": "ok"})
+        index.answered(claim, message={"role": "assistant", "content": "ok"})
     return index
 
 
@@ -240,22 +240,22 @@ def index_cost(rounds: int = 30) -> dict[str, float]:
             ("text", Turn(prompt=text), lambda n: Turn(prompt=text + " ok obs" * n)),
             ("ids", Turn(prompt=ids), lambda n: Turn(prompt=ids + [1, 2] * n)),
         ):  # fmt: skip
-            claim = index.claim(first)
+            claim = index.follow(first)
             durations = []
             for n in range(1, rounds + 1):
                 assert claim is not None
                 if kind == "chat":
-                    index.answered_chat(claim, {"role": "assistant", "content": "ok"})
+                    index.answered(claim, message={"role": "assistant", "content": "ok"})
                 else:
-                    index.answered_completion(claim, " ok", [1] if kind == "ids" else None)
+                    index.answered(claim, text=" ok", token_ids=[1] if kind == "ids" else None)
                 body = step(n)
                 started = time.perf_counter()
-                continued = index.claim(body)
+                continued = index.follow(body)
                 assert continued is not None
                 if kind == "chat":
-                    index.answered_chat(continued, {"role": "assistant", "content": "ok"})
+                    index.answered(continued, message={"role": "assistant", "content": "ok"})
                 else:
-                    index.answered_completion(continued, " ok", [1] if kind == "ids" else None)
+                    index.answered(continued, text=" ok", token_ids=[1] if kind == "ids" else None)
                 durations.append(time.perf_counter() - started)
                 if kind == "text":  # the completion is " ok"; the next prompt adds " obs" after it
                     assert continued.program_id == claim.program_id

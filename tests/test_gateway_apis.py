@@ -61,9 +61,9 @@ def messages_request(messages: list[Any]) -> dict[str, Any]:
 
 
 def claimed(index: ConversationIndex, api: Api, body: dict[str, Any], answer: dict[str, Any]) -> str:
-    claim = index.claim(api.turn(body))
+    claim = index.follow(api.turn(body))
     assert claim is not None
-    index.answered_chat(claim, api.answered(answer).message or {})
+    index.answered(claim, message=api.answered(answer).message or {})
     return claim.program_id
 
 
@@ -163,11 +163,11 @@ def test_a_messages_stream_gives_the_same_answer_as_the_whole_message() -> None:
     whole = MESSAGES.answered(MESSAGE)
     assert reader.ttft_s == 3.0 and reader.answer().tool == whole.tool == "Bash ls"
     index = ConversationIndex(10)
-    claim = index.claim(MESSAGES.turn(messages_request([{"role": "user", "content": "go"}])))
+    claim = index.follow(MESSAGES.turn(messages_request([{"role": "user", "content": "go"}])))
     assert claim is not None
-    index.answered_chat(claim, reader.answer().message or {})
+    index.answered(claim, message=reader.answer().message or {})
     follow = messages_request([{"role": "user", "content": "go"}, {"role": "assistant", "content": MESSAGE_CONTENT}])
-    assert index.claim(MESSAGES.turn(follow)).program_id == claim.program_id  # type: ignore[union-attr]
+    assert index.follow(MESSAGES.turn(follow)).program_id == claim.program_id  # type: ignore[union-attr]
     assert usage == {"prompt_tokens": 120, "completion_tokens": 30, "prompt_tokens_details": {"cached_tokens": 100}}
 
 
@@ -197,9 +197,9 @@ def test_claude_codes_session_in_metadata_names_the_program_in_either_form() -> 
 
 def test_token_in_generate_requests_continue_their_program_by_their_ids() -> None:
     index = ConversationIndex(10)
-    first = index.claim(GENERATE.turn({"token_ids": [1, 2, 3]}))
+    first = index.follow(GENERATE.turn({"token_ids": [1, 2, 3]}))
     assert first is not None
     answer = GENERATE.answered({"choices": [{"index": 0, "token_ids": [7, 8]}], "usage": {"prompt_tokens": 3}})
-    index.answered_completion(first, answer.text or "", answer.token_ids)
-    follow = index.claim(GENERATE.turn({"token_ids": [1, 2, 3, 7, 8, 42]}))
+    index.answered(first, text=answer.text or "", token_ids=answer.token_ids)
+    follow = index.follow(GENERATE.turn({"token_ids": [1, 2, 3, 7, 8, 42]}))
     assert follow is not None and follow.program_id == first.program_id

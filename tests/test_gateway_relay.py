@@ -17,8 +17,9 @@ import uvicorn
 
 from thunderctl.engines.simulated.server import SimEngineConfig, SimServer
 from thunderctl.gateway import Gateway, WorkerLink, build_app
-from thunderctl.gateway.admissions import Admission, Admitted, AnswerEnd, Failure
+from thunderctl.gateway.admissions import Admission, Admitted, AnswerEnd, Chain, Failure
 from thunderctl.gateway.apis import CHAT
+from thunderctl.gateway.identity import Candidates, ChatKeys, Claim, Keys, Match, PromptKeys, PromptMatches
 from thunderctl.gateway.relay import Relay
 from thunderctl.gateway.requests import PromptShape
 from thunderctl.gateway.views import programs_view
@@ -338,6 +339,18 @@ class Told:
 
     messages: list[object] = field(default_factory=list)
     keeps_answers: bool = False
+    derives: bool = True
+
+    async def claim(self, keys: Keys, matches: PromptMatches) -> Claim | None:
+        self.messages.append(keys)
+        return Claim("conv-1", Match.NEW, "first-1")
+
+    async def candidates(self, keys: PromptKeys) -> Candidates:
+        self.messages.append(keys)
+        return Candidates()
+
+    async def chain(self, response_id: str) -> Chain | None:
+        return None
 
     async def admit(self, admission: Admission) -> Admitted:
         self.messages.append(admission)
@@ -358,26 +371,40 @@ class Told:
         return Admitted("a", "http://a:8000")
 
 
-async def relayed_through(told: Told, workers: Workers, body: dict) -> bytes:
-    """One request through a relay whose scheduler side is `told`; the answer's bytes."""
+async def relayed_through(told: Told, workers: Workers, body: dict, derived: bool = False) -> bytes:
+    """One request through a relay whose scheduler side is `told` (of program p1, or `derived` from
+    its conversation); the answer's bytes."""
     transport = workers.transport()
     async with httpx.AsyncClient(transport=transport) as client:
         relay = Relay(told, client, transport, clock=lambda: 0.0)
-        relayed = await relay.relay(CHAT, "/v1/chat/completions", body, "p1", PromptShape(chars=14))
+        followed = await relay.follow(CHAT.turn(body)) if derived else None
+        program_id = followed.program_id if followed is not None else "p1"
+        shape = PromptShape(chars=14)
+        relayed = await relay.relay(CHAT, "/v1/chat/completions", body, program_id, shape, followed)
         if isinstance(relayed.body, bytes):
             return relayed.body
         return b"".join([chunk async for chunk in relayed.body])
 
 
-async def test_a_relay_tells_the_scheduler_side_a_streamed_answers_usage_tool_and_text_as_it_ends() -> None:
+async def test_a_relay_tells_the_scheduler_side_a_streamed_answers_usage_and_first_token_time_as_it_ends() -> None:
     told = Told()
     answer = await relayed_through(told, Workers(), chat(stream=True))
     assert answer.endswith(b"data: [DONE]\n\n")
     admission, end = told.messages
     assert isinstance(admission, Admission) and (admission.program_id, admission.attempt) == ("p1", 1)
     assert isinstance(end, AnswerEnd) and (end.worker, end.program_id, end.usage) == ("a", "p1", USAGE)
-    assert end.answer is not None and end.answer.text == "ok"
     assert end.ttft_s is not None
+
+
+async def test_a_derived_programs_scheduler_side_is_told_hashes_and_never_the_conversations_text() -> None:
+    told = Told()
+    body = chat(stream=True)
+    body["messages"] = [{"role": "user", "content": "fix the parser in répertoire/secret_module.py"}]
+    await relayed_through(told, Workers(), body, derived=True)
+    keys, admission, end = told.messages
+    assert isinstance(keys, ChatKeys) and isinstance(admission, Admission) and admission.program_id == "conv-1"
+    assert isinstance(end, AnswerEnd) and end.conversation is not None  # what its next turn is found by
+    assert "secret_module" not in repr(told.messages)
 
 
 async def test_a_relay_tells_a_refused_connection_and_asks_again_away_from_that_worker() -> None:

@@ -57,8 +57,8 @@ def chat(task: str) -> dict:
 
 def test_derived_programs_that_share_a_first_prompt_share_a_group() -> None:
     index = ConversationIndex(64)
-    samples = [index.claim(Turn(**chat("Fix issue 42."))) for _ in range(3)]
-    other = index.claim(Turn(**chat("Fix issue 43.")))
+    samples = [index.follow(Turn(**chat("Fix issue 42."))) for _ in range(3)]
+    other = index.follow(Turn(**chat("Fix issue 43.")))
     assert all(s is not None and other is not None for s in [*samples, other])
     assert len({s.program_id for s in samples}) == 3, "each sample its own program"
     assert len({s.group for s in samples}) == 1 and samples[0].group != other.group
@@ -66,7 +66,7 @@ def test_derived_programs_that_share_a_first_prompt_share_a_group() -> None:
 
 def test_completions_of_the_same_token_ids_share_a_group() -> None:
     index = ConversationIndex(64)
-    first, second, other = (index.claim(Turn(prompt=ids)) for ids in ([1, 2, 3], [1, 2, 3], [1, 2, 4]))
+    first, second, other = (index.follow(Turn(prompt=ids)) for ids in ([1, 2, 3], [1, 2, 3], [1, 2, 4]))
     assert first.group == second.group != other.group and first.program_id != second.program_id
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from thunderctl.gateway.identity import Claim, ConversationIndex, Match, Turn
+from thunderctl.gateway.identity import ConversationIndex, Followed, Match, Turn
 
 SYSTEM = {"role": "system", "content": "You are a careful software engineer."}
 TASK = {"role": "user", "content": "Fix the failing test in utils.py"}
@@ -31,25 +31,25 @@ OBSERVATION = {"role": "user", "content": "def add(a, b): return a - b"}
 
 def answered(index: ConversationIndex, messages: list[dict[str, Any]], answer: dict[str, Any]) -> str:
     """Send a chat request and its answer through the index; the program it belonged to."""
-    claim = index.claim(Turn(messages=messages))
+    claim = index.follow(Turn(messages=messages))
     assert claim is not None
-    index.answered_chat(claim, answer)
+    index.answered(claim, message=answer)
     return claim.program_id
 
 
 def program_of(index: ConversationIndex, messages: list[dict[str, Any]]) -> str:
-    claim = index.claim(Turn(messages=messages))
+    claim = index.follow(Turn(messages=messages))
     assert claim is not None
     return claim.program_id
 
 
 def completed(
     index: ConversationIndex, prompt: str | list[int], text: str, token_ids: list[int] | None = None
-) -> Claim:
+) -> Followed:
     """Send a completions request and its answer through the index; its claim."""
-    claim = index.claim(Turn(prompt=prompt))
+    claim = index.follow(Turn(prompt=prompt))
     assert claim is not None
-    index.answered_completion(claim, text, token_ids)
+    index.answered(claim, text=text, token_ids=token_ids)
     return claim
 
 
@@ -116,7 +116,7 @@ def test_a_condensed_history_continues_while_its_latest_answer_is_the_programs()
     assert answered(index, [SYSTEM, TASK, ANSWER, OBSERVATION], second) == program
     summary = {"role": "user", "content": "Summary: the file subtracts instead of adding."}
     condensed = [SYSTEM, TASK, summary, second, {"role": "user", "content": "done"}]
-    claim = index.claim(Turn(messages=condensed))
+    claim = index.follow(Turn(messages=condensed))
     assert claim is not None and (claim.program_id, claim.match) == (program, Match.REWRITTEN)
 
 
@@ -139,7 +139,7 @@ def test_a_request_sent_again_stays_with_its_program() -> None:
 def test_a_completions_prompt_that_extends_prompt_and_completion_continues_its_program() -> None:
     index = ConversationIndex(100)
     claim = completed(index, "Task: fix utils.py\nThought:", " read the file\nAction: cat utils.py\n")
-    follow = index.claim(Turn(prompt="Task: fix utils.py\nThought: read the file\nAction: cat utils.py\nObs: ok\n"))
+    follow = index.follow(Turn(prompt="Task: fix utils.py\nThought: read the file\nAction: cat utils.py\nObs: ok\n"))
     assert follow is not None and follow.program_id == claim.program_id
 
 
@@ -147,28 +147,28 @@ def test_a_token_id_prompt_that_extends_prompt_and_completion_ids_continues_its_
     index = ConversationIndex(100)
     prompts = [list(range(1000 * k, 1000 * k + 300)) for k in range(3)]
     claims = [completed(index, p, "", [7, 8, 9]) for p in prompts]
-    follow = index.claim(Turn(prompt=[*prompts[1], 7, 8, 9, 42, 43]))
+    follow = index.follow(Turn(prompt=[*prompts[1], 7, 8, 9, 42, 43]))
     assert follow is not None and follow.program_id == claims[1].program_id != claims[0].program_id
 
 
 def test_a_token_id_prompt_whose_completion_ids_are_unknown_continues_by_its_prompt() -> None:
     index = ConversationIndex(100)
     claim = completed(index, list(range(50)), "text only")
-    follow = index.claim(Turn(prompt=[*range(50), 99, 98]))
+    follow = index.follow(Turn(prompt=[*range(50), 99, 98]))
     assert follow is not None and follow.program_id == claim.program_id
 
 
 def test_a_completion_that_does_not_extend_the_earlier_prompt_starts_a_new_program() -> None:
     index = ConversationIndex(100)
     claim = completed(index, "Task: fix utils.py\nThought:", " read the file")
-    other = index.claim(Turn(prompt="Task: fix utils.py\nAction: write a test first"))
+    other = index.follow(Turn(prompt="Task: fix utils.py\nAction: write a test first"))
     assert other is not None and other.match is Match.NEW and other.program_id != claim.program_id
 
 
 def test_a_text_prompt_that_extends_the_last_prompt_without_its_completion_continues_its_program() -> None:
     index = ConversationIndex(100)
     claim = completed(index, "Task: fix utils.py\nThought:", " I will guess")  # dropped: it did not parse
-    retried = index.claim(Turn(prompt="Task: fix utils.py\nThought:\nFormat error: say Action.\nThought:"))
+    retried = index.follow(Turn(prompt="Task: fix utils.py\nThought:\nFormat error: say Action.\nThought:"))
     assert retried is not None and (retried.program_id, retried.match) == (claim.program_id, Match.RETRIED)
 
 
@@ -176,7 +176,7 @@ def test_token_ids_that_re_tokenize_the_completion_continue_the_program_of_their
     index = ConversationIndex(100)
     prompts = [list(range(1000 * k, 1000 * k + 300)) for k in range(3)]
     claims = [completed(index, p, "", [7, 8, 9]) for p in prompts]
-    follow = index.claim(Turn(prompt=[*prompts[2], 7, 89, 42, 43]))  # the trainer's ids for "7 8 9"
+    follow = index.follow(Turn(prompt=[*prompts[2], 7, 89, 42, 43]))  # the trainer's ids for "7 8 9"
     assert follow is not None and (follow.program_id, follow.match) == (claims[2].program_id, Match.RETRIED)
 
 
@@ -184,7 +184,7 @@ def test_a_prompt_that_extends_prompt_and_completion_wins_over_a_longer_prompt_a
     index = ConversationIndex(100)
     longer = completed(index, [1, 2, 3, 4], "", [50])
     shorter = completed(index, [1, 2], "", [3])
-    follow = index.claim(Turn(prompt=[1, 2, 3, 4, 6]))
+    follow = index.follow(Turn(prompt=[1, 2, 3, 4, 6]))
     assert follow is not None and (follow.program_id, follow.match) == (shorter.program_id, Match.HISTORY)
     assert longer.program_id != shorter.program_id
 
@@ -209,13 +209,13 @@ def test_memory_holds_the_most_recently_continued_conversations_only() -> None:
 
 
 def test_a_batch_of_prompts_is_not_followed() -> None:
-    assert ConversationIndex(10).claim(Turn(prompt=["one", "two"])) is None
+    assert ConversationIndex(10).follow(Turn(prompt=["one", "two"])) is None
 
 
 def test_a_batch_of_one_prompt_is_followed_as_that_prompt() -> None:
     index = ConversationIndex(10)
     claim = completed(index, ["Task: fix it\nThought:"], " read")
-    follow = index.claim(Turn(prompt=["Task: fix it\nThought: read\nObs: ok"]))
+    follow = index.follow(Turn(prompt=["Task: fix it\nThought: read\nObs: ok"]))
     assert follow is not None and follow.program_id == claim.program_id
 
 

@@ -112,16 +112,16 @@ def test_a_restored_index_finds_the_next_request_of_each_conversation_and_number
     claims = {}
     for n in range(3):
         task = {"role": "user", "content": f"task {n}"}
-        claim = before.claim(Turn(messages=[SYSTEM, task]))
+        claim = before.follow(Turn(messages=[SYSTEM, task]))
         assert claim is not None
-        before.answered_chat(claim, {"content": f"answer {n}"})
+        before.answered(claim, message={"content": f"answer {n}"})
         claims[n] = claim.program_id
     after = ConversationIndex(100)
     after.restore(before.snapshot())
 
     task = {"role": "user", "content": "task 1"}
-    again = after.claim(Turn(messages=[SYSTEM, task, {"role": "assistant", "content": "answer 1"}, TASK]))
-    new = after.claim(Turn(messages=[SYSTEM, {"role": "user", "content": "another task"}]))
+    again = after.follow(Turn(messages=[SYSTEM, task, {"role": "assistant", "content": "answer 1"}, TASK]))
+    new = after.follow(Turn(messages=[SYSTEM, {"role": "user", "content": "another task"}]))
     assert again is not None and (again.program_id, again.match) == (claims[1], Match.HISTORY)
     assert new is not None and new.match is Match.NEW and new.program_id not in claims.values()
     assert after.snapshot().prefix == before.snapshot().prefix
@@ -131,30 +131,30 @@ def test_a_restored_index_forgets_in_the_order_the_old_one_would_have() -> None:
     before = ConversationIndex(3)
     ids = []
     for n in range(3):
-        claim = before.claim(Turn(prompt=f"prompt number {n}"))
+        claim = before.follow(Turn(prompt=f"prompt number {n}"))
         assert claim is not None
-        before.answered_completion(claim, f" and {n}", None)
+        before.answered(claim, text=f" and {n}", token_ids=None)
         ids.append(claim.program_id)
-    assert before.claim(Turn(prompt="prompt number 0 and 0 more")).program_id == ids[0]  # continued: the newest now
+    assert before.follow(Turn(prompt="prompt number 0 and 0 more")).program_id == ids[0]  # continued: the newest now
     after = ConversationIndex(3)
     after.restore(before.snapshot())
-    claim = after.claim(Turn(prompt="something else entirely"))
+    claim = after.follow(Turn(prompt="something else entirely"))
     assert claim is not None
-    after.answered_completion(claim, "!", None)  # a fourth: the least recently continued goes
+    after.answered(claim, text="!", token_ids=None)  # a fourth: the least recently continued goes
     assert {r.program_id for r in after.snapshot().conversations} == {ids[0], ids[2], claim.program_id}
 
 
 def test_an_index_followed_by_a_journal_names_what_changed_since_it_last_asked() -> None:
     index = ConversationIndex(2)
-    first = index.claim(Turn(prompt="first prompt"))
+    first = index.follow(Turn(prompt="first prompt"))
     assert first is not None
-    index.answered_completion(first, "x", None)
+    index.answered(first, text="x", token_ids=None)
     index.changes.follow()
     assert index.changed() == ([], [])
     for prompt in ("second prompt", "third prompt"):  # the third pushes the first out
-        claim = index.claim(Turn(prompt=prompt))
+        claim = index.follow(Turn(prompt=prompt))
         assert claim is not None
-        index.answered_completion(claim, "x", None)
+        index.answered(claim, text="x", token_ids=None)
     changed, forgotten = index.changed()
     assert len(changed) == 2 and forgotten == [first.program_id]
     assert index.changed() == ([], [])
@@ -184,9 +184,9 @@ def test_the_journal_reads_back_what_it_wrote_whole_then_by_changes(tmp_path: Pa
     assert index is not None
     claims = []
     for n in range(3):
-        claim = source.derived.claim(Turn(messages=[SYSTEM, {"role": "user", "content": f"task {n}"}]))
+        claim = asyncio.run(source.relay.follow(Turn(messages=[SYSTEM, {"role": "user", "content": f"task {n}"}])))
         assert claim is not None
-        index.answered_chat(claim, {"content": f"answer {n}"})
+        index.answered(claim, message={"content": f"answer {n}"})
         claims.append(claim)
     source.chains.keep("p1", None, [{"role": "user", "content": "hi"}], {"id": "r1", "output": []})
     journal = Journal(tmp_path / "journal.sqlite")
@@ -195,10 +195,10 @@ def test_the_journal_reads_back_what_it_wrote_whole_then_by_changes(tmp_path: Pa
         journal.follow(source)
         await journal.write(source)  # whole
         index.forget(claims[0].program_id)  # then changes: one forgotten, one continued and answered
-        claim = source.derived.claim(Turn(messages=[SYSTEM, {"role": "user", "content": "task 1"},
-                                                    {"role": "assistant", "content": "answer 1"}, TASK]))  # fmt: skip
+        claim = await source.relay.follow(Turn(messages=[SYSTEM, {"role": "user", "content": "task 1"},
+                                                         {"role": "assistant", "content": "answer 1"}, TASK]))  # fmt: skip
         assert claim is not None and claim.program_id == claims[1].program_id
-        index.answered_chat(claim, {"content": "answer 1b"})
+        index.answered(claim, message={"content": "answer 1b"})
         source.scheduler.release("p3")
         await journal.write(source)
 
@@ -248,16 +248,16 @@ def index_read_back(path: Path) -> ConversationIndex:
 def completed_once(prompt: list[int], completion: list[int]) -> tuple[Gateway, str]:
     """A gateway that relayed one completions request and its answer; that request's program."""
     source = gateway(VirtualClock(1000.0))
-    claim = source.derived.claim(Turn(prompt=prompt))
+    claim = asyncio.run(source.relay.follow(Turn(prompt=prompt)))
     assert claim is not None and source.derived.conversations is not None
-    source.derived.conversations.answered_completion(claim, "", completion)
+    source.derived.conversations.answered(claim, text="", token_ids=completion)
     return source, claim.program_id
 
 
 def test_a_completion_retried_without_its_answer_after_a_restart_continues_its_program(tmp_path: Path) -> None:
     source, program = completed_once([1, 2, 3], [4])
     write_journal(source, tmp_path / "journal.sqlite")
-    retried = index_read_back(tmp_path / "journal.sqlite").claim(Turn(prompt=[1, 2, 3, 9]))
+    retried = index_read_back(tmp_path / "journal.sqlite").follow(Turn(prompt=[1, 2, 3, 9]))
     assert retried is not None and (retried.program_id, retried.match) == (program, Match.RETRIED)
 
 
@@ -268,5 +268,5 @@ def test_a_journal_written_before_prompts_were_kept_is_read_and_its_conversation
     with sqlite3.connect(path) as db:  # as a daemon before those columns left it
         db.execute("ALTER TABLE conversations DROP COLUMN prompt_length")
         db.execute("ALTER TABLE conversations DROP COLUMN prompt_digest")
-    follow = index_read_back(path).claim(Turn(prompt=[1, 2, 3, 4, 5]))
+    follow = index_read_back(path).follow(Turn(prompt=[1, 2, 3, 4, 5]))
     assert follow is not None and (follow.program_id, follow.match) == (program, Match.HISTORY)

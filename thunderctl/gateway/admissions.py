@@ -1,10 +1,11 @@
 """What a relay asks of the scheduler side, and tells it, about each generation request.
 
 The relay (relay.py) carries bytes; the scheduler side (gateway.py) decides. They meet only here,
-in messages of plain data: a request's admission (where it goes, once its program may run), the
-end of its answer (what the answer taught the scheduler), a failure (whether to try again), the
-wait until what an answer taught is kept, and the route of an unscheduled request; the other way,
-one push: give up the unanswered requests on a stalled worker. Today they are calls within the
+in messages of plain data: the program of a request that names none (by its identity hashes, which
+the relay takes), the Responses chain a request continues, a request's admission (where it goes,
+once its program may run), the end of its answer (what the answer taught the scheduler), a failure
+(whether to try again), the wait until what an answer taught is kept, and the route of an
+unscheduled request; the other way, one push: give up the unanswered requests on a stalled worker. Today they are calls within the
 gateway's process; they are the messages a relay process and the scheduler's process would send
 each other (docs/gateway.md, "Past one core").
 """
@@ -15,8 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from thunderctl.apiusage import Usage
-from thunderctl.gateway.apis.base import Answer
-from thunderctl.gateway.identity import Claim
+from thunderctl.gateway.identity import Candidates, Claim, Conversation, Keys, PromptKeys, PromptMatches
 from thunderctl.gateway.requests import PromptShape
 
 
@@ -53,10 +53,18 @@ class ChainStep:
 
 
 @dataclass(frozen=True, slots=True)
+class Chain:
+    """A kept Responses chain: the program of its turns, and all their input and output items."""
+
+    program_id: str | None
+    items: list[Any]
+
+
+@dataclass(frozen=True, slots=True)
 class AnswerEnd:
     """The end of a request's answer on `worker`, whole or cut short: the engine's usage, the tool
-    the answer called, its first token's time, and, when the client had it whole, the answer itself
-    with what it extends (a derived program's conversation, a chain)."""
+    the answer called, its first token's time, and, when the client had it whole, what it extends: a
+    derived program's conversation as it now stands, a chain's step with the API's answer object."""
 
     worker: str
     program_id: str | None
@@ -64,9 +72,9 @@ class AnswerEnd:
     usage: Usage | None
     tool: str | None = None
     ttft_s: float | None = None
-    answer: Answer | None = None
-    claim: Claim | None = None
+    conversation: Conversation | None = None
     chain: ChainStep | None = None
+    response: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +95,25 @@ class Admissions(Protocol):
     def keeps_answers(self) -> bool:
         """Whether what an answer teaches is kept somewhere (the daemon's journal) before its client
         has the answer's end."""
+        ...
+
+    @property
+    def derives(self) -> bool:
+        """Whether a request that names no program is followed by its conversation (else it is
+        served unscheduled, and needs no hashing)."""
+        ...
+
+    async def claim(self, keys: Keys, matches: PromptMatches) -> Claim | None:
+        """The program of a request that names none, by its hashes (and, for a prompt, which of its
+        `candidates` it starts with); None when derivation is off."""
+        ...
+
+    async def candidates(self, keys: PromptKeys) -> Candidates:
+        """The conversations a prompt may continue, for the relay to check against the prompt."""
+        ...
+
+    async def chain(self, response_id: str) -> Chain | None:
+        """The kept chain up to and with this Responses answer (None: not kept, or forgotten)."""
         ...
 
     async def admit(self, admission: Admission) -> Admitted:

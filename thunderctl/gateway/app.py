@@ -97,30 +97,30 @@ def build_app(
             previous = body.pop("previous_response_id", None)
             own_input = api.own_input(body)
             if previous is not None:
-                kept = gateway.chains.get(previous)
+                kept = await gateway.relay.admissions.chain(previous)
                 if kept is None:
                     return not_found(previous)
                 # The worker gets the whole chain: whichever worker served its turns, this one has it all.
-                body["input"], sent = [*gateway.chains.items(previous), *own_input], None
+                body["input"], sent = [*kept.items, *own_input], None
                 program_id = program_id or kept.program_id
             if body.get("store") is not False:
                 chain = ChainStep(program_id, previous, own_input)
         turn = api.turn(body)
         shape = api.shape(body, turn)
-        claim = gateway.derived.claim(turn) if program_id is None else None
-        if claim is not None:
-            program_id, group = claim.program_id, group or claim.group
+        followed = await gateway.relay.follow(turn) if program_id is None else None
+        if followed is not None:
+            program_id, group = followed.program_id, group or followed.group
         if docker_ids and program_id is not None and on_docker_ids is not None:
             on_docker_ids(program_id, docker_ids)
         try:
             relayed = await gateway.relay.relay(
-                api, request.url.path, body, program_id, shape, claim, group, sent, named.parent,
+                api, request.url.path, body, program_id, shape, followed, group, sent, named.parent,
                 forwarded_headers(request.headers, keyed), chain,
             )  # fmt: skip
         except (WorkerError, httpx.HTTPError) as exc:
             return api.error(502, str(exc), "backend_error")
         # The client learns the program it was given, to release it or to name it from now on.
-        headers = {PROGRAM_HEADER: claim.program_id} if claim is not None else None
+        headers = {PROGRAM_HEADER: followed.program_id} if followed is not None else None
         if isinstance(relayed.body, bytes):
             return Response(relayed.body, relayed.status, headers=headers, media_type=relayed.media_type)
         return RelayedStream(relayed.body, relayed.status, media_type=relayed.media_type, headers=headers)

@@ -4,8 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Container, Iterable
 
-from thunderctl.gateway.apis.base import Answer
-from thunderctl.gateway.identity import Claim, ConversationIndex, IdentityConfig, IndexSnapshot, Turn
+from thunderctl.gateway.identity import (
+    Candidates,
+    Claim,
+    Conversation,
+    ConversationIndex,
+    IdentityConfig,
+    IndexSnapshot,
+    Keys,
+    PromptKeys,
+    PromptMatches,
+)
 from thunderctl.scheduler import EventKind, ProgramEvent
 
 
@@ -32,13 +41,23 @@ class DerivedPrograms:
             self.conversations.restore(conversations)
             self._ids.update(c.program_id for c in conversations.conversations)
 
-    def claim(self, turn: Turn) -> Claim | None:
-        """The program of a request that names none: the one whose conversation it continues, or a
-        new one (None: derivation is off, or the request cannot be followed)."""
-        claim = self.conversations.claim(turn) if self.conversations is not None else None
-        if claim is not None:
-            self._ids.add(claim.program_id)
+    @property
+    def on(self) -> bool:
+        """Whether requests that name no program are followed (else served unscheduled)."""
+        return self.conversations is not None
+
+    def claim(self, keys: Keys, matches: PromptMatches) -> Claim | None:
+        """The program of a request that names none, by its hashes: the one whose conversation it
+        continues, or a new one (None: derivation is off)."""
+        if self.conversations is None:
+            return None
+        claim = self.conversations.claim(keys, matches)
+        self._ids.add(claim.program_id)
         return claim
+
+    def candidates(self, keys: PromptKeys) -> Candidates:
+        """The conversations a prompt may continue (none: derivation is off)."""
+        return self.conversations.candidates(keys) if self.conversations is not None else Candidates()
 
     def live(self, programs: Container[str]) -> int:
         """Live programs (of the scheduler's `programs`) whose id was derived from their conversation."""
@@ -50,12 +69,7 @@ class DerivedPrograms:
         if event.kind is EventKind.RELEASED and self.conversations is not None:
             self.conversations.forget(event.program.id)  # a released conversation that goes on is a new program
 
-    def remember(self, claim: Claim | None, answer: Answer) -> None:
+    def remember(self, program_id: str, conversation: Conversation) -> None:
         """Remember the conversation a derived program's answer extends, for its next request."""
-        if claim is None or self.conversations is None:
-            return
-        if claim.chat:
-            if answer.message is not None:
-                self.conversations.answered_chat(claim, answer.message)
-        elif answer.text is not None:
-            self.conversations.answered_completion(claim, answer.text, answer.token_ids)
+        if self.conversations is not None:
+            self.conversations.remember(program_id, conversation)

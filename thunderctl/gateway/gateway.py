@@ -18,11 +18,11 @@ from collections.abc import Awaitable, Callable
 import httpx
 
 from thunderctl.engines.vllm import EngineMetrics, engine_paused, fetch_metrics, is_healthy
-from thunderctl.gateway.admissions import Admission, Admitted, AnswerEnd, Failure, Relays
+from thunderctl.gateway.admissions import Admission, Admitted, AnswerEnd, Chain, Failure, Relays
 from thunderctl.gateway.answers import uncached_prompt_tokens
 from thunderctl.gateway.chains import ResponseChains
 from thunderctl.gateway.derived import DerivedPrograms
-from thunderctl.gateway.identity import IdentityConfig
+from thunderctl.gateway.identity import Candidates, Claim, IdentityConfig, Keys, PromptKeys, PromptMatches
 from thunderctl.gateway.links import WorkerLink, WorkerState
 from thunderctl.gateway.recorder import TraceRecorder
 from thunderctl.gateway.relay import Relay
@@ -339,6 +339,20 @@ class Gateway:
         link.add_in_flight(1, self._clock())
         return Admitted(link.id, link.url, waited)
 
+    @property
+    def derives(self) -> bool:
+        return self.derived.on
+
+    async def claim(self, keys: Keys, matches: PromptMatches) -> Claim | None:
+        return self.derived.claim(keys, matches)
+
+    async def candidates(self, keys: PromptKeys) -> Candidates:
+        return self.derived.candidates(keys)
+
+    async def chain(self, response_id: str) -> Chain | None:
+        kept = self.chains.get(response_id)
+        return Chain(kept.program_id, self.chains.items(response_id)) if kept is not None else None
+
     def finished(self, end: AnswerEnd) -> None:
         usage = end.usage
         self.links[end.worker].add_in_flight(-1, self._clock())
@@ -349,10 +363,10 @@ class Gateway:
         if usage and end.ttft_s:
             self.scheduler.observe_prefill(uncached_prompt_tokens(usage), end.ttft_s)
         account(self.scheduler, end.program_id, usage, end.tool)
-        if end.answer is not None:
-            self.derived.remember(end.claim, end.answer)
-            if end.chain is not None and end.answer.whole is not None:
-                self.chains.keep(end.chain.program_id, end.chain.previous, end.chain.own_input, end.answer.whole)
+        if end.conversation is not None and end.program_id is not None:
+            self.derived.remember(end.program_id, end.conversation)
+        if end.chain is not None and end.response is not None:
+            self.chains.keep(end.chain.program_id, end.chain.previous, end.chain.own_input, end.response)
 
     def failed(self, failure: Failure) -> bool:
         link = self.links[failure.worker]

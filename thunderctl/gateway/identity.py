@@ -29,7 +29,10 @@ coincide. A new program's group is its first request: programs whose first reque
 the samples of one task in an RL rollout are. Memory is bounded by `remembered_conversations`, the least recently continued forgotten
 first; the cost of a request grows with its size, never with the number of conversations.
 
-Pure and synchronous: the gateway calls it around each relayed request.
+Pure and synchronous, in two halves: where a request is relayed it is hashed (`hash_turn`: the
+cost that grows with its size); the index (`ConversationIndex`) only looks the hashes up, so the
+scheduler's side never reads a request's text. A prompt takes one more step between them: the
+index names the conversations it may continue, and the relay checks which it starts with.
 """
 
 from __future__ import annotations
@@ -87,24 +90,187 @@ class Match(StrEnum):
     NEW = "new"  # it continues nothing: a new program
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class Claim:
-    """One request's program, and what its answer needs to be remembered under."""
+    """One request's program, as the index found it."""
 
     program_id: str
     match: Match
     group: str | None = None  # a new program's: the hash of its first request, which its group shares
-    _chain: bytes = b""  # chat: the hash of all the request's messages
-    _opening: bytes = b""  # chat: the hash of its opening messages
-    _prompt: Any = None  # completions: a hasher fed with the prompt
-    _prompt_units: int = 0
-    _head: bytes = b""  # completions: the key of the prompt's head
-    _token_ids: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ChatKeys:
+    """A chat-like request's hashes as the index looks them up: the keys of the conversations it may
+    continue, each kind in its order of preference, and the hash of all its messages (a new
+    program's group)."""
+
+    history: tuple[bytes, ...]  # its messages up to each assistant message, the latest first
+    retried: tuple[bytes, ...]  # the requests it extends, the longest first
+    rewritten: tuple[bytes, ...]  # its opening with its latest assistant message
+    whole: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class PromptKeys:
+    """A completions prompt's hashes as the index looks them up: the keys of its heads, its length in
+    units and the hash of all of it (a new program's group)."""
+
+    heads: tuple[bytes, ...]
+    units: int
+    whole: bytes
+
+
+Keys = ChatKeys | PromptKeys
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A conversation a prompt may continue: the hash of its first `length` units, its program, and
+    whether a request continued it already."""
+
+    length: int
+    digest: bytes
+    program_id: str
+    continued: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Candidates:
+    """What a prompt may start with: each program's last prompt and completion (`extended`), and its
+    last prompt alone (`retried`)."""
+
+    extended: tuple[Candidate, ...] = ()
+    retried: tuple[Candidate, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PromptMatches:
+    """The programs whose conversation a prompt starts with, the longest first: by their last prompt
+    and completion, and by their last prompt alone."""
+
+    extended: tuple[str, ...] = ()
+    retried: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    """A conversation as it stands after an answer (hashes only): the keys it is found under and, for
+    completions, the units and hash of prompt + completion and of the prompt alone."""
+
+    keys: tuple[bytes, ...]
+    length: int = 0
+    digest: bytes = b""
+    prompt_length: int = 0
+    prompt_digest: bytes = b""
+
+
+class HashedChat:
+    """A chat-like request's hashes, taken where it is relayed: what the index looks up (`keys`), and
+    what its answer is remembered under."""
+
+    def __init__(self, messages: list[Any]) -> None:
+        chain, chains, digests = b"", [], []
+        for message in messages:
+            digests.append(message_digest(message))
+            chain = _digest(chain, digests[-1])
+            chains.append(chain)
+        opening = _opening(messages, digests)
+        assistants = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"]
+        self.keys = ChatKeys(
+            history=tuple(b"C" + chains[i] for i in reversed(assistants)),
+            # Never the request itself: the same request again is a new sample of the same task, or a
+            # resend, as for first requests.
+            retried=tuple(b"R" + chains[i] for i in range(len(chains) - 2, -1, -1)),
+            rewritten=(b"O" + _digest(opening, digests[assistants[-1]]),) if assistants else (),
+            whole=chain,
+        )
+        self._opening = opening
+
+    def answered(
+        self, message: dict[str, Any] | None, text: str | None, token_ids: list[int] | None
+    ) -> Conversation | None:
+        """The conversation after this answer (an assistant message), None without one."""
+        if message is None:
+            return None
+        answer = message_digest({"role": "assistant", **message})
+        chain = self.keys.whole
+        return Conversation((b"C" + _digest(chain, answer), b"O" + _digest(self._opening, answer), b"R" + chain))
+
+
+class HashedPrompt:
+    """A completions prompt's hashes (text, or token ids): what the index looks up (`keys`), which of
+    the index's candidates it starts with, and what its answer is remembered under."""
+
+    def __init__(self, units: bytes | memoryview, token_ids: bool) -> None:
+        self._units, self._token_ids, self._width = units, token_ids, _width(token_ids)
+        heads, self._hasher = _heads(units, self._width, token_ids)
+        self.keys = PromptKeys(tuple(heads), len(units) // self._width, self._hasher.digest())
+
+    def matches(self, candidates: Candidates) -> PromptMatches:
+        return PromptMatches(self._prefixed(candidates.extended), self._prefixed(candidates.retried))
+
+    def _prefixed(self, candidates: tuple[Candidate, ...]) -> tuple[str, ...]:
+        """The candidates' programs whose prefix the prompt starts with, the longest first, up to the
+        first one not continued yet (the index takes that one, unless another request took it since)."""
+        by_length: dict[int, list[Candidate]] = {}
+        for candidate in candidates:
+            by_length.setdefault(candidate.length, []).append(candidate)
+        matched: list[str] = []
+        for length in sorted(by_length, reverse=True):
+            digest = blake2b(memoryview(self._units)[: length * self._width], digest_size=DIGEST_BYTES).digest()
+            found = [c for c in by_length[length] if c.digest == digest]
+            matched.extend(c.program_id for c in found)
+            if any(not c.continued for c in found):
+                break
+        return tuple(matched)
+
+    def answered(
+        self, message: dict[str, Any] | None, text: str | None, token_ids: list[int] | None
+    ) -> Conversation | None:
+        """Prompt + completion (the completion's token ids when the prompt was ids: without them, the
+        prompt alone); None without a completion's text."""
+        if text is None:
+            return None
+        hasher, units = self._hasher.copy(), self.keys.units
+        completion = (_units(token_ids) if token_ids else None) if self._token_ids else _units(text)
+        if completion is not None:
+            hasher.update(completion[0])
+            units += len(completion[0]) // self._width
+        prompt = self.keys
+        return Conversation((prompt.heads[-1],), units, hasher.digest(), prompt.units, prompt.whole)
+
+
+Hashed = HashedChat | HashedPrompt
+
+
+def hash_turn(turn: Turn) -> Hashed | None:
+    """A request's identity hashes (None: one that cannot be followed, a batch of prompts): the
+    relay's work, so that the index only looks keys up."""
+    if turn.messages is not None:
+        return HashedChat(turn.messages)
+    found = _units(turn.prompt)
+    return HashedPrompt(*found) if found is not None else None
+
+
+@dataclass(frozen=True, slots=True)
+class Followed:
+    """A request's claim with its own hashes: what a relay holds until its answer ends."""
+
+    claim: Claim
+    hashed: Hashed
 
     @property
-    def chat(self) -> bool:
-        """Whether it is a chat-like request's (else a completions prompt's)."""
-        return self._prompt is None
+    def program_id(self) -> str:
+        return self.claim.program_id
+
+    @property
+    def match(self) -> Match:
+        return self.claim.match
+
+    @property
+    def group(self) -> str | None:
+        return self.claim.group
 
 
 @dataclass
@@ -315,81 +481,62 @@ class ConversationIndex:
 
     # ---- a request ------------------------------------------------------------------------
 
-    def claim(self, turn: Turn) -> Claim | None:
-        """The program this request belongs to (None: one that cannot be followed, a batch of
-        prompts, served unscheduled)."""
-        if turn.messages is not None:
-            claim: Claim | None = self._claim_chat(turn.messages)
+    def claim(self, keys: Keys, matches: PromptMatches = PromptMatches()) -> Claim:
+        """The program of the request with these hashes (and, for a prompt, these of its candidates
+        that it starts with): the one it continues, or a new one."""
+        if isinstance(keys, ChatKeys):
+            program, match = self._first(keys.history), Match.HISTORY
+            if program is None:
+                program, match = self._first(keys.retried), Match.RETRIED
+            if program is None:
+                program, match = self._first(keys.rewritten), Match.REWRITTEN
         else:
-            claim = self._claim_completion(turn.prompt)
-        if claim is not None:
-            self.matched[claim.match] += 1
+            program, match = self._fresh_first(matches.extended), Match.HISTORY
+            if program is None:
+                program, match = self._fresh_first(matches.retried), Match.RETRIED
+        claim = self._claimed(program, match, keys.whole)
+        self.matched[claim.match] += 1
         return claim
 
-    def _claim_chat(self, messages: list[Any]) -> Claim:
-        chain, chains, digests = b"", [], []
-        for message in messages:
-            digests.append(message_digest(message))
-            chain = _digest(chain, digests[-1])
-            chains.append(chain)
-        opening = _opening(messages, digests)
-        assistants = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"]
-        keys = [b"C" + chains[i] for i in reversed(assistants)]
-        rewritten = [b"O" + _digest(opening, digests[assistants[-1]])] if assistants else []
-        # The requests this one extends, the longest first: never itself (the same request again is
-        # a new sample of the same task, or a resend, as for first requests).
-        retried = [b"R" + chains[i] for i in range(len(chains) - 2, -1, -1)]
-        program, match = self._first(keys), Match.HISTORY
-        if program is None:
-            program, match = self._first(retried), Match.RETRIED
-        if program is None:
-            program, match = self._first(rewritten), Match.REWRITTEN
-        return self._claimed(program, match, Claim("", Match.NEW, _chain=chain, _opening=opening))
-
-    def _claim_completion(self, prompt: Any) -> Claim | None:
-        found = _units(prompt)
-        if found is None:
-            return None
-        units, token_ids = found
-        width = _width(token_ids)
-        count = len(units) // width
-        heads, hasher = _heads(units, width, token_ids)
-        # Conversation length → (digest, program): what each program's last prompt and completion,
-        # and its last prompt alone, would be a prefix of this prompt as.
-        extended: dict[int, list[tuple[bytes, str]]] = {}
-        retried: dict[int, list[tuple[bytes, str]]] = {}
-        for head in heads:
+    def candidates(self, keys: PromptKeys) -> Candidates:
+        """The conversations under the prompt's heads that it may continue: those shorter than it (a
+        prompt whose completion is unknown counts by its prompt alone)."""
+        extended: list[Candidate] = []
+        retried: list[Candidate] = []
+        for head in keys.heads:
             bucket = self._index.get(head)
             for program in [*bucket.fresh, *bucket.continued] if bucket else []:
-                conversation = self._conversations[program]
-                # A continuation is longer than what it continues (a prompt whose completion is unknown
-                # counts by its prompt alone).
-                if conversation.length < count:
-                    extended.setdefault(conversation.length, []).append((conversation.digest, program))
-                if 0 < conversation.prompt_length < min(count, conversation.length):
-                    retried.setdefault(conversation.prompt_length, []).append((conversation.prompt_digest, program))
-        program, match = self._prefixed(units, width, extended), Match.HISTORY
-        if program is None:
-            program, match = self._prefixed(units, width, retried), Match.RETRIED
-        pending = Claim("", Match.NEW, _prompt=hasher, _prompt_units=count, _head=heads[-1], _token_ids=token_ids)
-        return self._claimed(program, match, pending)
+                c = self._conversations[program]
+                if c.length < keys.units:
+                    extended.append(Candidate(c.length, c.digest, program, c.continued))
+                if 0 < c.prompt_length < min(keys.units, c.length):
+                    retried.append(Candidate(c.prompt_length, c.prompt_digest, program, c.continued))
+        return Candidates(tuple(extended), tuple(retried))
 
-    def _prefixed(
-        self, units: bytes | memoryview, width: int, candidates: dict[int, list[tuple[bytes, str]]]
-    ) -> str | None:
-        """The program whose candidate prefix the prompt starts with, the longest first, one not
-        continued yet before one continued already."""
-        fallback = None
-        for length in sorted(candidates, reverse=True):
-            digest = blake2b(memoryview(units)[: length * width], digest_size=DIGEST_BYTES).digest()
-            for expected, program in candidates[length]:
-                if expected == digest:
-                    if not self._conversations[program].continued:
-                        return program
-                    fallback = fallback or program
-        return fallback
+    def follow(self, turn: Turn) -> Followed | None:
+        """Hash and claim at once, where one process holds both the relay's side and the index."""
+        hashed = hash_turn(turn)
+        if hashed is None:
+            return None
+        matches = hashed.matches(self.candidates(hashed.keys)) if isinstance(hashed, HashedPrompt) else PromptMatches()
+        return Followed(self.claim(hashed.keys, matches), hashed)
 
-    def _first(self, keys: list[bytes]) -> str | None:
+    def answered(
+        self, followed: Followed, message: dict[str, Any] | None = None, text: str | None = None,
+        token_ids: list[int] | None = None,
+    ) -> None:  # fmt: skip
+        """Remember the followed request's conversation as it stands after this answer."""
+        conversation = followed.hashed.answered(message, text, token_ids)
+        if conversation is not None:
+            self.remember(followed.program_id, conversation)
+
+    def _fresh_first(self, programs: tuple[str, ...]) -> str | None:
+        """The first of these programs (still remembered) not continued yet, else the first continued."""
+        remembered = [p for p in programs if p in self._conversations]
+        fresh = (p for p in remembered if not self._conversations[p].continued)
+        return next(fresh, remembered[0] if remembered else None)
+
+    def _first(self, keys: tuple[bytes, ...]) -> str | None:
         """The first program under these keys (in this order of preference) not continued yet, else the
         first one continued already (a client that sent the same request again)."""
         fallback = None
@@ -402,14 +549,10 @@ class ConversationIndex:
             fallback = fallback or bucket.pick()
         return fallback
 
-    def _claimed(self, program: str | None, match: Match, claim: Claim) -> Claim:
+    def _claimed(self, program: str | None, match: Match, whole: bytes) -> Claim:
         if program is None:
             self._started += 1
-            claim.program_id, claim.match = f"conv-{self._prefix}-{self._started}", Match.NEW
-            first = claim._chain if claim._prompt is None else claim._prompt.digest()
-            claim.group = f"first-{first.hex()}"
-            return claim
-        claim.program_id, claim.match = program, match
+            return Claim(f"conv-{self._prefix}-{self._started}", Match.NEW, f"first-{whole.hex()}")
         conversation = self._conversations[program]
         self._conversations.move_to_end(program)
         self._touch(program, conversation)
@@ -419,36 +562,9 @@ class ConversationIndex:
                 bucket = self._index[key]
                 del bucket.fresh[program]
                 bucket.continued[program] = None
-        return claim
+        return Claim(program, match)
 
     # ---- its answer -----------------------------------------------------------------------
-
-    def answered_chat(self, claim: Claim, message: dict[str, Any]) -> None:
-        """Remember the conversation as it stands after this answer (an assistant message)."""
-        answer = message_digest({"role": "assistant", **message})
-        keys = (b"C" + _digest(claim._chain, answer), b"O" + _digest(claim._opening, answer), b"R" + claim._chain)
-        self._remember(claim.program_id, _Conversation(keys))
-
-    def answered_completion(self, claim: Claim, text: str, token_ids: list[int] | None) -> None:
-        """Remember prompt + completion (the completion's token ids when the prompt was ids: without
-        them, the prompt alone)."""
-        hasher = claim._prompt.copy()
-        units = claim._prompt_units
-        if claim._token_ids:
-            completion = _units(token_ids) if token_ids else None
-        else:
-            completion = _units(text)
-        if completion is not None:
-            hasher.update(completion[0])
-            units += len(completion[0]) // _width(claim._token_ids)
-        conversation = _Conversation(
-            (claim._head,),
-            length=units,
-            digest=hasher.digest(),
-            prompt_length=claim._prompt_units,
-            prompt_digest=claim._prompt.digest(),
-        )
-        self._remember(claim.program_id, conversation)
 
     def forget(self, program_id: str) -> None:
         conversation = self._conversations.pop(program_id, None)
@@ -462,8 +578,16 @@ class ConversationIndex:
             if not bucket.fresh and not bucket.continued:
                 del self._index[key]
 
-    def _remember(self, program_id: str, conversation: _Conversation) -> None:
+    def remember(self, program_id: str, remembered: Conversation) -> None:
+        """The program's conversation as it stands after its answer, found by its next request."""
         self.forget(program_id)
+        conversation = _Conversation(
+            remembered.keys,
+            remembered.length,
+            remembered.digest,
+            prompt_length=remembered.prompt_length,
+            prompt_digest=remembered.prompt_digest,
+        )
         self._conversations[program_id] = conversation
         self._touch(program_id, conversation)
         for key in conversation.keys:

@@ -16,10 +16,11 @@ from typing import Any
 
 import httpx
 
+from thunderctl.apiusage import Usage
 from thunderctl.gateway.admissions import Admission, Admissions, AnswerEnd, ChainStep, Failure
 from thunderctl.gateway.apis import Api
-from thunderctl.gateway.apis.base import StreamedAnswer
-from thunderctl.gateway.identity import Claim
+from thunderctl.gateway.apis.base import Answer, StreamedAnswer
+from thunderctl.gateway.identity import Followed, HashedPrompt, PromptMatches, Turn, hash_turn
 from thunderctl.gateway.requests import PromptShape, relayed_payload
 from thunderctl.gateway.sse import StreamRelay
 from thunderctl.gateway.stalls import UnansweredRequests, WorkerStalled
@@ -85,15 +86,15 @@ class Relay:
         body: dict[str, Any],
         program_id: str | None,
         shape: PromptShape,
-        claim: Claim | None = None,
+        followed: Followed | None = None,
         group: str | None = None,
         sent: bytes | None = None,
         parent: str | None = None,
         client_headers: Sequence[tuple[str, str]] = (),
         chain: ChainStep | None = None,
     ) -> Relayed:
-        """Send the request to its worker; tell the scheduler side when its answer ends. `claim`: the
-        request's derived program, whose conversation its answer extends; `group`: the program's
+        """Send the request to its worker; tell the scheduler side when its answer ends. `followed`:
+        the request's derived program (`follow`), whose conversation its answer extends; `group`: the program's
         group (groups.py), named or derived; `sent`: the body's bytes as the client sent them, when
         the worker can have them so (requests.as_sent); `parent`: the program it was started from;
         `client_headers`: the client's headers that go on to the worker (requests.forwarded_headers);
@@ -130,10 +131,18 @@ class Relay:
                     )
                     response = await self._transport.handle_async_request(request)
                     if response.status_code == 200 and stream:
-                        followed = program_id is not None or chain is not None
-                        relay = StreamRelay(answer if followed else None, client_wants_usage, self._clock, api.usage_of)
+                        read = program_id is not None or chain is not None  # its whole answer is wanted
+                        relay = StreamRelay(answer if read else None, client_wants_usage, self._clock, api.usage_of)
                         lines = self._relay_stream(
-                            response, admitted.worker, program_id, shape, relay, answer, claim, chain, api.final_events
+                            response,
+                            admitted.worker,
+                            program_id,
+                            shape,
+                            relay,
+                            answer,
+                            followed,
+                            chain,
+                            api.final_events,
                         )
                         return Relayed(200, response.headers.get("content-type", "text/event-stream"), lines)
                     content = await response.aread()
@@ -152,21 +161,47 @@ class Relay:
         if response.status_code == 200:
             with contextlib.suppress(ValueError, AttributeError):
                 answered = api.answered(json.loads(content))
-                end = AnswerEnd(
-                    admitted.worker, program_id, shape, answered.usage, answered.tool, None, answered, claim, chain
+                end = self._end(
+                    admitted.worker, program_id, shape, answered.usage, answered.tool, None, answered, followed, chain
                 )
         self.admissions.finished(end)
-        if response.status_code == 200 and self._holds(claim, chain):
+        if response.status_code == 200 and self._holds(followed, chain):
             await self.admissions.kept(program_id)
         media_type = response.headers.get("content-type", "application/json")
         return Relayed(response.status_code, media_type, content)
 
+    async def follow(self, turn: Turn) -> Followed | None:
+        """The derived program of a request that names none: its hashes taken here, looked up by the
+        scheduler side (a prompt's in two steps: the conversations it may continue, then which it
+        starts with). None: derivation is off, or the request cannot be followed."""
+        hashed = hash_turn(turn) if self.admissions.derives else None
+        if hashed is None:
+            return None
+        matches = PromptMatches()
+        if isinstance(hashed, HashedPrompt):
+            matches = hashed.matches(await self.admissions.candidates(hashed.keys))
+        claim = await self.admissions.claim(hashed.keys, matches)
+        return Followed(claim, hashed) if claim is not None else None
+
     def give_up(self, worker: str) -> int:
         return self._unanswered.give_up(worker)
 
-    def _holds(self, claim: Claim | None, chain: ChainStep | None) -> bool:
+    def _holds(self, followed: Followed | None, chain: ChainStep | None) -> bool:
         """Whether an answer's end waits until what it taught is kept."""
-        return self.admissions.keeps_answers and (claim is not None or chain is not None)
+        return self.admissions.keeps_answers and (followed is not None or chain is not None)
+
+    @staticmethod
+    def _end(
+        worker: str, program_id: str | None, shape: PromptShape, usage: Usage | None, tool: str | None, ttft_s: float | None,
+        whole: Answer | None, followed: Followed | None, chain: ChainStep | None,
+    ) -> AnswerEnd:  # fmt: skip
+        """An answer's end as the scheduler side is told it: of a whole answer, the derived program's
+        conversation as it now stands (hashed here) and the API's answer object a chain keeps."""
+        conversation = None
+        if whole is not None and followed is not None:
+            conversation = followed.hashed.answered(whole.message, whole.text, whole.token_ids)
+        response = whole.whole if whole is not None and chain is not None else None
+        return AnswerEnd(worker, program_id, shape, usage, tool, ttft_s, conversation, chain, response)
 
     async def _relay_stream(
         self,
@@ -176,12 +211,12 @@ class Relay:
         shape: PromptShape,
         relay: StreamRelay,
         answer: StreamedAnswer,
-        claim: Claim | None,
+        followed: Followed | None,
         chain: ChainStep | None,
         final_events: tuple[bytes, ...],
     ) -> AsyncGenerator[bytes, None]:
         ended = False
-        holds = self._holds(claim, chain)
+        holds = self._holds(followed, chain)
         held = b""  # the stream's last event and anything after it, until the answer is kept
         try:
             async for data in reads(response):
@@ -205,7 +240,7 @@ class Relay:
             # Only a whole answer is remembered: a client whose stream was cut does not echo it back.
             remembered = whole if ended else None
             self.admissions.finished(
-                AnswerEnd(worker, program_id, shape, relay.usage, tool, answer.ttft_s, remembered, claim, chain)
+                self._end(worker, program_id, shape, relay.usage, tool, answer.ttft_s, remembered, followed, chain)
             )
         if held:
             await self.admissions.kept(program_id)
