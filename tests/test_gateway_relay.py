@@ -339,6 +339,7 @@ class Told:
 
     messages: list[object] = field(default_factory=list)
     keeps_answers: bool = False
+    remote: bool = False
     derives: bool = True
 
     async def claim(self, keys: Keys, matches: PromptMatches) -> Claim | None:
@@ -360,14 +361,14 @@ class Told:
     def finished(self, end: AnswerEnd) -> None:
         self.messages.append(end)
 
-    def failed(self, failure: Failure) -> bool:
+    async def failed(self, failure: Failure) -> bool:
         self.messages.append(failure)
         return failure.attempt == 1
 
-    async def kept(self, program_id: str | None) -> None:
+    async def kept(self, program_id: str | None, keep: bool = True) -> None:
         self.messages.append(("kept", program_id))
 
-    def route(self, program_id: str | None) -> Admitted:
+    async def route(self, program_id: str | None) -> Admitted:
         return Admitted("a", "http://a:8000")
 
 

@@ -40,6 +40,7 @@ class Admitted:
     worker: str
     url: str
     waited: bool = False
+    ticket: int = 0  # which admission it is, where the scheduler side is another process (wire.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +76,7 @@ class AnswerEnd:
     conversation: Conversation | None = None
     chain: ChainStep | None = None
     response: dict[str, Any] | None = None
+    ticket: int = 0  # its admission's
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +88,7 @@ class Failure:
     program_id: str | None
     worker_down: bool
     attempt: int
+    ticket: int = 0  # its admission's
 
 
 class Admissions(Protocol):
@@ -95,6 +98,13 @@ class Admissions(Protocol):
     def keeps_answers(self) -> bool:
         """Whether what an answer teaches is kept somewhere (the daemon's journal) before its client
         has the answer's end."""
+        ...
+
+    @property
+    def remote(self) -> bool:
+        """Whether the scheduler side is another process: then each scheduled answer's end is held
+        until the scheduler acknowledges it (`kept`), so that the program's next request, through
+        whichever relay, finds this one ended."""
         ...
 
     @property
@@ -125,15 +135,16 @@ class Admissions(Protocol):
         """The answer ended; its worker no longer counts it in flight."""
         ...
 
-    def failed(self, failure: Failure) -> bool:
+    async def failed(self, failure: Failure) -> bool:
         """The request failed; whether it goes again (to another worker, when one is usable)."""
         ...
 
-    async def kept(self, program_id: str | None) -> None:
-        """Until what the program's last answer taught is kept."""
+    async def kept(self, program_id: str | None, keep: bool = True) -> None:
+        """Until what the program's last answer taught is kept (`keep`), or else until the scheduler
+        side has its end."""
         ...
 
-    def route(self, program_id: str | None) -> Admitted:
+    async def route(self, program_id: str | None) -> Admitted:
         """Where a request of an unscheduled engine route goes: the worker of the program it names,
         when that program is placed there, else the least-loaded worker."""
         ...

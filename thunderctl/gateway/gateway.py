@@ -340,6 +340,10 @@ class Gateway:
         return Admitted(link.id, link.url, waited)
 
     @property
+    def remote(self) -> bool:
+        return False
+
+    @property
     def derives(self) -> bool:
         return self.derived.on
 
@@ -368,7 +372,7 @@ class Gateway:
         if end.chain is not None and end.response is not None:
             self.chains.keep(end.chain.program_id, end.chain.previous, end.chain.own_input, end.response)
 
-    def failed(self, failure: Failure) -> bool:
+    async def failed(self, failure: Failure) -> bool:
         link = self.links[failure.worker]
         link.add_in_flight(-1, self._clock())
         if failure.attempt == 1 and self._fail_over(link, failure.program_id, failure.worker_down):
@@ -377,11 +381,11 @@ class Gateway:
             self.scheduler.on_request_failed(failure.program_id)
         return False
 
-    async def kept(self, program_id: str | None) -> None:
-        if self.keep_answers is not None:
+    async def kept(self, program_id: str | None, keep: bool = True) -> None:
+        if keep and self.keep_answers is not None:
             await self.keep_answers(program_id)
 
-    def route(self, program_id: str | None) -> Admitted:
+    async def route(self, program_id: str | None) -> Admitted:
         program = self.scheduler.programs.get(program_id) if program_id else None
         worker = program.worker if program is not None and program.worker in self.links else None
         link = self.links[worker] if worker is not None and self.links[worker].usable else self.least_loaded()

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 
 from thunderctl.apiusage import Usage
-from thunderctl.gateway.admissions import Admission, Admissions, AnswerEnd, ChainStep, Failure
+from thunderctl.gateway.admissions import Admission, Admissions, Admitted, AnswerEnd, ChainStep, Failure
 from thunderctl.gateway.apis import Api
 from thunderctl.gateway.apis.base import Answer, StreamedAnswer
 from thunderctl.gateway.identity import Followed, HashedPrompt, PromptMatches, Turn, hash_turn
@@ -135,7 +135,7 @@ class Relay:
                         relay = StreamRelay(answer if read else None, client_wants_usage, self._clock, api.usage_of)
                         lines = self._relay_stream(
                             response,
-                            admitted.worker,
+                            admitted,
                             program_id,
                             shape,
                             relay,
@@ -149,7 +149,7 @@ class Relay:
                 break
             except (httpx.TransportError, WorkerStalled) as exc:
                 down = not isinstance(exc, WorkerStalled | httpx.ConnectTimeout)
-                if self.admissions.failed(Failure(admitted.worker, program_id, down, attempt)):
+                if await self.admissions.failed(Failure(admitted.worker, program_id, down, attempt, admitted.ticket)):
                     log.warning("worker %s failed (%r); the request goes again", admitted.worker, exc)
                     failed = admitted.worker
                     continue
@@ -157,16 +157,16 @@ class Relay:
             finally:
                 if response is not None and not (stream and response.status_code == 200):
                     await response.aclose()
-        end = AnswerEnd(admitted.worker, program_id, shape, None)
+        end = AnswerEnd(admitted.worker, program_id, shape, None, ticket=admitted.ticket)
         if response.status_code == 200:
             with contextlib.suppress(ValueError, AttributeError):
                 answered = api.answered(json.loads(content))
                 end = self._end(
-                    admitted.worker, program_id, shape, answered.usage, answered.tool, None, answered, followed, chain
+                    admitted, program_id, shape, answered.usage, answered.tool, None, answered, followed, chain
                 )
         self.admissions.finished(end)
-        if response.status_code == 200 and self._holds(followed, chain):
-            await self.admissions.kept(program_id)
+        if response.status_code == 200 and (keep := self._holds(program_id, followed, chain)) is not None:
+            await self.admissions.kept(program_id, keep)
         media_type = response.headers.get("content-type", "application/json")
         return Relayed(response.status_code, media_type, content)
 
@@ -186,13 +186,17 @@ class Relay:
     def give_up(self, worker: str) -> int:
         return self._unanswered.give_up(worker)
 
-    def _holds(self, followed: Followed | None, chain: ChainStep | None) -> bool:
-        """Whether an answer's end waits until what it taught is kept."""
-        return self.admissions.keeps_answers and (followed is not None or chain is not None)
+    def _holds(self, program_id: str | None, followed: Followed | None, chain: ChainStep | None) -> bool | None:
+        """Whether an answer's end waits until what it taught is kept (True), or only until the
+        scheduler side has it (False: it is another process), or not at all (None)."""
+        if self.admissions.keeps_answers and (followed is not None or chain is not None):
+            return True
+        return False if self.admissions.remote and program_id is not None else None
 
     @staticmethod
     def _end(
-        worker: str, program_id: str | None, shape: PromptShape, usage: Usage | None, tool: str | None, ttft_s: float | None,
+        admitted: Admitted, program_id: str | None, shape: PromptShape, usage: Usage | None, tool: str | None,
+        ttft_s: float | None,
         whole: Answer | None, followed: Followed | None, chain: ChainStep | None,
     ) -> AnswerEnd:  # fmt: skip
         """An answer's end as the scheduler side is told it: of a whole answer, the derived program's
@@ -201,12 +205,14 @@ class Relay:
         if whole is not None and followed is not None:
             conversation = followed.hashed.answered(whole.message, whole.text, whole.token_ids)
         response = whole.whole if whole is not None and chain is not None else None
-        return AnswerEnd(worker, program_id, shape, usage, tool, ttft_s, conversation, chain, response)
+        return AnswerEnd(
+            admitted.worker, program_id, shape, usage, tool, ttft_s, conversation, chain, response, admitted.ticket
+        )
 
     async def _relay_stream(
         self,
         response: httpx.Response,
-        worker: str,
+        admitted: Admitted,
         program_id: str | None,
         shape: PromptShape,
         relay: StreamRelay,
@@ -216,12 +222,12 @@ class Relay:
         final_events: tuple[bytes, ...],
     ) -> AsyncGenerator[bytes, None]:
         ended = False
-        holds = self._holds(followed, chain)
+        keep = self._holds(program_id, followed, chain)
         held = b""  # the stream's last event and anything after it, until the answer is kept
         try:
             async for data in reads(response):
                 if relayed := relay.feed(data):
-                    if holds and (held or any(event in relayed for event in final_events)):
+                    if keep is not None and (held or any(event in relayed for event in final_events)):
                         held += relayed
                     else:
                         yield relayed
@@ -240,10 +246,10 @@ class Relay:
             # Only a whole answer is remembered: a client whose stream was cut does not echo it back.
             remembered = whole if ended else None
             self.admissions.finished(
-                self._end(worker, program_id, shape, relay.usage, tool, answer.ttft_s, remembered, followed, chain)
+                self._end(admitted, program_id, shape, relay.usage, tool, answer.ttft_s, remembered, followed, chain)
             )
         if held:
-            await self.admissions.kept(program_id)
+            await self.admissions.kept(program_id, bool(keep))
             yield held
 
     def _endpoint(self, url: str, path: str) -> httpx.URL:
@@ -275,7 +281,7 @@ class Relay:
     ) -> Relayed:
         """A request of an engine's route the gateway does not schedule (tokenize, a model's card,
         embeddings…), relayed whole to the worker the scheduler side routes it to."""
-        worker = self.admissions.route(program_id)
+        worker = await self.admissions.route(program_id)
         url = f"{worker.url}{path}" + (f"?{query}" if query else "")
         headers = self._worker_headers(client_headers)
         try:
