@@ -6,6 +6,7 @@ over a state directory (registered from conftest.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -22,7 +23,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from support import wait_for
+from support import relays_apart, wait_for
 from thunderctl.cluster.state import ClusterState, WorkerRecord
 from thunderctl.cluster.worker_key import worker_key_path
 from thunderctl.daemon.service import Daemon
@@ -163,31 +164,34 @@ def unreached_pool(tmp_path: Path) -> SandboxPool:
     return SandboxPool(config, cluster="never-reached", state_path=tmp_path / "sandboxes.json")
 
 
-@pytest.fixture
-async def gateway_app(fake_backend) -> AsyncIterator[Callable[..., object]]:
-    """The gateway's app in front of a fake worker, spoken to in-process (httpx ASGITransport).
-    Returns (client, worker); the gateway's loops stop at the end."""
-    started: list[tuple[Gateway, httpx.AsyncClient]] = []
+@pytest.fixture(params=[1, 2], ids=["one-process", "two-relays"])
+async def gateway_app(fake_backend, request: pytest.FixtureRequest) -> AsyncIterator[Callable[..., object]]:
+    """The gateway's app in front of a fake worker, spoken to in-process (httpx ASGITransport): the
+    one process's, or two relays' taking requests in turn (support.relays_apart). Returns
+    (client, worker); the gateway's loops stop at the end."""
+    async with contextlib.AsyncExitStack() as stack:
 
-    async def make(
-        auth: GatewayAuth = GatewayAuth(),
-        limits: BodyLimits = BodyLimits(),
-        worker_key: str | None = None,
-        extra_routes: list[BaseRoute] | None = None,
-        on_release: Callable[[str], None] | None = None,
-    ) -> tuple[httpx.AsyncClient, FakeBackend]:
-        worker = fake_backend(worker_key)
-        gateway = Gateway([WorkerLink("fake", worker.url)], worker_key=worker_key)
-        await gateway.start()
-        app = build_app(gateway, extra_routes=extra_routes or (), on_release=on_release, auth=auth, limits=limits)
-        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway")
-        started.append((gateway, client))
-        return client, worker
+        async def make(
+            auth: GatewayAuth = GatewayAuth(),
+            limits: BodyLimits = BodyLimits(),
+            worker_key: str | None = None,
+            extra_routes: list[BaseRoute] | None = None,
+            on_release: Callable[[str], None] | None = None,
+        ) -> tuple[httpx.AsyncClient, FakeBackend]:
+            worker = fake_backend(worker_key)
+            gateway = Gateway([WorkerLink("fake", worker.url)], worker_key=worker_key)
+            await gateway.start()
+            stack.push_async_callback(gateway.stop)
+            app = build_app(gateway, extra_routes=extra_routes or (), on_release=on_release, auth=auth, limits=limits)
+            if request.param > 1:
+                app = await stack.enter_async_context(
+                    relays_apart(gateway, request.param, app, auth, limits, on_release)
+                )
+            client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway")
+            stack.push_async_callback(client.aclose)
+            return client, worker
 
-    yield make
-    for gateway, client in started:
-        await client.aclose()
-        await gateway.stop()
+        yield make
 
 
 @pytest.fixture

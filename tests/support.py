@@ -11,8 +11,9 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,12 @@ from thunderctl.cli import app
 from thunderctl.cluster.state import ClusterState
 from thunderctl.daemon.status import ClusterStatus
 from thunderctl.engines.local import EngineHome, LocalEngine, LocalEngineConfig
+from thunderctl.gateway import Gateway
+from thunderctl.gateway.app import relay_app
+from thunderctl.gateway.auth import GatewayAuth
+from thunderctl.gateway.relay import Relay
+from thunderctl.gateway.remote import AdmissionsServer, RemoteAdmissions
+from thunderctl.jsonapi import BodyLimits
 from thunderctl.processes import pick_free_port, pick_free_ports, pid_alive, port_free
 from thunderctl.processes.poll import poll_until
 from thunderctl.profile import DEFAULT_PROFILE, PROFILES_DIR
@@ -532,3 +539,58 @@ def through_the_gateway_as_straight(loop: Callable, worker_url: str, model: str,
     assert direct.statuses == [200] * LOOP_TURNS
     programs = list(gateway.programs().values())
     assert [(p["steps"], p["derived"]) for p in programs] == [(LOOP_TURNS, True)]
+
+
+@contextlib.asynccontextmanager
+async def relays_apart(
+    gateway: Gateway,
+    count: int,
+    app: Any,
+    auth: GatewayAuth = GatewayAuth(),
+    limits: BodyLimits = BodyLimits(),
+    on_release: Callable[[str], None] | None = None,
+) -> AsyncIterator[Any]:
+    """`gateway` as a daemon with `count` relay processes has it, in this process: an AdmissionsServer
+    on a real Unix socket, and `count` relays each asking it through RemoteAdmissions, their other
+    routes handed to `app` (the gateway's, build_app). Yields an ASGI app that sends each request
+    to the next relay in turn, as the kernel spreads an agent's connections."""
+    socket_dir = Path(tempfile.mkdtemp(prefix="relays-"))  # short: a Unix socket's path is at most 107 bytes
+
+    def release(program_id: str) -> None:
+        gateway.scheduler.release(program_id)
+        if on_release is not None:
+            on_release(program_id)
+
+    server = AdmissionsServer(gateway, socket_dir / "relays.sock", release)
+    await server.start()
+    workers = [(link.id, link.url) for link in gateway.links.values()]
+    relays: list[Relay] = []
+    admissions = [
+        RemoteAdmissions(server.path, n + 1, workers, lambda worker, n=n: relays[n].give_up(worker))
+        for n in range(count)
+    ]
+    relays.extend(Relay(a, gateway._client, gateway._transport, gateway.clock) for a in admissions)
+    apps = [
+        relay_app(r, app, a.adopt, a.release, gateway.count_client_disconnect, auth, limits)
+        for r, a in zip(relays, admissions)
+    ]
+    for remote in admissions:
+        await remote.start()
+    await asyncio.wait_for(_all_connected(admissions), 10)
+    turns = itertools.cycle(apps)
+
+    async def alternating(scope: Any, receive: Any, send: Any) -> None:
+        await next(turns)(scope, receive, send)
+
+    try:
+        yield alternating
+    finally:
+        for remote in admissions:
+            await remote.stop()
+        await server.stop()
+        socket_dir.rmdir()
+
+
+async def _all_connected(admissions: Sequence[RemoteAdmissions]) -> None:
+    while not all(a.connected for a in admissions):
+        await asyncio.sleep(0.01)

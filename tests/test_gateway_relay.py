@@ -6,6 +6,7 @@ program. tests/test_gateway_vllm.py does the same over real vLLM."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -15,6 +16,7 @@ import httpx
 import pytest
 import uvicorn
 
+from support import relays_apart
 from thunderctl.engines.simulated.server import SimEngineConfig, SimServer
 from thunderctl.gateway import Gateway, WorkerLink, build_app
 from thunderctl.gateway.admissions import Admission, Admitted, AnswerEnd, Chain, Failure
@@ -113,28 +115,30 @@ async def engine(anyio_backend: str) -> AsyncIterator[SimEngine]:
     await asyncio.gather(steps, return_exceptions=True)
 
 
-@pytest.fixture
+@pytest.fixture(params=[1, 2], ids=["one-process", "two-relays"])
 async def gateway_over(
-    anyio_backend: str,
+    anyio_backend: str, request: pytest.FixtureRequest
 ) -> AsyncIterator[Callable[..., Awaitable[tuple[httpx.AsyncClient, Gateway]]]]:
     """The gateway's app over the given workers (a, b, ... as http://a:8000 ...), spoken to
-    in-process; its loops stop at the end."""
-    started: list[tuple[Gateway, httpx.AsyncClient]] = []
+    in-process: the one process's, or two relays' taking requests in turn, over the scheduler's
+    messages on a real Unix socket. Its loops stop at the end."""
+    async with contextlib.AsyncExitStack() as stack:
 
-    async def make(
-        workers: Workers | SimEngine, names: tuple[str, ...] = ("a", "b")
-    ) -> tuple[httpx.AsyncClient, Gateway]:
-        links = [WorkerLink(name, f"http://{name}:8000") for name in names]
-        gateway = Gateway(links, transport=workers if isinstance(workers, SimEngine) else workers.transport())
-        assert await gateway.start() == []
-        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(gateway)), base_url="http://gateway")
-        started.append((gateway, client))
-        return client, gateway
+        async def make(
+            workers: Workers | SimEngine, names: tuple[str, ...] = ("a", "b")
+        ) -> tuple[httpx.AsyncClient, Gateway]:
+            links = [WorkerLink(name, f"http://{name}:8000") for name in names]
+            gateway = Gateway(links, transport=workers if isinstance(workers, SimEngine) else workers.transport())
+            assert await gateway.start() == []
+            stack.push_async_callback(gateway.stop)
+            app = build_app(gateway)
+            if request.param > 1:
+                app = await stack.enter_async_context(relays_apart(gateway, request.param, app))
+            client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway")
+            stack.push_async_callback(client.aclose)
+            return client, gateway
 
-    yield make
-    for gateway, client in started:
-        await client.aclose()
-        await gateway.stop()
+        yield make
 
 
 def chat(program_id: str | None = "p1", **extra: object) -> dict:

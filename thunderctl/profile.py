@@ -212,6 +212,21 @@ class GatewaySpec(IdentityConfig, Strict):
         "more than the agents that may connect at once",
     )
 
+    relays: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description="processes that relay the gateway's streams, sharing its port, while the daemon schedules "
+        "(1: the daemon relays them itself); default: a quarter of this machine's cores, at least 1, since a "
+        "relay at full load takes a core and the daemon, the supervisor, Docker and the agents need the rest",
+    )
+
+    def relay_processes(self, cores: int | None = None) -> int:
+        """How many relay processes the gateway runs (1: none, the daemon relays)."""
+        if self.relays is not None:
+            return self.relays
+        return max(1, (cores or os.cpu_count() or 1) // 4)
+
     @model_validator(mode="before")
     @classmethod
     def _removed(cls, data: Any) -> Any:

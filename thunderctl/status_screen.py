@@ -13,6 +13,7 @@ from thunderctl.daemon.status import (
     GatewayStatus,
     GroupCounts,
     PauseStatus,
+    RelayStatus,
     SandboxStatus,
 )
 
@@ -63,6 +64,7 @@ def status_renderable(view: ClusterStatus) -> Group:
         f"sandboxes: {sandbox_line(view.sandboxes)}",
         *([pause_line(view.pause)] if view.pause and (view.pause.paused or view.pause.last_end) else []),
         *([daemon_line(view.daemon_pid, view.daemon)] if view.daemon else []),
+        *([relays_line(view.gateway.relays)] if view.gateway.relays else []),
         gateway_key_line(view.gateway),
     )
 
@@ -97,6 +99,16 @@ def gateway_key_line(gateway: GatewayStatus) -> str:
     return "gateway key: set (clients send Authorization: Bearer KEY)" + (
         "; /metrics is public" if gateway.metrics_public else ""
     )
+
+
+def relays_line(relays: list[RelayStatus]) -> str:
+    """Each relay process: its pid, the requests it relayed, those open now, its CPU so far."""
+    shown = [
+        f"{r.relay} pid {r.pid} · {r.requests:,} requests ({r.open:,} open)"
+        + (f" · CPU {r.cpu_s:,.1f} s" if r.cpu_s is not None else "")
+        for r in sorted(relays, key=lambda r: r.relay or 0)
+    ]
+    return "relays: " + " | ".join(shown)
 
 
 def daemon_line(pid: int | None, daemon: DaemonStatus) -> str:

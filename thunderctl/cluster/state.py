@@ -72,6 +72,16 @@ class ClusterState:
         return self.dir / "control.sock"
 
     @property
+    def relays_socket_path(self) -> Path:
+        """Where relay processes send the daemon's scheduler their messages (gateway/wire.py)."""
+        return self.dir / "relays.sock"
+
+    @property
+    def gateway_socket_path(self) -> Path:
+        """Where relay processes send the routes they do not serve: the daemon's own gateway."""
+        return self.dir / "gateway.sock"
+
+    @property
     def daemon_log(self) -> Path:
         """The daemon's output and its supervisor's account of each start and exit."""
         return self.dir / "daemon.log"

@@ -1,11 +1,15 @@
-"""`python -m thunderctl.daemon STATE_DIR FD`: run a cluster's daemon in the foreground, serving the
-gateway on the listening socket it inherits as file descriptor FD (what its supervisor starts)."""
+"""`python -m thunderctl.daemon STATE_DIR FD [--relays N]`: run a cluster's daemon in the foreground,
+serving the gateway on the listening socket it inherits as file descriptor FD (what its supervisor
+starts), or, with N ≥ 2 relay processes on that socket, only their scheduler."""
 
-import sys
+import argparse
 from pathlib import Path
 
 from thunderctl.daemon.service import main
 
-if len(sys.argv) != 3 or not sys.argv[2].isdigit():
-    sys.exit("usage: python -m thunderctl.daemon STATE_DIR FD (FD: the gateway's bound, listening socket)")
-main(Path(sys.argv[1]), int(sys.argv[2]))
+parser = argparse.ArgumentParser(prog="python -m thunderctl.daemon")
+parser.add_argument("state_dir", type=Path)
+parser.add_argument("fd", type=int, help="the gateway's bound, listening socket")
+parser.add_argument("--relays", type=int, default=1, help="relay processes that accept on it (1: none)")
+args = parser.parse_args()
+main(args.state_dir, args.fd, args.relays)

@@ -10,6 +10,7 @@ from collections import Counter
 from dataclasses import asdict
 from typing import Any, Protocol
 
+import psutil
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.requests import Request
@@ -28,6 +29,7 @@ from thunderctl.daemon.status import (
     JournalStatus,
     PauseStatus,
     ProgramCounts,
+    RelayStatus,
     SandboxStatus,
     SchedulerStatus,
     WorkerStatus,
@@ -54,6 +56,8 @@ class Daemon(Protocol):
     async def revive_workers(self, *, now: bool = False) -> list[str]: ...
 
     def sandbox_stats(self) -> dict: ...
+
+    def relays(self) -> list[dict[str, Any]]: ...
 
     def request_exit(self) -> None: ...
 
@@ -96,6 +100,15 @@ def resolve_target(daemon: Daemon, target: str) -> list[str]:
     raise UnknownTarget(f"no worker or node named {target!r}; workers: {', '.join(ids)}")
 
 
+def cpu_seconds(pid: int | None) -> float | None:
+    """A process's CPU time so far, user and system (None: gone, or not ours to read)."""
+    try:
+        times = psutil.Process(pid).cpu_times() if pid is not None else None
+    except psutil.Error:
+        return None
+    return round(times.user + times.system, 2) if times is not None else None
+
+
 def status_view(daemon: Daemon) -> ClusterStatus:
     gateway, scheduler = daemon.gateway, daemon.gateway.scheduler
     workers = []
@@ -132,7 +145,11 @@ def status_view(daemon: Daemon) -> ClusterStatus:
             last_exit_at=record.last_exit_at,
             journal=JournalStatus.model_validate(asdict(daemon.journal.stats)),
         ),  # fmt: skip
-        gateway=GatewayStatus(api_key_set=daemon.auth.api_key is not None, metrics_public=daemon.auth.metrics_public),
+        gateway=GatewayStatus(
+            api_key_set=daemon.auth.api_key is not None,
+            metrics_public=daemon.auth.metrics_public,
+            relays=[RelayStatus(**relay, cpu_s=cpu_seconds(relay["pid"])) for relay in daemon.relays()],
+        ),
         workers=workers,
         scheduler=SchedulerStatus(
             programs=ProgramCounts(

@@ -26,6 +26,7 @@ from thunderctl.daemon.restarts import RestartPlanner
 from thunderctl.gateway import Gateway, WorkerLink, build_app
 from thunderctl.gateway.admin import WeightSync
 from thunderctl.gateway.answers import resume_priority
+from thunderctl.gateway.remote import AdmissionsServer
 from thunderctl.gateway.server import server_config
 from thunderctl.jsonapi import BodyLimits
 from thunderctl.processes import process_alive
@@ -60,7 +61,10 @@ def bind_control_socket(path: Path) -> socket.socket:
 
 
 class Daemon:
-    def __init__(self, state: ClusterState) -> None:
+    """`relays` ≥ 2: that many relay processes accept the gateway's connections (daemon/relays.py)
+    and the daemon schedules for them, serving the routes they hand it on its gateway socket."""
+
+    def __init__(self, state: ClusterState, relays: int = 1) -> None:
         self.state = state
         self.profile = load_profile(Path(state.profile_path))
         links = [
@@ -97,12 +101,18 @@ class Daemon:
             weight_sync=self.weights,
         )
         control_app = build_control_app(self, limits)
+        self.relay_server = (
+            AdmissionsServer(self.gateway, state.relays_socket_path, self._release, self._adopt if self.sandboxes else None)
+            if relays > 1 else None
+        )  # fmt: skip
+        relayed_from = str(state.gateway_socket_path)
 
         async def by_socket(scope: Scope, receive: Receive, send: Send) -> None:
-            # One server, two sockets: a Unix-socket connection has no port, so only the
-            # owner's control socket reaches the control API.
+            # One server, its sockets told apart: a Unix-socket connection has no port, so only the
+            # owner's control socket reaches the control API, and the relays' gateway socket the gateway.
             server = scope.get("server")
-            app = control_app if server is None or server[1] is None else gateway_app
+            relayed = server is not None and server[1] is None and server[0] == relayed_from
+            app = control_app if (server is None or server[1] is None) and not relayed else gateway_app
             await app(scope, receive, send)
 
         self.app = by_socket
@@ -126,6 +136,12 @@ class Daemon:
             self.sandboxes.program_began(event.program.id)
         elif event.kind is EventKind.EXPIRED:  # releases come through _collect
             self._collect(event.program.id)
+
+    def _release(self, program_id: str) -> None:
+        """A relay process's session ended with its last request: as POST /programs/release."""
+        self.gateway.scheduler.release(program_id)
+        if self.sandboxes is not None:
+            self._collect(program_id)
 
     def _collect(self, program_id: str) -> None:
         self._spawn(self.sandboxes.program_ended(program_id))
@@ -204,6 +220,10 @@ class Daemon:
             return {"available": False, "reason": "no sandboxes in this profile", "warm": 0, "bound": 0, "preparing": 0}
         return self.sandboxes.stats()
 
+    def relays(self) -> list[dict]:
+        """Each relay process connected now (none: the daemon relays in its own process)."""
+        return self.relay_server.relays() if self.relay_server is not None else []
+
     def request_exit(self) -> None:
         if self.server is not None:
             self.server.should_exit = True
@@ -220,13 +240,21 @@ class Daemon:
             await self.sandboxes.start(live_programs=list(self.gateway.scheduler.programs))
             self._spawn(self._follow_resume_queue())
         self._spawn(self._supervise_workers())
-        sockets = [listener, bind_control_socket(self.state.socket_path)]
+        sockets = [bind_control_socket(self.state.socket_path)]
+        if self.relay_server is None:
+            sockets.append(listener)
+        else:  # the relays accept on the listener; they ask the scheduler here, the rest there
+            await self.relay_server.start()
+            sockets.append(bind_control_socket(self.state.gateway_socket_path))
         self.server = uvicorn.Server(server_config(self.app, backlog=self.profile.gateway.backlog))
         try:
             await self.server.serve(sockets=sockets)
         finally:
             for task in self._background:
                 task.cancel()
+            if self.relay_server is not None:
+                await self.relay_server.stop()
+                self.state.gateway_socket_path.unlink(missing_ok=True)
             if self.sandboxes is not None:
                 await self.sandboxes.shutdown()
             await self.weights.stop()
@@ -252,12 +280,12 @@ class Daemon:
         return warnings
 
 
-def main(state_dir: Path, listen_fd: int) -> None:
+def main(state_dir: Path, listen_fd: int, relays: int = 1) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     state = ClusterState.load(state_dir)
     log.info("daemon of cluster %s starting (pid %d)", state.cluster, os.getpid())
-    aio.run(Daemon(state).run(socket.socket(fileno=listen_fd)))
+    aio.run(Daemon(state, relays).run(socket.socket(fileno=listen_fd)))
     log.info("daemon of cluster %s stopped", state.cluster)
 
 

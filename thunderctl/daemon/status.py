@@ -35,11 +35,22 @@ class WorkerStatus(StatusPart):
     restarts: int  # times the daemon started the worker again after its process died
 
 
+class RelayStatus(StatusPart):
+    """A relay process connected to the daemon (profile: gateway.relays)."""
+
+    relay: int | None  # its number under the supervisor; None before its hello
+    pid: int | None
+    requests: int  # admitted through it since it connected
+    open: int  # its requests whose answer has not ended
+    cpu_s: float | None  # its process's CPU time so far (None: not readable)
+
+
 class GatewayStatus(StatusPart):
-    """Whether a key is asked for, never the key itself."""
+    """Whether a key is asked for, never the key itself; the relay processes, if any."""
 
     api_key_set: bool
     metrics_public: bool
+    relays: list[RelayStatus] = []  # none: the daemon relays in its own process
 
 
 class ProgramCounts(StatusPart):

@@ -7,11 +7,16 @@ other than by the shutdown `down` asks for (exit code 0) is started again: at on
 doubling backoff while it keeps dying. Each start and exit is logged in the daemon's log (where
 the daemon's own traceback is) and kept in the state directory's DaemonRecord for `status` and `up`.
 
-The daemon runs in the supervisor's process group, so stopping that group (`down`, or `up` after a
-supervisor died) stops both. It imports no more than the state and the process helpers: it stays
-small while the daemon comes and goes.
+With `--relays N` (N ≥ 2, the profile's `gateway.relays`) it also runs N relay processes on the
+same socket (daemon/relays.py): they accept the clients' connections and the daemon only
+schedules. A relay that dies is started again at once (after a doubling backoff while it keeps
+dying), whatever the daemon does; the daemon coming and going leaves them running.
 
-`python -m thunderctl.daemon.supervisor STATE_DIR HOST PORT BACKLOG`
+The daemon and the relays run in the supervisor's process group, so stopping that group (`down`,
+or `up` after a supervisor died) stops them all. It imports no more than the state and the process
+helpers: it stays small while the daemon comes and goes.
+
+`python -m thunderctl.daemon.supervisor STATE_DIR HOST PORT BACKLOG [--relays N]`
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ RESTART_MAX_BACKOFF_S = 30.0
 # A daemon that stayed up this long ran well: if it dies now, it is started again at once.
 STABLE_RUN_S = 60.0
 STOP_POLL_S = 0.1  # how soon a backoff notices a stop
+CHILD_POLL_S = 0.1  # how soon a relay that died is noticed
 
 
 def exit_reason(returncode: int) -> str:
@@ -48,18 +54,67 @@ def exit_reason(returncode: int) -> str:
         return f"killed by signal {-returncode}"
 
 
+class Child:
+    """A relay process the supervisor keeps running: started again at once when it dies, after a
+    doubling backoff while it keeps dying."""
+
+    def __init__(self, command: list[str], fd: int, name: str) -> None:
+        self.command, self.fd, self.name = command, fd, name
+        self.process: subprocess.Popen[bytes] | None = None
+        self.started = 0.0
+        self.streak = 0  # deaths since it last ran well
+        self.next_start = 0.0
+
+    def keep_running(self) -> None:
+        if self.process is not None and (returncode := self.process.poll()) is not None:
+            ran_s = time.monotonic() - self.started
+            self.streak = 1 if ran_s >= STABLE_RUN_S else self.streak + 1
+            wait_s = backoff_s(self.streak - 1, RESTART_INITIAL_BACKOFF_S, RESTART_MAX_BACKOFF_S)
+            self.next_start = time.monotonic() + wait_s
+            log.error("%s (pid %d) ended: %s after %.1f s; starting it again in %.0f s",
+                      self.name, self.process.pid, exit_reason(returncode), ran_s, wait_s)  # fmt: skip
+            self.process = None
+        if self.process is None and time.monotonic() >= self.next_start:
+            self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, pass_fds=(self.fd,))
+            self.started = time.monotonic()
+            log.info("%s started (pid %d)", self.name, self.process.pid)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+
+    def wait(self) -> None:
+        if self.process is not None:
+            self.process.wait()
+
+
 class Supervisor:
-    def __init__(self, state: ClusterState, listener: socket.socket) -> None:
+    def __init__(self, state: ClusterState, listener: socket.socket, relays: int = 1) -> None:
         self.state = state
         self.listener = listener
         self.record = DaemonRecord()
         self.daemon: subprocess.Popen[bytes] | None = None
         self.stopping = False
+        fd = listener.fileno()
+        # One relay: the daemon relays in its own process, and there is no relay process.
+        self.relays = [
+            Child([sys.executable, "-m", "thunderctl.daemon.relays", str(state.dir), str(fd), str(n)], fd, f"relay {n}")
+            for n in range(1, relays + 1)
+        ] if relays > 1 else []  # fmt: skip
 
     def run(self) -> None:
         """Run daemons until one stops on purpose or the supervisor is asked to stop (SIGTERM, SIGINT)."""
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
+        try:
+            self._run()
+        finally:
+            for relay in self.relays:
+                relay.stop()
+            for relay in self.relays:
+                relay.wait()
+
+    def _run(self) -> None:
         streak = 0  # deaths since the daemon last ran well, the latest included
         while True:
             started = time.monotonic()
@@ -71,15 +126,23 @@ class Supervisor:
             streak = 1 if ran_s >= STABLE_RUN_S else streak + 1
             wait_s = backoff_s(streak - 1, RESTART_INITIAL_BACKOFF_S, RESTART_MAX_BACKOFF_S)
             self._ended(exit_reason(returncode), ran_s, wait_s)
-            if poll_until(lambda: self.stopping, wait_s, STOP_POLL_S):
+            if poll_until(self._stopped_keeping_relays, wait_s, STOP_POLL_S):
                 return
             self.record.restarts += 1
 
+    def _stopped_keeping_relays(self) -> bool:
+        if not self.stopping:
+            for relay in self.relays:
+                relay.keep_running()
+        return self.stopping
+
     def _run_daemon(self) -> int:
-        """Start a daemon on the listening socket and wait for it to end; its exit status."""
+        """Start a daemon on the listening socket and wait for it to end (keeping the relays
+        running meanwhile); its exit status."""
         fd = self.listener.fileno()
+        relays = ["--relays", str(len(self.relays))] if self.relays else []
         self.daemon = subprocess.Popen(
-            [sys.executable, "-m", "thunderctl.daemon", str(self.state.dir), str(fd)],
+            [sys.executable, "-m", "thunderctl.daemon", str(self.state.dir), str(fd), *relays],
             stdin=subprocess.DEVNULL,
             pass_fds=(fd,),  # its output goes where the supervisor's does: the daemon's log
         )
@@ -90,7 +153,12 @@ class Supervisor:
         self.record.started_at, self.record.next_start_at = time.time(), None
         self.record.save(self.state.daemon_record_file)
         log.info("daemon started (pid %d, restart %d)", daemon.pid, self.record.restarts)
-        return self.daemon.wait()
+        if not self.relays:
+            return self.daemon.wait()
+        while (returncode := self.daemon.poll()) is None:
+            self._stopped_keeping_relays()
+            time.sleep(CHILD_POLL_S)
+        return returncode
 
     def _ended(self, reason: str, ran_s: float, wait_s: float) -> None:
         now = time.time()
@@ -110,6 +178,8 @@ class Supervisor:
         self.stopping = True
         if self.daemon is not None and self.daemon.poll() is None:
             self.daemon.send_signal(signal.SIGTERM)  # a graceful end: it lets its requests finish
+        for relay in self.relays:
+            relay.stop()
 
 
 def main(argv: list[str]) -> None:
@@ -118,6 +188,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("host")
     parser.add_argument("port", type=int)
     parser.add_argument("backlog", type=int)
+    parser.add_argument(
+        "--relays", type=int, default=1, help="relay processes on the socket (1: none, the daemon relays)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     state = ClusterState.load(args.state_dir)
@@ -128,7 +201,7 @@ def main(argv: list[str]) -> None:
             f"the gateway cannot listen on {args.host}:{args.port}: {exc.strerror}; free it or change gateway.port"
         )
     log.info("supervising the daemon of cluster %s on %s:%d", state.cluster, args.host, args.port)
-    Supervisor(state, listener).run()
+    Supervisor(state, listener, args.relays).run()
 
 
 if __name__ == "__main__":

@@ -30,8 +30,7 @@ from thunderctl.gateway.requests import PromptShape, TokenEstimator
 from thunderctl.gateway.restored import Restored
 from thunderctl.gateway.stalls import StallWatch
 from thunderctl.gateway.timings import GatewayTimings, watch_loop_lag
-from thunderctl.gateway.transport import AiohttpTransport
-from thunderctl.jsonapi import bearer_headers
+from thunderctl.gateway.transport import AiohttpTransport, worker_client
 from thunderctl.scheduler import EventKind, ProgramEvent, Scheduler, SchedulerConfig
 from thunderctl.scheduler.front import (
     WAKING_EVENTS,
@@ -104,11 +103,7 @@ class Gateway:
         self.keep_answers: Callable[[str | None], Awaitable[None]] | None = None
         # Every call to a worker (relay, health, metrics) carries the cluster's worker key.
         self._transport = transport or AiohttpTransport(WORKER_KEEPALIVE_S)
-        self._client = httpx.AsyncClient(
-            headers=bearer_headers(worker_key),
-            timeout=httpx.Timeout(None, connect=connect_timeout_s),
-            transport=self._transport,
-        )
+        self._client = worker_client(self._transport, worker_key, connect_timeout_s)
         # This process's relay; it and the gateway tell each other only what admissions.py declares.
         self.relay = Relay(self, self._client, self._transport, clock, resumed_priority)
         self.relays: list[Relays] = [self.relay]

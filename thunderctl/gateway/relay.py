@@ -165,7 +165,9 @@ class Relay:
                     admitted, program_id, shape, answered.usage, answered.tool, None, answered, followed, chain
                 )
         self.admissions.finished(end)
-        if response.status_code == 200 and (keep := self._holds(program_id, followed, chain)) is not None:
+        # An error teaches nothing to keep, but its end is acknowledged all the same.
+        whole = response.status_code == 200
+        if (keep := self._holds(program_id, followed if whole else None, chain if whole else None)) is not None:
             await self.admissions.kept(program_id, keep)
         media_type = response.headers.get("content-type", "application/json")
         return Relayed(response.status_code, media_type, content)

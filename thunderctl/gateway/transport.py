@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator
 import aiohttp
 import httpx
 
+from thunderctl.jsonapi import bearer_headers
+
 # A pooled connection can be closed by the worker just as it is reused: its keep-alive ran out
 # while the gateway, behind on a busy loop, had not yet read the end of the previous answer. The
 # request did not get an answer's first byte; it goes again on another connection (as browsers
@@ -102,3 +104,13 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
     async def aclose(self) -> None:
         if self._session is not None:
             await self._session.close()
+
+
+def worker_client(
+    transport: httpx.AsyncBaseTransport, worker_key: str | None, connect_timeout_s: float
+) -> httpx.AsyncClient:
+    """The client of every call to a worker (relay, health, metrics): the cluster's worker key, a
+    bounded connect, and no read timeout (an answer streams as long as it takes)."""
+    return httpx.AsyncClient(
+        headers=bearer_headers(worker_key), timeout=httpx.Timeout(None, connect=connect_timeout_s), transport=transport
+    )

@@ -2,7 +2,7 @@
 
 Each frame is msgpack (msgspec), prefixed by its length as msgspec's own docs frame messages on a
 stream: `(kind, call, payload)`. A call (`admit`, `claim`, …) is answered by a `reply` frame with
-the same call number; a tell (`finished`) is answered by nothing; `give_up` goes the other way,
+the same call number; a tell (`finished`, `adopt`) is answered by nothing; `give_up` goes the other way,
 unasked. One connection per relay process, read in order: a tell reaches the scheduler before any
 call the relay sends after it.
 """
@@ -33,23 +33,50 @@ class ClaimAsk:
 
 @dataclass(frozen=True, slots=True)
 class Hello:
-    """A relay process's first frame: which relay it is (its number under the supervisor)."""
+    """A relay process's first frame: which relay it is (its number under the supervisor), its pid."""
 
     relay: int
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    """The scheduler's answer to a hello: whether it derives programs and keeps answers (journal)."""
+
+    derives: bool
+    keeps_answers: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Adopt:
+    """A request named its program's sandboxes (`docker_ids`): the daemon's pool adopts them."""
+
+    program_id: str
+    docker_ids: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class KeptAsk:
+    """`Admissions.kept`'s arguments."""
+
+    program_id: str | None
+    keep: bool
 
 
 # What each kind of frame carries, and what the reply to it carries (None: a tell, no reply).
 CALLS: dict[str, tuple[Any, Any]] = {
-    "hello": (Hello, bool),
+    "hello": (Hello, Welcome),
     "admit": (Admission, Admitted),
     "claim": (ClaimAsk, Claim | None),
     "candidates": (PromptKeys, Candidates),
     "chain": (str, Chain | None),
     "failed": (Failure, bool),
-    "kept": (str | None, None),
+    "kept": (KeptAsk, None),
     "route": (str | None, Admitted),
     "finished": (AnswerEnd, None),
     "give_up": (str, None),
+    "release": (str, None),
+    "adopt": (Adopt, None),
 }
 REPLY = "reply"
 

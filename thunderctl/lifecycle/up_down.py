@@ -71,7 +71,8 @@ def start_supervisor(state: ClusterState, gateway: GatewaySpec) -> None:
     since = time.time()
     state.daemon_record_file.unlink(missing_ok=True)  # a dead supervisor's: this one keeps its own
     command = [sys.executable, "-m", "thunderctl.daemon.supervisor", str(state.dir), gateway.host, str(gateway.port)]
-    process = spawn_detached([*command, str(gateway.backlog)], dict(os.environ), state.daemon_log)
+    relays = ["--relays", str(gateway.relay_processes())]
+    process = spawn_detached([*command, str(gateway.backlog), *relays], dict(os.environ), state.daemon_log)
     supervisor = ProcessIdentity.local(process.pid)
     state.supervisor_pid, state.supervisor_start_ticks = supervisor.pid, supervisor.start_ticks
     state.save()

@@ -1,0 +1,127 @@
+"""A relay process: the gateway's byte path on a core of its own (profile: `gateway.relays`).
+
+It accepts on the gateway's listening socket, which it inherits from the supervisor as the daemon
+does, and serves the engines' routes itself (`gateway.app.relay_routes`): it parses each request,
+hashes it for identity, relays its answer's bytes and reads its usage and tool at the end. What
+the scheduler decides it asks the daemon in messages (`gateway/remote.py`) on the state
+directory's relays socket. Every other route (/programs, /metrics, /admin, the sandboxes', a
+stored Responses answer) it hands whole to the daemon's own gateway on the gateway socket.
+
+`python -m thunderctl.daemon.relays STATE_DIR FD RELAY`
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import uvicorn
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from thunderctl import aio
+from thunderctl.cluster.state import ClusterState
+from thunderctl.cluster.worker_key import read_worker_key
+from thunderctl.gateway.answers import resume_priority
+from thunderctl.gateway.app import relay_app
+from thunderctl.gateway.gateway import WORKER_CONNECT_TIMEOUT_S, WORKER_KEEPALIVE_S
+from thunderctl.gateway.relay import Relay
+from thunderctl.gateway.remote import RemoteAdmissions
+from thunderctl.gateway.server import server_config
+from thunderctl.gateway.transport import AiohttpTransport, worker_client
+from thunderctl.jsonapi import BodyLimits, error
+from thunderctl.profile import load_profile
+
+log = logging.getLogger("thunderctl.daemon.relays")
+
+# Headers that belong to one hop; the daemon's gateway gets the rest of the client's as they came.
+HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "host", "content-length"})
+
+
+class RelayProcess:
+    """Relay number `relay` of the cluster whose state is `state`."""
+
+    def __init__(self, state: ClusterState, relay: int) -> None:
+        profile = load_profile(Path(state.profile_path))
+        self.number = relay
+        self.state = state
+        self.disconnects = 0
+        transport = AiohttpTransport(WORKER_KEEPALIVE_S)
+        self._client = worker_client(transport, read_worker_key(state.dir), WORKER_CONNECT_TIMEOUT_S)
+        workers = [(w.id, w.url) for w in state.workers if not w.stopped]
+        self.admissions = RemoteAdmissions(state.relays_socket_path, relay, workers, self._give_up)
+        self.relay = Relay(
+            self.admissions, self._client, transport, time.monotonic, resume_priority(profile.engine.args)
+        )
+        # The daemon's own gateway, for every route a relay does not serve.
+        self._daemon = httpx.AsyncClient(
+            transport=httpx.AsyncHTTPTransport(uds=str(state.gateway_socket_path)),
+            base_url="http://daemon",
+            timeout=httpx.Timeout(None, connect=WORKER_CONNECT_TIMEOUT_S),
+        )
+        auth = profile.gateway.auth()
+        limits = BodyLimits(max_bytes=profile.gateway.max_body_bytes)
+        self.backlog = profile.gateway.backlog
+        self.app = relay_app(
+            self.relay, self._to_daemon, self.admissions.adopt, self.admissions.release, self._count_disconnect,
+            auth, limits,
+        )  # fmt: skip
+
+    def _give_up(self, worker: str) -> int:
+        given_up = self.relay.give_up(worker)
+        if given_up:
+            log.warning("relay %d: worker %s stalled; %d unanswered request(s) go again", self.number, worker, given_up)
+        return given_up
+
+    def _count_disconnect(self) -> int:
+        self.disconnects += 1
+        return self.disconnects
+
+    async def _to_daemon(self, request: Request) -> Response:
+        """A route the daemon serves, handed to it whole; its answer streamed back as it comes."""
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
+        outgoing = self._daemon.build_request(
+            request.method, request.url.path, params=request.url.query, headers=headers, content=await request.body()
+        )
+        try:
+            answer = await self._daemon.send(outgoing, stream=True)
+        except httpx.HTTPError as exc:
+            return error(503, f"the gateway's daemon does not answer (it may be restarting): {exc!r}", "unavailable")
+        answer_headers = {k: v for k, v in answer.headers.items() if k.lower() not in HOP_BY_HOP}
+        return StreamingResponse(
+            answer.aiter_raw(), answer.status_code, headers=answer_headers, background=BackgroundTask(answer.aclose)
+        )
+
+    async def run(self, listener: socket.socket) -> None:
+        await self.admissions.start()
+        server = uvicorn.Server(server_config(self.app, backlog=self.backlog))
+        try:
+            await server.serve(sockets=[listener])
+        finally:
+            await self.admissions.stop()
+            await self._client.aclose()
+            await self._daemon.aclose()
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m thunderctl.daemon.relays")
+    parser.add_argument("state_dir", type=Path)
+    parser.add_argument("fd", type=int, help="the gateway's bound, listening socket")
+    parser.add_argument("relay", type=int, help="this relay's number (1, 2, …)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    state = ClusterState.load(args.state_dir)
+    log.info("relay %d of cluster %s starting (pid %d)", args.relay, state.cluster, os.getpid())
+    aio.run(RelayProcess(state, args.relay).run(socket.socket(fileno=args.fd)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
