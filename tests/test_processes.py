@@ -184,7 +184,7 @@ def test_free_ports_are_distinct_and_a_bound_one_is_not_free() -> None:
 
 def test_free_ports_are_never_ones_the_kernel_hands_to_outgoing_connections() -> None:
     low, high = (int(word) for word in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-    assert not [port for port in pick_free_ports(200) if low <= port <= high]
+    assert not [port for port in pick_free_ports(200) if low <= port <= high or port > 65000]
 
 
 def test_the_tail_of_a_log_is_its_last_lines_and_a_missing_log_says_so(tmp_path: Path) -> None:

@@ -56,12 +56,14 @@ def pick_free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 
 
 def _unhanded_ports() -> list[int]:
-    """Ports from 10000 up that the kernel does not hand to outgoing connections."""
+    """Ports from 10000 up to where the kernel's ephemeral range begins; past its end (up to 65000,
+    where profiles' ports stop) only where it begins too low to leave room below."""
     try:
         low, high = (int(word) for word in EPHEMERAL_RANGE.read_text().split())
     except (OSError, ValueError):
         low, high = 32768, 60999  # Linux's default, where the range cannot be read
-    return [*range(UNHANDED_LOW, max(low, UNHANDED_LOW)), *range(max(high + 1, UNHANDED_LOW), 65536)]
+    below = range(UNHANDED_LOW, low)
+    return list(below) if len(below) >= 1000 else list(range(max(high + 1, UNHANDED_LOW), 65001))
 
 
 def listening_socket(host: str, port: int, backlog: int) -> socket.socket:
