@@ -133,3 +133,18 @@ def test_a_relay_killed_under_load_is_started_again_while_the_other_serves_and_n
     wait_for(cluster.settled, 30, "the killed relay's requests ended")  # its admissions freed by the daemon
     log = cluster.state().daemon_log.read_text()
     assert f"relay 1 (pid {killed.pid}) ended: killed by SIGKILL" in log
+
+
+def test_the_daemon_killed_under_load_comes_back_while_the_relays_hold_its_requests(cluster: RelayCluster) -> None:
+    daemon = cluster.cli.status().daemon_pid
+    assert daemon is not None
+    relays = {n: r.pid for n, r in cluster.relays().items()}
+    thread, results = cluster.load(programs=32, concurrency=16)
+    wait_for(lambda: sum(r.open for r in cluster.relays().values()) > 0, 60, "requests under way")
+    os.kill(daemon, signal.SIGKILL)
+    thread.join(timeout=600)
+    (result,) = results
+    assert (result.programs_completed, result.steps_failed, result.release_failures) == (32, 0, 0)
+    status = cluster.cli.status()
+    assert status.daemon_pid != daemon and {r.relay: r.pid for r in status.gateway.relays} == relays  # the same relays
+    wait_for(cluster.settled, 30, "every request's end told")

@@ -13,6 +13,7 @@ stored Responses answer) it hands whole to the daemon's own gateway on the gatew
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import socket
@@ -33,7 +34,7 @@ from thunderctl.gateway.answers import resume_priority
 from thunderctl.gateway.app import relay_app
 from thunderctl.gateway.gateway import WORKER_CONNECT_TIMEOUT_S, WORKER_KEEPALIVE_S
 from thunderctl.gateway.relay import Relay
-from thunderctl.gateway.remote import RemoteAdmissions
+from thunderctl.gateway.remote import HOLD_S, RECONNECT_S, RemoteAdmissions
 from thunderctl.gateway.server import server_config
 from thunderctl.gateway.transport import AiohttpTransport, worker_client
 from thunderctl.jsonapi import BodyLimits, error
@@ -90,10 +91,17 @@ class RelayProcess:
         outgoing = self._daemon.build_request(
             request.method, request.url.path, params=request.url.query, headers=headers, content=await request.body()
         )
-        try:
-            answer = await self._daemon.send(outgoing, stream=True)
-        except httpx.HTTPError as exc:
-            return error(503, f"the gateway's daemon does not answer (it may be restarting): {exc!r}", "unavailable")
+        deadline = time.monotonic() + HOLD_S
+        while True:
+            try:
+                answer = await self._daemon.send(outgoing, stream=True)
+                break
+            except httpx.ConnectError as exc:  # it never reached the daemon: held while one starts again
+                if time.monotonic() >= deadline:
+                    return error(503, f"the gateway's daemon does not answer (restarting?): {exc!r}", "unavailable")
+                await asyncio.sleep(RECONNECT_S)
+            except httpx.HTTPError as exc:
+                return error(502, f"the gateway's daemon failed the request: {exc!r}", "backend_error")
         answer_headers = {k: v for k, v in answer.headers.items() if k.lower() not in HOP_BY_HOP}
         return StreamingResponse(
             answer.aiter_raw(), answer.status_code, headers=answer_headers, background=BackgroundTask(answer.aclose)
