@@ -41,6 +41,7 @@ class RelayStatus(StatusPart):
     relay: int | None  # its number under the supervisor; None before its hello
     pid: int | None
     requests: int  # admitted through it since it connected
+    messages: int = 0  # it sent the daemon since it connected (gateway/wire.py)
     open: int  # its requests whose answer has not ended
     cpu_s: float | None  # its process's CPU time so far (None: not readable)
 

@@ -242,6 +242,7 @@ class _RelayConnection:
         self.admitted: dict[int, tuple[Admitted, Admission]] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self.requests = 0
+        self.messages = 0  # frames it sent
 
     def give_up(self, worker: str) -> int:
         self.writer.write(self.codec.encode("give_up", 0, worker))
@@ -290,9 +291,10 @@ class AdmissionsServer:
         self.path.unlink(missing_ok=True)
 
     def relays(self) -> list[dict[str, Any]]:
-        """Each connected relay: its number, pid, requests so far and requests open now."""
+        """Each connected relay: its number, pid, requests and messages so far, and requests open now."""
         return [
-            {"relay": c.relay, "pid": c.pid, "requests": c.requests, "open": len(c.admitted)} for c in self.connections
+            {"relay": c.relay, "pid": c.pid, "requests": c.requests, "messages": c.messages, "open": len(c.admitted)}
+            for c in self.connections
         ]
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -301,6 +303,7 @@ class AdmissionsServer:
         self.gateway.relays.append(connection)
         try:
             while (frame := await read_frame(reader)) is not None:
+                connection.messages += 1
                 kind, number, raw = self._codec.head(frame)
                 await self._handle(connection, kind, number, self._codec.payload(kind, raw))
         except (OSError, WireError) as exc:

@@ -1,0 +1,216 @@
+"""Relay processes (`gateway.relays`): what each process spends per chunk and per step, and the
+messages between them, against the one-process gateway, in the same run.
+
+    python benchmarks/relay_processes.py                      # 64 and 512 streams, ~5 minutes
+    python benchmarks/relay_processes.py --streams 1,64,512,2048 --slice-s 20 --slices 2
+    python benchmarks/relay_processes.py --relays 2,4
+
+Two clusters (or more, one per `--relays` value) come up through the real CLI, each on one
+simulated worker at full speed (`engine.time_scale: 0`, every step as fast as Python takes it):
+the real supervisor, daemon and relay processes. Per concurrency, closed-loop streamed chat
+requests (relay_throughput.py's clients, named programs, one SSE chunk per token) go to each
+cluster in turn, in slices (ABBA), from `--clients` processes. Per arm:
+
+- chunks/s and the p50 of the time to first token and of the whole request (clients' view);
+- the relays' CPU per chunk (µs) and per step (ms): the relay processes' utime + stime over the
+  slice divided by the chunks and requests the clients read in all of it; with one relay that is
+  the daemon's, which relays and schedules in one process;
+- the scheduler's CPU per step (ms): the daemon's, where relay processes do the relaying;
+- messages per step: frames the relays sent the daemon over the requests.
+
+The first token's p50 at 1 stream, relays against one process, is what the two messages and the
+end's acknowledgement add. 1 / (relay CPU per chunk) is the chunks/s one relay core carries:
+the cluster it serves is that over the chunks/s a worker sends (its decode rate over the
+profile's `engine.stream_interval`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from multiprocessing import get_context
+from pathlib import Path
+
+import psutil
+import yaml
+from relay_throughput import ClientJob, ClientResult, arm_order, ms, run_client
+from rich.console import Console
+from rich.table import Table
+
+from thunderctl.processes import pick_free_ports
+from thunderctl.profile import PROFILES_DIR
+
+ANSWER_TOKENS = 64
+
+
+@dataclass
+class ArmFigures:
+    relays: int
+    streams: int
+    chunks_per_s: float
+    ttft_p50_s: float | None
+    total_p50_s: float | None
+    relay_cpu_us_per_chunk: float
+    relay_cpu_ms_per_step: float
+    scheduler_cpu_ms_per_step: float | None  # the daemon's, with relay processes
+    messages_per_step: float | None
+    failed: int
+
+
+class Cluster:
+    """A simulated cluster with `relays` relay processes, through the CLI, in `directory`."""
+
+    def __init__(self, directory: Path, relays: int) -> None:
+        self.relays = relays
+        self.name = f"relays{relays}-{secrets.token_hex(3)}"
+        worker_port, gateway_port = pick_free_ports(2)
+        profile = yaml.safe_load((PROFILES_DIR / "sim.yaml").read_text())
+        profile |= {"cluster": self.name, "model": {"path": "sim", "served_name": "sim"}}
+        profile["engine"]["time_scale"] = 0
+        profile["nodes"] = [{"name": "sim-0", "transport": "local", "replicas": 1, "base_port": worker_port}]
+        profile["gateway"] = {"host": "127.0.0.1", "port": gateway_port, "relays": relays}
+        self.profile = directory / f"{self.name}.yaml"
+        self.profile.write_text(yaml.safe_dump(profile))
+        self.env = os.environ | {"THUNDERCTL_STATE_DIR": str(directory / self.name)}
+        self.url = f"http://127.0.0.1:{gateway_port}"
+
+    def cli(self, *args: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "thunderctl", *args], env=self.env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"thunderctl {' '.join(args)} exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
+        return done.stdout
+
+    def status(self) -> dict:
+        return json.loads(self.cli("status", "--json"))
+
+    def processes(self) -> tuple[psutil.Process, list[psutil.Process], dict[int, int]]:
+        """The daemon, the relay processes, and each relay's messages so far (by pid)."""
+        status = self.status()
+        relays = status["gateway"].get("relays", [])
+        return (
+            psutil.Process(status["daemon_pid"]),
+            [psutil.Process(r["pid"]) for r in relays],
+            {r["pid"]: r.get("messages", 0) for r in relays},
+        )
+
+
+def cpu_s(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
+
+
+def run_slice(cluster: Cluster, streams: int, args: argparse.Namespace, pool: ProcessPoolExecutor) -> dict:
+    daemon, relays, messages_before = cluster.processes()
+    before = {p.pid: cpu_s(p) for p in [daemon, *relays]}
+    start_at = time.time() + 1.0
+    share = [streams // args.clients + (i < streams % args.clients) for i in range(args.clients)]
+    jobs = [
+        ClientJob(cluster.url, {}, n, sum(share[:i]), ANSWER_TOKENS, start_at, args.warmup_s, args.slice_s, True, 1, "")
+        for i, n in enumerate(share)
+        if n
+    ]
+    results: list[ClientResult] = [f.result() for f in [pool.submit(run_client, job) for job in jobs]]
+    _, _, messages_after = cluster.processes()
+    after = {p.pid: cpu_s(p) for p in [daemon, *relays]}
+    return {
+        "chunks": sum(r.chunks for r in results),
+        "chunks_all": sum(r.chunks_all for r in results),
+        "requests_all": sum(r.requests_all for r in results),
+        "failed": sum(r.failed for r in results),
+        "ttft_s": [t for r in results for t in r.ttft_s],
+        "total_s": [t for r in results for t in r.total_s],
+        "daemon_cpu_s": after[daemon.pid] - before[daemon.pid],
+        "relays_cpu_s": sum(after[p.pid] - before[p.pid] for p in relays),
+        "messages": sum(messages_after.get(pid, 0) - n for pid, n in messages_before.items()),
+        "window_s": args.slice_s,
+    }
+
+
+def figures(relays: int, streams: int, slices: list[dict]) -> ArmFigures:
+    chunks_all = sum(s["chunks_all"] for s in slices) or 1
+    steps = sum(s["requests_all"] for s in slices) or 1
+    daemon = sum(s["daemon_cpu_s"] for s in slices)
+    relaying = sum(s["relays_cpu_s"] for s in slices) if relays > 1 else daemon
+    ttfts = [t for s in slices for t in s["ttft_s"]]
+    totals = [t for s in slices for t in s["total_s"]]
+    return ArmFigures(
+        relays=relays,
+        streams=streams,
+        chunks_per_s=sum(s["chunks"] for s in slices) / sum(s["window_s"] for s in slices),
+        ttft_p50_s=statistics.median(ttfts) if ttfts else None,
+        total_p50_s=statistics.median(totals) if totals else None,
+        relay_cpu_us_per_chunk=relaying / chunks_all * 1e6,
+        relay_cpu_ms_per_step=relaying / steps * 1e3,
+        scheduler_cpu_ms_per_step=daemon / steps * 1e3 if relays > 1 else None,
+        messages_per_step=sum(s["messages"] for s in slices) / steps if relays > 1 else None,
+        failed=sum(s["failed"] for s in slices),
+    )
+
+
+def milli(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
+def render(rows: list[ArmFigures], console: Console) -> None:
+    table = Table(title="relay processes against one process (same run, ABBA slices; times in ms)")
+    for column in ("streams", "relays", "chunks/s", "TTFT p50", "request p50", "relay µs/chunk", "relay ms/step",
+                   "scheduler ms/step", "messages/step", "failed"):  # fmt: skip
+        table.add_column(column, justify="right")
+    for r in rows:
+        table.add_row(
+            str(r.streams), str(r.relays), f"{r.chunks_per_s:,.0f}", ms(milli(r.ttft_p50_s)), ms(milli(r.total_p50_s)),
+            f"{r.relay_cpu_us_per_chunk:.0f}", f"{r.relay_cpu_ms_per_step:.2f}",
+            "–" if r.scheduler_cpu_ms_per_step is None else f"{r.scheduler_cpu_ms_per_step:.3f}",
+            "–" if r.messages_per_step is None else f"{r.messages_per_step:.1f}", str(r.failed),
+        )  # fmt: skip
+    console.print(table)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--streams", default="64,512", help="concurrent streams, comma-separated")
+    parser.add_argument("--relays", default="2", help="relay processes of the other arms (the first arm: 1)")
+    parser.add_argument("--clients", type=int, default=2, help="load-generator processes")
+    parser.add_argument("--slices", type=int, default=2, help="slices per arm and concurrency (ABBA order)")
+    parser.add_argument("--slice-s", type=float, default=20.0, help="measured seconds per slice")
+    parser.add_argument("--warmup-s", type=float, default=3.0, help="seconds of load before each slice's window")
+    parser.add_argument("--out", type=Path, default=Path("results/relay_processes.json"))
+    args = parser.parse_args()
+    counts = [1, *(int(n) for n in args.relays.split(","))]
+    console = Console()
+    rows: list[ArmFigures] = []
+    with tempfile.TemporaryDirectory(prefix="relays-bench-") as directory:
+        clusters = {n: Cluster(Path(directory), n) for n in counts}
+        try:
+            for cluster in clusters.values():
+                cluster.cli("up", "-f", str(cluster.profile))
+            for cluster in clusters.values():
+                while cluster.relays > 1 and len(cluster.status()["gateway"].get("relays", [])) < cluster.relays:
+                    time.sleep(0.5)
+            with ProcessPoolExecutor(args.clients, mp_context=get_context("spawn")) as pool:
+                for streams in (int(n) for n in args.streams.split(",")):
+                    done: dict[int, list[dict]] = {n: [] for n in counts}
+                    for arm in arm_order(tuple(str(n) for n in counts), args.slices, flip=False):
+                        console.print(f"[dim]{streams} streams, {arm} relay(s)…[/]")
+                        done[int(arm)].append(run_slice(clusters[int(arm)], streams, args, pool))
+                    rows.extend(figures(n, streams, done[n]) for n in counts)
+        finally:
+            for cluster in clusters.values():
+                subprocess.run([sys.executable, "-m", "thunderctl", "down"], env=cluster.env, capture_output=True)
+    render(rows, console)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    console.print(f"written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
