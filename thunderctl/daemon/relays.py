@@ -36,14 +36,16 @@ from thunderctl.gateway.gateway import WORKER_CONNECT_TIMEOUT_S, WORKER_KEEPALIV
 from thunderctl.gateway.relay import Relay
 from thunderctl.gateway.remote import HOLD_S, RECONNECT_S, RemoteAdmissions
 from thunderctl.gateway.server import server_config
+from thunderctl.gateway.transport import HOP_BY_HOP as TRANSPORT_HOP_BY_HOP
 from thunderctl.gateway.transport import AiohttpTransport, worker_client
 from thunderctl.jsonapi import BodyLimits, error
 from thunderctl.profile import load_profile
 
 log = logging.getLogger("thunderctl.daemon.relays")
 
-# Headers that belong to one hop; the daemon's gateway gets the rest of the client's as they came.
-HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "host", "content-length"})
+# Headers that belong to one hop (and the host, the daemon's own); the daemon's gateway gets the
+# rest of the client's as they came.
+HOP_BY_HOP = TRANSPORT_HOP_BY_HOP | {"host"}
 
 
 class RelayProcess:
