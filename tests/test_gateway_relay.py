@@ -419,3 +419,34 @@ async def test_a_relay_tells_a_refused_connection_and_asks_again_away_from_that_
     assert failure == Failure("a", "p1", worker_down=True, attempt=1)
     assert isinstance(again, Admission) and (again.avoid, again.attempt) == ("a", 2)
     assert isinstance(end, AnswerEnd) and (end.worker, end.usage) == ("b", USAGE)
+
+
+async def test_a_request_the_scheduler_fails_on_is_served_unscheduled_and_the_next_is_scheduled(
+    anyio_backend: str, caplog
+) -> None:
+    workers = Workers()
+    gateway = Gateway([WorkerLink("a", "http://a:8000")], transport=workers.transport())
+    assert await gateway.start() == []
+    admit = gateway.admit
+    raised: list[str] = []
+
+    async def fails_once(admission: Admission) -> Admitted:
+        if not raised:
+            raised.append(admission.program_id or "")
+            raise RuntimeError("a bug in the scheduler")
+        return await admit(admission)
+
+    gateway.admit = fails_once  # type: ignore[method-assign]
+    try:
+        async with relays_apart(gateway, 2, build_app(gateway)) as app:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:
+                async with asyncio.timeout(10):  # with no answer to the failed call, it would hang
+                    first = await client.post("/v1/chat/completions", json=chat("p1"))
+                    second = await client.post("/v1/chat/completions", json=chat("p2"))
+    finally:
+        await gateway.stop()
+    assert raised == ["p1"] and first.status_code == 200 and second.status_code == 200
+    assert workers.attempts == ["a", "a"]
+    assert "p1" not in {p["program_id"] for p in programs_view(gateway)}  # served, not scheduled
+    assert program(gateway, "p2")["steps"] == 1
+    assert "a bug in the scheduler" in caplog.text

@@ -25,7 +25,7 @@ from typing import Any
 from thunderctl.gateway.admissions import Admission, Admitted, AnswerEnd, Chain, Failure
 from thunderctl.gateway.gateway import Gateway
 from thunderctl.gateway.identity import Candidates, ChatKeys, Claim, Keys, PromptKeys, PromptMatches
-from thunderctl.gateway.wire import REPLY, Adopt, ClaimAsk, Codec, Hello, KeptAsk, Welcome, WireError, read_frame
+from thunderctl.gateway.wire import ERROR, REPLY, Adopt, ClaimAsk, Codec, Hello, KeptAsk, Welcome, WireError, read_frame
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,10 @@ RECONNECT_S = 0.1  # how soon a relay tries the scheduler's socket again
 
 class SchedulerGone(ConnectionError):
     """The scheduler's process closed the connection before it answered."""
+
+
+class SchedulerFailed(RuntimeError):
+    """The scheduler raised while answering a call (its log has the traceback)."""
 
 
 class RemoteAdmissions:
@@ -119,10 +123,14 @@ class RemoteAdmissions:
             if kind == "give_up":
                 self._on_give_up(self._codec.payload(kind, payload))
                 continue
-            if kind != REPLY:
+            if kind not in (REPLY, ERROR):
                 raise WireError(f"a relay is not asked {kind!r}")
             asked, future = self._calls.pop(number, ("", None))
-            if future is not None and not future.done():
+            if future is None or future.done():
+                continue
+            if kind == ERROR:
+                future.set_exception(SchedulerFailed(self._codec.error(payload)))
+            else:
                 future.set_result(self._codec.reply(asked, payload))
 
     def _send(self, kind: str, payload: Any) -> asyncio.Future[Any]:
@@ -140,7 +148,8 @@ class RemoteAdmissions:
             self._writer.write(self._codec.encode(kind, 0, payload))
 
     async def _call(self, kind: str, payload: Any) -> tuple[bool, Any]:
-        """(True, the reply), or (False, None) once the scheduler's process stayed away `hold_s`."""
+        """(True, the reply), or (False, None) once the scheduler's process stayed away `hold_s` or
+        failed on the call: the request is then served as if there were no scheduler."""
         deadline = asyncio.get_running_loop().time() + self.hold_s
         while True:
             left = deadline - asyncio.get_running_loop().time()
@@ -151,6 +160,11 @@ class RemoteAdmissions:
                 return True, await self._send(kind, payload)
             except (TimeoutError, SchedulerGone):
                 continue
+            except SchedulerFailed as exc:
+                log.warning(
+                    "relay %d: the scheduler failed on a %s call (%s); served unscheduled", self.relay, kind, exc
+                )
+                return False, None
 
     # ---- Admissions -----------------------------------------------------------------------
 
@@ -252,6 +266,10 @@ class _RelayConnection:
         if not self.writer.is_closing():
             self.writer.write(self.codec.encode(REPLY, number, payload))
 
+    def error(self, number: int, exc: BaseException) -> None:
+        if not self.writer.is_closing():
+            self.writer.write(self.codec.encode(ERROR, number, f"{type(exc).__name__}: {exc}"))
+
 
 class AdmissionsServer:
     """The scheduler's side of the relays' messages, served from `gateway` on the Unix socket `path`;
@@ -305,7 +323,9 @@ class AdmissionsServer:
             while (frame := await read_frame(reader)) is not None:
                 connection.messages += 1
                 kind, number, raw = self._codec.head(frame)
-                await self._handle(connection, kind, number, self._codec.payload(kind, raw))
+                await self._guarded(
+                    connection, kind, number, self._handle(connection, kind, number, self._codec.payload(kind, raw))
+                )
         except (OSError, WireError) as exc:
             log.warning("relay %s: its connection failed: %s", connection.relay, exc)
         finally:
@@ -344,16 +364,29 @@ class AdmissionsServer:
             connection.reply(number, await gateway.chain(payload))
         elif kind == "admit":
             connection.requests += 1
-            self._spawn(connection, self._admit(connection, number, payload))
+            self._spawn(connection, kind, number, self._admit(connection, number, payload))
         elif kind == "kept":
-            self._spawn(connection, self._kept(connection, number, payload))
+            self._spawn(connection, kind, number, self._kept(connection, number, payload))
         else:
             raise WireError(f"the scheduler is not told {kind!r}")
 
-    def _spawn(self, connection: _RelayConnection, coroutine: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coroutine)
+    def _spawn(self, connection: _RelayConnection, kind: str, number: int, coroutine: Any) -> None:
+        task = asyncio.get_running_loop().create_task(self._guarded(connection, kind, number, coroutine))
         connection.tasks.add(task)
         task.add_done_callback(connection.tasks.discard)
+
+    @staticmethod
+    async def _guarded(connection: _RelayConnection, kind: str, number: int, coroutine: Any) -> None:
+        """Run the answer to one frame; if the scheduler raises, its relay is told so (a call is
+        answered by an error frame, which the relay serves unscheduled) and the connection stays."""
+        try:
+            await coroutine
+        except (WireError, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            log.exception("the scheduler failed on relay %s's %s", connection.relay, kind)
+            if number:
+                connection.error(number, exc)
 
     async def _admit(self, connection: _RelayConnection, number: int, admission: Admission) -> None:
         admitted = dataclasses.replace(await self.gateway.admit(admission), ticket=next(self._tickets))

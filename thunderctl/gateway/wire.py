@@ -2,7 +2,7 @@
 
 Each frame is msgpack (msgspec), prefixed by its length as msgspec's own docs frame messages on a
 stream: `(kind, call, payload)`. A call (`admit`, `claim`, …) is answered by a `reply` frame with
-the same call number; a tell (`finished`, `adopt`) is answered by nothing; `give_up` goes the other way,
+the same call number (an `error` frame, when the scheduler raised while answering it); a tell (`finished`, `adopt`) is answered by nothing; `give_up` goes the other way,
 unasked. One connection per relay process, read in order: a tell reaches the scheduler before any
 call the relay sends after it.
 """
@@ -79,6 +79,7 @@ CALLS: dict[str, tuple[Any, Any]] = {
     "adopt": (Adopt, None),
 }
 REPLY = "reply"
+ERROR = "error"  # the reply to a call the scheduler failed on: its payload is what went wrong
 
 
 class WireError(RuntimeError):
@@ -93,6 +94,7 @@ class Codec:
         self._head = msgspec.msgpack.Decoder(tuple[str, int, msgspec.Raw])
         self._payloads = {kind: msgspec.msgpack.Decoder(payload) for kind, (payload, _) in CALLS.items()}
         self._replies = {kind: msgspec.msgpack.Decoder(reply) for kind, (_, reply) in CALLS.items()}
+        self._error = msgspec.msgpack.Decoder(str)
 
     def encode(self, kind: str, call: int, payload: Any) -> bytes:
         body = self._encoder.encode((kind, call, payload))
@@ -103,7 +105,7 @@ class Codec:
             kind, call, payload = self._head.decode(frame)
         except msgspec.DecodeError as exc:
             raise WireError(f"not a frame of this version: {exc}") from exc
-        if kind != REPLY and kind not in CALLS:
+        if kind not in (REPLY, ERROR) and kind not in CALLS:
             raise WireError(f"unknown message kind {kind!r}")
         return kind, call, payload
 
@@ -112,6 +114,9 @@ class Codec:
 
     def reply(self, kind: str, payload: msgspec.Raw) -> Any:
         return self._decode(self._replies[kind], kind, payload)
+
+    def error(self, payload: msgspec.Raw) -> str:
+        return str(self._decode(self._error, ERROR, payload))
 
     @staticmethod
     def _decode(decoder: msgspec.msgpack.Decoder, kind: str, payload: msgspec.Raw) -> Any:
