@@ -2,9 +2,10 @@
 
 Each frame is msgpack (msgspec), prefixed by its length as msgspec's own docs frame messages on a
 stream: `(kind, call, payload)`. A call (`admit`, `claim`, …) is answered by a `reply` frame with
-the same call number (an `error` frame, when the scheduler raised while answering it); a tell (`finished`, `adopt`) is answered by nothing; `give_up` goes the other way,
-unasked. One connection per relay process, read in order: a tell reaches the scheduler before any
-call the relay sends after it.
+the same call number (an `error` frame, when the scheduler raised while answering it); a tell
+(`finished`, `adopt`) is answered by nothing; `give_up` goes the other way, unasked. One connection
+per relay process, read in order: a tell reaches the scheduler before any call the relay sends
+after it.
 """
 
 from __future__ import annotations
