@@ -718,6 +718,9 @@ def test_ledger_and_queue_match_a_full_recount_after_any_history() -> None:
                 }.values()
             )
             assert fast == pytest.approx(recount, abs=1e-6)
+            acting = {p.id for p in map(sched.programs.get, worker.programs) if p.phase is Phase.ACTING}
+            heard = sched.room.ledgers[worker.id].heard  # what the pass over likely ended programs walks
+            assert {i for _, i in heard} == acting and all(at <= sched.programs[i].last_activity for at, i in heard)
         waiting = [p for p in sched.resume_queue() if p.waiting_since is not None]
         assert list(sched._waiting) == [p.id for p in waiting]
 

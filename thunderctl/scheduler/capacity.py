@@ -110,6 +110,11 @@ class Room:
         """The ACTING programs placed on `workers`, each with its worker."""
         return [(p, b) for b in workers for p in (self._programs[i] for i in b.programs) if p.phase is Phase.ACTING]
 
+    def silent(self, workers: Iterable[Worker], since: float) -> list[Program]:
+        """The ACTING programs placed on `workers` not heard from since `since`: a walk over those
+        only, however many others the workers hold."""
+        return [self._programs[i] for b in workers for i in self.ledgers[b.id].heard_before(since)]
+
     def droppable(self, workers: Iterable[Worker]) -> list[tuple[Program, Worker]]:
         """The ACTING programs whose KV, dropped, makes room for the queue: on workers that have a
         capacity and whose GPU does not bind (there a dropped KV would only free the host tier)."""

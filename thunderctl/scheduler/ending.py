@@ -31,6 +31,17 @@ class EndChances:
         return min(1.0, self.mean * max((1.0, *self.ratios.values())))
 
 
+@dataclass(frozen=True)
+class LikelyEnded:
+    """EndingLaw.likely_ended's test; no program silent for `floor` seconds or less has likely ended."""
+
+    floor: float
+    test: Callable[[Program], bool]
+
+    def __call__(self, program: Program) -> bool:
+        return self.test(program)
+
+
 @dataclass
 class EndingLaw:
     """A program is continued within the gaps (answer → its next request) the scheduler has seen,
@@ -136,19 +147,19 @@ class EndingLaw:
         gaps = [samples.quantile(self.quantile) for samples in self._evidence(program, tool_times, tool_times.tail)]
         return max(self.floor_s, self.margin * max(gaps) if gaps else self.unlearnt_s)
 
-    def likely_ended(self, programs: Iterable[Program], tool_times: ToolTimes, now: float) -> Callable[[Program], bool]:
+    def likely_ended(self, programs: Iterable[Program], tool_times: ToolTimes, now: float) -> LikelyEnded:
         """A test of whether a program is silent so long that it has likely ended (`odds` times
         likelier than not; False before any evidence), made once per pass over the programs.
 
         Every gap lands in the cluster's samples, so the cluster's threshold at the highest end
         chance bounds every program's from below and no key has evidence before the cluster has:
-        it is read once, and the many programs heard from more recently are passed over at the
-        cost of a subtraction.
+        it is read once, as the test's `floor`, and a pass need not look at the many programs
+        heard from more recently.
         """
         ends = self.chances(programs, tool_times, now)
         cluster = tool_times.cluster
         if len(cluster) < self.min_samples:
-            return lambda program: False
+            return LikelyEnded(math.inf, lambda program: False)
         lowest = self._share(ends.highest)
         floor = cluster.quantile(lowest) if lowest > 0 else -math.inf
 
@@ -160,7 +171,7 @@ class EndingLaw:
             evidence = self._evidence(program, tool_times, cluster)
             return share <= 0 or silence > max(samples.quantile(share) for samples in evidence)
 
-        return test
+        return LikelyEnded(floor, test)
 
     def _share(self, end_chance: float) -> float:
         """The share of the gaps a silence must outlast for an end at this chance to be `odds` times

@@ -4,6 +4,7 @@ the programs as they change (`recharged`)."""
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -58,11 +59,18 @@ class Ledger:
     decoding: int = 0  # Σ private tokens + buffer of its REASONING programs
     holders: Counter[str] = field(default_factory=Counter)
     prefix_tokens: dict[str, int] = field(default_factory=dict)
+    # Its ACTING programs as (last heard from, id), least recently first. The time is the one when it
+    # was charged here, never later than its last activity now: a walk that stops at the first one
+    # heard from too recently misses none heard from earlier.
+    heard: list[tuple[float, str]] = field(default_factory=list)
+    _heard_at: dict[str, float] = field(default_factory=dict)
 
     def add(self, program: Program, buffer: int) -> None:
         self.private += program.private_tokens + buffer
         if program.phase is Phase.ACTING:
             self.acting_private += program.private_tokens
+            self._heard_at[program.id] = program.last_activity
+            bisect.insort(self.heard, (program.last_activity, program.id))
         else:
             self.decoding += program.private_tokens + buffer
         if program.prefix_key is not None:
@@ -73,6 +81,8 @@ class Ledger:
         self.private -= program.private_tokens + buffer
         if program.phase is Phase.ACTING:
             self.acting_private -= program.private_tokens
+            entry = (self._heard_at.pop(program.id), program.id)
+            del self.heard[bisect.bisect_left(self.heard, entry)]
         else:
             self.decoding -= program.private_tokens + buffer
         key = program.prefix_key
@@ -80,6 +90,10 @@ class Ledger:
             self.holders[key] -= 1
             if self.holders[key] <= 0:
                 del self.holders[key], self.prefix_tokens[key]
+
+    def heard_before(self, since: float) -> list[str]:
+        """Its ACTING programs not heard from since `since` (and maybe a few since: see `heard`)."""
+        return [program_id for _, program_id in self.heard[: bisect.bisect_left(self.heard, (since, ""))]]
 
     def load(self, acting_weight: float) -> Load:
         tokens = self.private - (1.0 - acting_weight) * self.acting_private

@@ -12,7 +12,7 @@ from typing import Any
 from thunderctl.scheduler.admission import AdmissionTuner
 from thunderctl.scheduler.capacity import Room
 from thunderctl.scheduler.config import SchedulerConfig
-from thunderctl.scheduler.ending import EndingLaw
+from thunderctl.scheduler.ending import EndingLaw, LikelyEnded
 from thunderctl.scheduler.events import Counters, EventKind, Listener, ProgramEvent, notify
 from thunderctl.scheduler.groups import GroupBook
 from thunderctl.scheduler.ledger import Load
@@ -185,10 +185,9 @@ class Scheduler:
             program.prefix_tokens = min(program.prefix_tokens, program.tokens)
             program.phase = Phase.ACTING
             program.steps += 1
+            program.acting_since = program.responded_at = program.last_activity = now  # its ledger hears it now
         self.counters.steps += 1
-        program.acting_since = program.responded_at = now
         program.tool = tool
-        program.last_activity = now
         if program.pause_at_boundary:
             self._pause(program)
         # An ACTING program is charged less than a REASONING one below full weight: the
@@ -202,7 +201,7 @@ class Scheduler:
             return
         with self.room.recharged(program, self._waiting):
             program.phase = Phase.ACTING
-        program.acting_since = program.last_activity = self.clock()
+            program.acting_since = program.last_activity = self.clock()
         program.responded_at = None  # no tool runs: the gap to its retry is not a tool time
         if program.pause_at_boundary:
             self._pause(program)
@@ -344,7 +343,7 @@ class Scheduler:
             self._terminate(program, EventKind.EXPIRED)
             self.counters.expired += 1
 
-    def _likely_ended(self) -> Callable[[Program], bool]:
+    def _likely_ended(self) -> LikelyEnded:
         return self.ending.likely_ended(self.programs.values(), self.retention.tool_times, self.clock())
 
     def _pause_likely_ended(self) -> None:
@@ -353,7 +352,7 @@ class Scheduler:
         if not self._waiting:
             return
         likely_ended = self._likely_ended()
-        for program, _ in self.room.acting(self.workers.values()):
+        for program in self.room.silent(self.workers.values(), self.clock() - likely_ended.floor):
             if likely_ended(program):
                 self._pause(program)
                 self.counters.ended_pauses += 1
