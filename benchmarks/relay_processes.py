@@ -4,6 +4,14 @@ messages between them, against the one-process gateway, in the same run.
     python benchmarks/relay_processes.py                      # 64 and 512 streams, ~5 minutes
     python benchmarks/relay_processes.py --streams 1,64,512,2048 --slice-s 20 --slices 2
     python benchmarks/relay_processes.py --relays 2,4
+    python benchmarks/relay_processes.py --streams 512,2048 --pin --kills 5
+
+With `--pin` the gateway's processes (daemon, relays) run on the last core and the simulated
+worker and the clients on the others, so that the load generator does not take the relays' core
+(on 2 cores the relays share one core: it shows each process's cost, not a gain from more cores).
+With `--kills K`, after the slices, a relay of the first relay-process cluster is killed with -9 K
+times under load at the first concurrency: how soon its replacement is connected to the
+scheduler (the supervisor starts it; its imports are most of the time), and what the clients saw.
 
 Two clusters (or more, one per `--relays` value) come up through the real CLI, each on one
 simulated worker at full speed (`engine.time_scale: 0`, every step as fast as Python takes it):
@@ -35,11 +43,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from multiprocessing import get_context
 from pathlib import Path
 
+import httpx
 import psutil
 import yaml
 from relay_throughput import ClientJob, ClientResult, arm_order, ms, run_client
@@ -80,8 +89,10 @@ class Cluster:
         profile["gateway"] = {"host": "127.0.0.1", "port": gateway_port, "relays": relays}
         self.profile = directory / f"{self.name}.yaml"
         self.profile.write_text(yaml.safe_dump(profile))
-        self.env = os.environ | {"THUNDERCTL_STATE_DIR": str(directory / self.name)}
+        self.state_dir = directory / self.name
+        self.env = os.environ | {"THUNDERCTL_STATE_DIR": str(self.state_dir)}
         self.url = f"http://127.0.0.1:{gateway_port}"
+        self.pin_to: tuple[set[int], set[int]] | None = None  # (the gateway's cores, the others')
 
     def cli(self, *args: str) -> str:
         done = subprocess.run([sys.executable, "-m", "thunderctl", *args], env=self.env, capture_output=True, text=True)
@@ -90,17 +101,26 @@ class Cluster:
         return done.stdout
 
     def status(self) -> dict:
-        return json.loads(self.cli("status", "--json"))
+        """The daemon's /status, on its control socket (quicker than `status --json`, to poll)."""
+        socket_path = next(self.state_dir.rglob("control.sock"))
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(socket_path)), base_url="http://thunderctl") as client:
+            return client.get("/status").raise_for_status().json()
 
     def processes(self) -> tuple[psutil.Process, list[psutil.Process], dict[int, int]]:
-        """The daemon, the relay processes, and each relay's messages so far (by pid)."""
+        """The daemon, the relay processes, and each relay's messages so far (by pid); pinned, with
+        the workers' processes, when `pin_to` says so (a relay started again is a new process)."""
         status = self.status()
         relays = status["gateway"].get("relays", [])
-        return (
-            psutil.Process(status["daemon_pid"]),
-            [psutil.Process(r["pid"]) for r in relays],
-            {r["pid"]: r.get("messages", 0) for r in relays},
-        )
+        daemon, relaying = psutil.Process(status["daemon_pid"]), [psutil.Process(r["pid"]) for r in relays]
+        if self.pin_to is not None:
+            gateway_cores, other_cores = self.pin_to
+            for process in (daemon, *relaying):
+                process.cpu_affinity(sorted(gateway_cores))
+            for worker in json.loads(next(self.state_dir.rglob("state.json")).read_text())["workers"]:
+                leader = psutil.Process(worker["pid"])
+                for process in (leader, *leader.children(recursive=True)):
+                    process.cpu_affinity(sorted(other_cores))
+        return daemon, relaying, {r["pid"]: r.get("messages", 0) for r in relays}
 
 
 def cpu_s(process: psutil.Process) -> float:
@@ -133,6 +153,30 @@ def run_slice(cluster: Cluster, streams: int, args: argparse.Namespace, pool: Pr
         "messages": sum(messages_after.get(pid, 0) - n for pid, n in messages_before.items()),
         "window_s": args.slice_s,
     }
+
+
+def restart_times(
+    cluster: Cluster, streams: int, kills: int, args: argparse.Namespace, pool: ProcessPoolExecutor
+) -> dict:
+    """Kill a relay with -9 `kills` times, each under a slice of load; seconds until a relay of its
+    number is connected again with a new pid, and the clients' requests and failures meanwhile."""
+    times, failed, requests = [], 0, 0
+    for _ in range(kills):
+        with ThreadPoolExecutor(1) as background:
+            running = background.submit(run_slice, cluster, streams, args, pool)
+            time.sleep(1.0 + args.warmup_s + args.slice_s / 3)
+            victim = cluster.status()["gateway"]["relays"][0]
+            psutil.Process(victim["pid"]).kill()
+            killed_at = time.perf_counter()
+            while not any(
+                r["relay"] == victim["relay"] and r["pid"] != victim["pid"]
+                for r in cluster.status()["gateway"]["relays"]
+            ):
+                time.sleep(0.02)
+            times.append(time.perf_counter() - killed_at)
+            done = running.result()
+        failed, requests = failed + done["failed"], requests + done["requests_all"]
+    return {"kills": kills, "streams": streams, "restart_s": times, "requests": requests, "failed": failed}
 
 
 def figures(relays: int, streams: int, slices: list[dict]) -> ArmFigures:
@@ -183,32 +227,59 @@ def main() -> None:
     parser.add_argument("--slices", type=int, default=2, help="slices per arm and concurrency (ABBA order)")
     parser.add_argument("--slice-s", type=float, default=20.0, help="measured seconds per slice")
     parser.add_argument("--warmup-s", type=float, default=3.0, help="seconds of load before each slice's window")
+    parser.add_argument("--pin", action="store_true", help="the gateway's processes on the last core, the rest off it")
+    parser.add_argument("--kills", type=int, default=0, help="relays killed with -9 under load, after the slices")
     parser.add_argument("--out", type=Path, default=Path("results/relay_processes.json"))
     args = parser.parse_args()
     counts = [1, *(int(n) for n in args.relays.split(","))]
+    cores = set(os.sched_getaffinity(0))
+    if args.pin and len(cores) < 2:
+        raise SystemExit("--pin needs 2 cores or more: one for the gateway's processes, the others for the load")
+    pin_to = ({max(cores)}, cores - {max(cores)}) if args.pin else None
+    restarts: dict | None = None
     console = Console()
     rows: list[ArmFigures] = []
     with tempfile.TemporaryDirectory(prefix="relays-bench-") as directory:
         clusters = {n: Cluster(Path(directory), n) for n in counts}
+        for cluster in clusters.values():
+            cluster.pin_to = pin_to
         try:
             for cluster in clusters.values():
                 cluster.cli("up", "-f", str(cluster.profile))
             for cluster in clusters.values():
                 while cluster.relays > 1 and len(cluster.status()["gateway"].get("relays", [])) < cluster.relays:
                     time.sleep(0.5)
-            with ProcessPoolExecutor(args.clients, mp_context=get_context("spawn")) as pool:
+            pinned = {"initializer": os.sched_setaffinity, "initargs": (0, pin_to[1])} if pin_to else {}
+            with ProcessPoolExecutor(args.clients, mp_context=get_context("spawn"), **pinned) as pool:
                 for streams in (int(n) for n in args.streams.split(",")):
                     done: dict[int, list[dict]] = {n: [] for n in counts}
                     for arm in arm_order(tuple(str(n) for n in counts), args.slices, flip=False):
                         console.print(f"[dim]{streams} streams, {arm} relay(s)…[/]")
                         done[int(arm)].append(run_slice(clusters[int(arm)], streams, args, pool))
                     rows.extend(figures(n, streams, done[n]) for n in counts)
+                if args.kills:
+                    console.print(f"[dim]{args.kills} relay kills under load…[/]")
+                    first = int(args.streams.split(",")[0])
+                    restarts = restart_times(clusters[counts[1]], first, args.kills, args, pool)
         finally:
             for cluster in clusters.values():
                 subprocess.run([sys.executable, "-m", "thunderctl", "down"], env=cluster.env, capture_output=True)
     render(rows, console)
+    if restarts is not None:
+        back = restarts["restart_s"]
+        console.print(
+            f"a relay killed -9 under {restarts['streams']} streams, {restarts['kills']} times: back (connected to the "
+            f"scheduler) in {statistics.median(back):.2f} s p50, {max(back):.2f} s max; "
+            f"{restarts['failed']} of {restarts['requests']} requests failed meanwhile"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    args.out.write_text(
+        json.dumps(
+            {"arms": [asdict(r) for r in rows], "pinned": pin_to is not None, "restarts": restarts},
+            indent=2,
+            default=sorted,
+        )
+    )
     console.print(f"written to {args.out}")
 
 
