@@ -570,10 +570,7 @@ async def relays_apart(
         for n in range(count)
     ]
     relays.extend(Relay(a, gateway._client, gateway._transport, gateway.clock) for a in admissions)
-    apps = [
-        relay_app(r, app, a.adopt, a.release, gateway.count_client_disconnect, auth, limits)
-        for r, a in zip(relays, admissions)
-    ]
+    apps = [relay_app(r, app, a.adopt, a.release, a.client_gone, auth, limits) for r, a in zip(relays, admissions)]
     for remote in admissions:
         await remote.start()
     await asyncio.wait_for(_all_connected(admissions), 10)

@@ -299,18 +299,18 @@ async def counted_once(gateway: Gateway) -> None:
         await asyncio.sleep(0.01)
 
 
-async def test_a_client_gone_mid_body_is_counted_and_logged_in_one_line(gateway_over, caplog) -> None:
-    client, gateway = await gateway_over(Workers())
-    server = uvicorn.Server(uvicorn.Config(build_app(gateway), host="127.0.0.1", port=0, lifespan="off"))
+async def cut_mid_body(app: object, gateway: Gateway) -> None:
+    """A client that sends half a request's body to `app`, over real HTTP, and goes away; returns
+    once `gateway` has counted it."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="off"))
     serving = asyncio.create_task(server.serve())
     while not server.started:
         if serving.done():
             serving.result()  # raises why it stopped
         await asyncio.sleep(0.01)
     port = server.servers[0].sockets[0].getsockname()[1]
-    caplog.set_level(logging.INFO)
     try:
-        _, writer = await asyncio.open_connection("127.0.0.1", port)  # real HTTP: the body never all comes
+        _, writer = await asyncio.open_connection("127.0.0.1", port)  # the body never all comes
         writer.write(b'POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-length: 1000\r\n\r\n{"mod')
         await writer.drain()
         writer.close()
@@ -318,8 +318,17 @@ async def test_a_client_gone_mid_body_is_counted_and_logged_in_one_line(gateway_
     finally:
         server.should_exit = True
         await serving
-    counted = parse_samples((await client.get("/metrics")).text, {"thunderctl_client_disconnects_total"})
-    assert [sample.value for sample in counted] == [1.0]
+
+
+def disconnects_counted(metrics: str) -> list[float]:
+    return [sample.value for sample in parse_samples(metrics, {"thunderctl_client_disconnects_total"})]
+
+
+async def test_a_client_gone_mid_body_is_counted_and_logged_in_one_line(gateway_over, caplog) -> None:
+    client, gateway = await gateway_over(Workers())
+    caplog.set_level(logging.INFO)
+    await cut_mid_body(build_app(gateway), gateway)
+    assert disconnects_counted((await client.get("/metrics")).text) == [1.0]
     lines = [r.getMessage() for r in caplog.records if r.name == "thunderctl.gateway.disconnects"]
     assert lines == ["client went away mid-body: POST /v1/chat/completions (1 so far)"]
     assert not [r for r in caplog.records if r.exc_info]  # no traceback, from uvicorn or anyone
@@ -450,3 +459,16 @@ async def test_a_request_the_scheduler_fails_on_is_served_unscheduled_and_the_ne
     assert "p1" not in {p["program_id"] for p in programs_view(gateway)}  # served, not scheduled
     assert program(gateway, "p2")["steps"] == 1
     assert "a bug in the scheduler" in caplog.text
+
+
+async def test_a_client_gone_mid_body_at_a_relay_process_is_counted_in_the_daemons_metrics(anyio_backend: str) -> None:
+    gateway = Gateway([WorkerLink("a", "http://a:8000")], transport=Workers().transport())
+    assert await gateway.start() == []
+    try:
+        async with relays_apart(gateway, 2, build_app(gateway)) as app:
+            await cut_mid_body(app, gateway)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:
+                metrics = (await client.get("/metrics")).text
+    finally:
+        await gateway.stop()
+    assert disconnects_counted(metrics) == [1.0]

@@ -55,7 +55,6 @@ class RelayProcess:
         profile = load_profile(Path(state.profile_path))
         self.number = relay
         self.state = state
-        self.disconnects = 0
         transport = AiohttpTransport(WORKER_KEEPALIVE_S)
         self._client = worker_client(transport, read_worker_key(state.dir), WORKER_CONNECT_TIMEOUT_S)
         workers = [(w.id, w.url) for w in state.workers if not w.stopped]
@@ -73,7 +72,7 @@ class RelayProcess:
         limits = BodyLimits(max_bytes=profile.gateway.max_body_bytes)
         self.backlog = profile.gateway.backlog
         self.app = relay_app(
-            self.relay, self._to_daemon, self.admissions.adopt, self.admissions.release, self._count_disconnect,
+            self.relay, self._to_daemon, self.admissions.adopt, self.admissions.release, self.admissions.client_gone,
             auth, limits,
         )  # fmt: skip
 
@@ -82,10 +81,6 @@ class RelayProcess:
         if given_up:
             log.warning("relay %d: worker %s stalled; %d unanswered request(s) go again", self.number, worker, given_up)
         return given_up
-
-    def _count_disconnect(self) -> int:
-        self.disconnects += 1
-        return self.disconnects
 
     async def _to_daemon(self, request: Request) -> Response:
         """A route the daemon serves, handed to it whole; its answer streamed back as it comes."""

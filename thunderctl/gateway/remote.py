@@ -66,6 +66,7 @@ class RemoteAdmissions:
         self._connected = asyncio.Event()
         self._welcome = Welcome(derives=False, keeps_answers=False)
         self._open: Counter[str] = Counter()  # this relay's requests per worker, for failing open
+        self.disconnects = 0
         self._task: asyncio.Task[None] | None = None
 
     # ---- the connection -------------------------------------------------------------------
@@ -237,6 +238,12 @@ class RemoteAdmissions:
     def adopt(self, program_id: str, docker_ids: list[str]) -> None:
         self._tell("adopt", Adopt(program_id, docker_ids))
 
+    def client_gone(self) -> int:
+        """A client went away mid-body: counted in the daemon's /metrics; this relay's count so far."""
+        self.disconnects += 1
+        self._tell("disconnected", None)
+        return self.disconnects
+
     def _open_to(self, avoid: str | None) -> Admitted:
         """The worker this relay has fewest requests on (another than `avoid`, where there is one)."""
         workers = [w for w in self._workers if w[0] != avoid] or self._workers
@@ -350,6 +357,8 @@ class AdmissionsServer:
         elif kind == "adopt":
             if self._adopt is not None:
                 self._adopt(payload.program_id, payload.docker_ids)
+        elif kind == "disconnected":
+            gateway.count_client_disconnect()
         elif kind == "hello":
             connection.relay, connection.pid = payload.relay, payload.pid
             connection.reply(number, Welcome(gateway.derives, gateway.keeps_answers))

@@ -3,9 +3,9 @@
 Each frame is msgpack (msgspec), prefixed by its length as msgspec's own docs frame messages on a
 stream: `(kind, call, payload)`. A call (`admit`, `claim`, …) is answered by a `reply` frame with
 the same call number (an `error` frame, when the scheduler raised while answering it); a tell
-(`finished`, `adopt`) is answered by nothing; `give_up` goes the other way, unasked. One connection
-per relay process, read in order: a tell reaches the scheduler before any call the relay sends
-after it.
+(`finished`, `adopt`, `disconnected`) is answered by nothing; `give_up` goes the other way,
+unasked. One connection per relay process, read in order: a tell reaches the scheduler before any
+call the relay sends after it.
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ CALLS: dict[str, tuple[Any, Any]] = {
     "give_up": (str, None),
     "release": (str, None),
     "adopt": (Adopt, None),
+    "disconnected": (None, None),  # a client went away mid-body
 }
 REPLY = "reply"
 ERROR = "error"  # the reply to a call the scheduler failed on: its payload is what went wrong
