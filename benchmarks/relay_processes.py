@@ -140,7 +140,8 @@ def run_slice(cluster: Cluster, streams: int, args: argparse.Namespace, pool: Pr
     ]
     results: list[ClientResult] = [f.result() for f in [pool.submit(run_client, job) for job in jobs]]
     _, _, messages_after = cluster.processes()
-    after = {p.pid: cpu_s(p) for p in [daemon, *relays]}
+    # A relay killed in the slice (--kills) has no CPU time left to read: its slice counts none.
+    after = {p.pid: cpu_s(p) if p.is_running() else before[p.pid] for p in [daemon, *relays]}
     return {
         "chunks": sum(r.chunks for r in results),
         "chunks_all": sum(r.chunks_all for r in results),
@@ -257,6 +258,7 @@ def main() -> None:
                         console.print(f"[dim]{streams} streams, {arm} relay(s)…[/]")
                         done[int(arm)].append(run_slice(clusters[int(arm)], streams, args, pool))
                     rows.extend(figures(n, streams, done[n]) for n in counts)
+                render(rows, console)
                 if args.kills:
                     console.print(f"[dim]{args.kills} relay kills under load…[/]")
                     first = int(args.streams.split(",")[0])
@@ -264,7 +266,6 @@ def main() -> None:
         finally:
             for cluster in clusters.values():
                 subprocess.run([sys.executable, "-m", "thunderctl", "down"], env=cluster.env, capture_output=True)
-    render(rows, console)
     if restarts is not None:
         back = restarts["restart_s"]
         console.print(
