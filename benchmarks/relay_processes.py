@@ -10,8 +10,9 @@ With `--pin` the gateway's processes (daemon, relays) run on the last core and t
 worker and the clients on the others, so that the load generator does not take the relays' core
 (on 2 cores the relays share one core: it shows each process's cost, not a gain from more cores).
 With `--kills K`, after the slices, a relay of the first relay-process cluster is killed with -9 K
-times under load at the first concurrency: how soon its replacement is connected to the
-scheduler (the supervisor starts it; its imports are most of the time), and what the clients saw.
+times under load (`--kill-streams`): how soon its replacement is connected to the scheduler (the
+supervisor starts it; its imports are most of the time), and what the clients saw. Each victim
+has run the supervisor's STABLE_RUN_S first, so no restart waits out the crash-loop backoff.
 
 Two clusters (or more, one per `--relays` value) come up through the real CLI, each on one
 simulated worker at full speed (`engine.time_scale: 0`, every step as fast as Python takes it):
@@ -55,6 +56,7 @@ from relay_throughput import ClientJob, ClientResult, arm_order, ms, run_client
 from rich.console import Console
 from rich.table import Table
 
+from thunderctl.daemon.supervisor import STABLE_RUN_S
 from thunderctl.processes import pick_free_ports
 from thunderctl.profile import PROFILES_DIR
 
@@ -160,13 +162,18 @@ def restart_times(
     cluster: Cluster, streams: int, kills: int, args: argparse.Namespace, pool: ProcessPoolExecutor
 ) -> dict:
     """Kill a relay with -9 `kills` times, each under a slice of load; seconds until a relay of its
-    number is connected again with a new pid, and the clients' requests and failures meanwhile."""
+    number is connected again with a new pid, and the clients' requests and failures meanwhile.
+
+    Each victim is the relay that has run longest, killed only once it has run STABLE_RUN_S: one
+    killed sooner is a crash loop to the supervisor, which waits out a backoff before its restart."""
     times, failed, requests = [], 0, 0
+    kill_after_s = 1.0 + args.warmup_s + args.slice_s / 3
     for _ in range(kills):
+        victim = min(cluster.status()["gateway"]["relays"], key=lambda r: psutil.Process(r["pid"]).create_time())
+        time.sleep(max(0.0, psutil.Process(victim["pid"]).create_time() + STABLE_RUN_S - kill_after_s - time.time()))
         with ThreadPoolExecutor(1) as background:
             running = background.submit(run_slice, cluster, streams, args, pool)
-            time.sleep(1.0 + args.warmup_s + args.slice_s / 3)
-            victim = cluster.status()["gateway"]["relays"][0]
+            time.sleep(kill_after_s)
             psutil.Process(victim["pid"]).kill()
             killed_at = time.perf_counter()
             while not any(
@@ -230,6 +237,7 @@ def main() -> None:
     parser.add_argument("--warmup-s", type=float, default=3.0, help="seconds of load before each slice's window")
     parser.add_argument("--pin", action="store_true", help="the gateway's processes on the last core, the rest off it")
     parser.add_argument("--kills", type=int, default=0, help="relays killed with -9 under load, after the slices")
+    parser.add_argument("--kill-streams", type=int, default=64, help="concurrent streams while relays are killed")
     parser.add_argument("--out", type=Path, default=Path("results/relay_processes.json"))
     args = parser.parse_args()
     counts = [1, *(int(n) for n in args.relays.split(","))]
@@ -261,8 +269,7 @@ def main() -> None:
                 render(rows, console)
                 if args.kills:
                     console.print(f"[dim]{args.kills} relay kills under load…[/]")
-                    first = int(args.streams.split(",")[0])
-                    restarts = restart_times(clusters[counts[1]], first, args.kills, args, pool)
+                    restarts = restart_times(clusters[counts[1]], args.kill_streams, args.kills, args, pool)
         finally:
             for cluster in clusters.values():
                 subprocess.run([sys.executable, "-m", "thunderctl", "down"], env=cluster.env, capture_output=True)

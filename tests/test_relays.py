@@ -1,8 +1,8 @@
 """Two relay processes on the gateway's port (`gateway.relays: 2`), through the real CLI on simulated
 workers (real processes, real HTTP, the real supervisor and daemon): both take connections, a
 conversation continues its program whichever relay takes each turn, hundreds of programs spread
-over both are each admitted once, and a relay killed under load is started again while the other
-serves on, with no program lost. The in-process gateway tests run at two relays as well
+over both are each admitted once, and a relay killed under load is started again (from a spare
+started ahead) while the other serves on, with no program lost. The in-process gateway tests run at two relays as well
 (tests/api_fixtures.py, tests/test_gateway_relay.py).
 
 One cluster serves the module.
@@ -21,7 +21,7 @@ import httpx
 import pytest
 import yaml
 
-from support import SHAPE, Cli, RunningCluster, sim_profile, wait_for
+from support import SHAPE, Cli, RunningCluster, live_group_members, sim_profile, wait_for
 from thunderctl.bench.closed_loop import LoadSpec, Target, run_load
 from thunderctl.bench.results import LoadResult
 from thunderctl.daemon.status import RelayStatus
@@ -133,6 +133,19 @@ def test_a_relay_killed_under_load_is_started_again_while_the_other_serves_and_n
     wait_for(cluster.settled, 30, "the killed relay's requests ended")  # its admissions freed by the daemon
     log = cluster.state().daemon_log.read_text()
     assert f"relay 1 (pid {killed.pid}) ended: killed by SIGKILL" in log
+
+
+def test_a_killed_relays_place_is_taken_by_a_spare_started_before_it_died(cluster: RelayCluster) -> None:
+    wait_for(lambda: set(cluster.relays()) == {1, 2}, 30, "both relays connected")
+    killed = cluster.relays()[2]
+    assert killed.pid is not None
+    running_before = live_group_members(os.getpgid(killed.pid))
+    os.kill(killed.pid, signal.SIGKILL)
+    wait_for(lambda: 2 in cluster.relays() and cluster.relays()[2].pid != killed.pid, 30, "relay 2 started again")
+    replacement = cluster.relays()[2].pid
+    assert replacement is not None
+    assert replacement in running_before  # it only had to connect
+    assert all(cluster.chat([{"role": "user", "content": f"hi {n}"}]).status_code == 200 for n in range(8))
 
 
 def test_the_daemon_killed_under_load_comes_back_while_the_relays_hold_its_requests(cluster: RelayCluster) -> None:

@@ -7,7 +7,11 @@ the scheduler decides it asks the daemon in messages (`gateway/remote.py`) on th
 directory's relays socket. Every other route (/programs, /metrics, /admin, the sandboxes', a
 stored Responses answer) it hands whole to the daemon's own gateway on the gateway socket.
 
-`python -m thunderctl.daemon.relays STATE_DIR FD RELAY`
+Without RELAY it is a spare: it imports all it needs (most of a relay's start-up), then waits for
+its number on stdin, so that the supervisor can replace a relay that died in the time the spare
+takes to connect rather than an interpreter's start (daemon/supervisor.py).
+
+`python -m thunderctl.daemon.relays STATE_DIR FD [RELAY]`
 """
 
 from __future__ import annotations
@@ -119,10 +123,17 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m thunderctl.daemon.relays")
     parser.add_argument("state_dir", type=Path)
     parser.add_argument("fd", type=int, help="the gateway's bound, listening socket")
-    parser.add_argument("relay", type=int, help="this relay's number (1, 2, …)")
+    parser.add_argument(
+        "relay", type=int, nargs="?", help="this relay's number (1, 2, …); none: a spare, told it on stdin"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    if args.relay is None:
+        line = sys.stdin.readline()
+        if not line:
+            return  # its supervisor ended before it was needed
+        args.relay = int(line)
     state = ClusterState.load(args.state_dir)
     log.info("relay %d of cluster %s starting (pid %d)", args.relay, state.cluster, os.getpid())
     aio.run(RelayProcess(state, args.relay).run(socket.socket(fileno=args.fd)))

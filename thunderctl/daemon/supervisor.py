@@ -10,7 +10,10 @@ the daemon's own traceback is) and kept in the state directory's DaemonRecord fo
 With `--relays N` (N ≥ 2, the profile's `gateway.relays`) it also runs N relay processes on the
 same socket (daemon/relays.py): they accept the clients' connections and the daemon only
 schedules. A relay that dies is started again at once (after a doubling backoff while it keeps
-dying), whatever the daemon does; the daemon coming and going leaves them running.
+dying), whatever the daemon does; the daemon coming and going leaves them running. Its
+replacement is a spare relay process started ahead, which has done its imports (a second of CPU,
+several on a loaded core) and only connects: the killed relay's port share is back in well under
+a second.
 
 The daemon and the relays run in the supervisor's process group, so stopping that group (`down`,
 or `up` after a supervisor died) stops them all. It imports no more than the state and the process
@@ -54,12 +57,36 @@ def exit_reason(returncode: int) -> str:
         return f"killed by signal {-returncode}"
 
 
-class Child:
-    """A relay process the supervisor keeps running: started again at once when it dies, after a
-    doubling backoff while it keeps dying."""
+class Spare:
+    """A relay process started ahead of need, which waits on stdin for the number it takes."""
 
-    def __init__(self, command: list[str], fd: int, name: str) -> None:
-        self.command, self.fd, self.name = command, fd, name
+    def __init__(self, command: list[str], fd: int) -> None:
+        self.command, self.fd = command, fd
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def keep_ready(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            self.process = subprocess.Popen(self.command, stdin=subprocess.PIPE, pass_fds=(self.fd,))
+
+    def take(self, number: int) -> subprocess.Popen[bytes]:
+        """The spare, now relay `number`; the next spare starts at the next `keep_ready`."""
+        self.keep_ready()
+        process, self.process = self.process, None
+        assert process is not None and process.stdin is not None
+        try:
+            process.stdin.write(f"{number}\n".encode())
+            process.stdin.close()
+        except BrokenPipeError:
+            pass  # it died just now: its relay sees it ended, and starts again, at its next keep_running
+        return process
+
+
+class Child:
+    """A relay process the supervisor keeps running: started again at once (from the spare) when
+    it dies, after a doubling backoff while it keeps dying."""
+
+    def __init__(self, number: int, spare: Spare) -> None:
+        self.number, self.spare, self.name = number, spare, f"relay {number}"
         self.process: subprocess.Popen[bytes] | None = None
         self.started = 0.0
         self.streak = 0  # deaths since it last ran well
@@ -75,17 +102,9 @@ class Child:
                       self.name, self.process.pid, exit_reason(returncode), ran_s, wait_s)  # fmt: skip
             self.process = None
         if self.process is None and time.monotonic() >= self.next_start:
-            self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, pass_fds=(self.fd,))
+            self.process = self.spare.take(self.number)
             self.started = time.monotonic()
             log.info("%s started (pid %d)", self.name, self.process.pid)
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-
-    def wait(self) -> None:
-        if self.process is not None:
-            self.process.wait()
 
 
 class Supervisor:
@@ -96,11 +115,9 @@ class Supervisor:
         self.daemon: subprocess.Popen[bytes] | None = None
         self.stopping = False
         fd = listener.fileno()
+        self.spare = Spare([sys.executable, "-m", "thunderctl.daemon.relays", str(state.dir), str(fd)], fd)
         # One relay: the daemon relays in its own process, and there is no relay process.
-        self.relays = [
-            Child([sys.executable, "-m", "thunderctl.daemon.relays", str(state.dir), str(fd), str(n)], fd, f"relay {n}")
-            for n in range(1, relays + 1)
-        ] if relays > 1 else []  # fmt: skip
+        self.relays = [Child(n, self.spare) for n in range(1, relays + 1)] if relays > 1 else []
 
     def run(self) -> None:
         """Run daemons until one stops on purpose or the supervisor is asked to stop (SIGTERM, SIGINT)."""
@@ -109,10 +126,9 @@ class Supervisor:
         try:
             self._run()
         finally:
-            for relay in self.relays:
-                relay.stop()
-            for relay in self.relays:
-                relay.wait()
+            self._stop_relays()
+            for process in self._relay_processes():
+                process.wait()
 
     def _run(self) -> None:
         streak = 0  # deaths since the daemon last ran well, the latest included
@@ -131,9 +147,10 @@ class Supervisor:
             self.record.restarts += 1
 
     def _stopped_keeping_relays(self) -> bool:
-        if not self.stopping:
+        if not self.stopping and self.relays:
             for relay in self.relays:
                 relay.keep_running()
+            self.spare.keep_ready()
         return self.stopping
 
     def _run_daemon(self) -> int:
@@ -178,8 +195,16 @@ class Supervisor:
         self.stopping = True
         if self.daemon is not None and self.daemon.poll() is None:
             self.daemon.send_signal(signal.SIGTERM)  # a graceful end: it lets its requests finish
-        for relay in self.relays:
-            relay.stop()
+        self._stop_relays()
+
+    def _relay_processes(self) -> list[subprocess.Popen[bytes]]:
+        """The relays' processes and the spare's, if any."""
+        return [c.process for c in [*self.relays, self.spare] if c.process is not None]
+
+    def _stop_relays(self) -> None:
+        for process in self._relay_processes():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
 
 
 def main(argv: list[str]) -> None:
