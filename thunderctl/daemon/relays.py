@@ -115,8 +115,19 @@ class RelayProcess:
             await server.serve(sockets=[listener])
         finally:
             await self.admissions.stop()
-            await self._client.aclose()
-            await self._daemon.aclose()
+            await self.close()
+
+    async def close(self) -> None:
+        await self._client.aclose()
+        await self._daemon.aclose()
+
+
+async def warm_up(state: ClusterState) -> None:
+    """A spare's dry start: what a relay's start imports on first use (httpx's transports, uvicorn's
+    protocols, the event loop) is imported while the spare waits for its number, not after it."""
+    relay = RelayProcess(state, 0)
+    server_config(relay.app).load()
+    await relay.close()
 
 
 def main(argv: list[str]) -> None:
@@ -130,6 +141,7 @@ def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     if args.relay is None:
+        aio.run(warm_up(ClusterState.load(args.state_dir)))
         line = sys.stdin.readline()
         if not line:
             return  # its supervisor ended before it was needed
