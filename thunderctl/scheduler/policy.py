@@ -166,8 +166,9 @@ class Scheduler:
             self._pause(program)
             self.counters.gpu_waits += 1
         self._waiting.add(program, waiting_since)
-        self._pause_likely_ended()  # the room of programs that have likely ended is for this one now
         self._resume_waiting()
+        if self._waiting and self._pause_likely_ended():
+            self._resume_waiting()  # the room of programs that have likely ended is for those waiting now
         if program.status is not Status.ACTIVE:
             self.tuner.waited = True
             return None
@@ -346,16 +347,19 @@ class Scheduler:
     def _likely_ended(self) -> LikelyEnded:
         return self.ending.likely_ended(self.programs.values(), self.retention.tool_times, self.clock())
 
-    def _pause_likely_ended(self) -> None:
+    def _pause_likely_ended(self) -> bool:
         """While requests wait, an ACTING program that has likely ended gives up its room (its KV
-        stays in the engine's cache until evicted, should it return)."""
+        stays in the engine's cache until evicted, should it return). Whether any did."""
         if not self._waiting:
-            return
+            return False
         likely_ended = self._likely_ended()
+        paused = False
         for program in self.room.silent(self.workers.values(), self.clock() - likely_ended.floor):
             if likely_ended(program):
                 self._pause(program)
                 self.counters.ended_pauses += 1
+                paused = True
+        return paused
 
     def _resume_waiting(self) -> None:
         """The event-driven resume: only programs whose request waits, nobody forced."""
