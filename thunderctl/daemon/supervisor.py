@@ -12,8 +12,7 @@ same socket (daemon/relays.py): they accept the clients' connections and the dae
 schedules. A relay that dies is started again at once (after a doubling backoff while it keeps
 dying), whatever the daemon does; the daemon coming and going leaves them running. Its
 replacement is a spare relay process started ahead, which has done its imports (a second of CPU,
-several on a loaded core) and only connects: the killed relay's port share is back in well under
-a second.
+several seconds on a loaded core) and only has to connect (tens of milliseconds).
 
 The daemon and the relays run in the supervisor's process group, so stopping that group (`down`,
 or `up` after a supervisor died) stops them all. It imports no more than the state and the process
