@@ -167,7 +167,7 @@ class Scheduler:
             self.counters.gpu_waits += 1
         self._waiting.add(program, waiting_since)
         self._resume_waiting()
-        if self._waiting and self._pause_likely_ended():
+        if self._pause_likely_ended():
             self._resume_waiting()  # the room of programs that have likely ended is for those waiting now
         if program.status is not Status.ACTIVE:
             self.tuner.waited = True
