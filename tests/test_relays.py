@@ -2,8 +2,8 @@
 workers (real processes, real HTTP, the real supervisor and daemon): both take connections, a
 conversation continues its program whichever relay takes each turn, hundreds of programs spread
 over both are each admitted once, and a relay killed under load is started again (from a spare
-started ahead) while the other serves on, with no program lost. The in-process gateway tests run at two relays as well
-(tests/api_fixtures.py, tests/test_gateway_relay.py).
+started ahead) while the other serves on, with no program lost. The in-process gateway tests run
+at two relays as well (tests/api_fixtures.py, tests/test_gateway_relay.py).
 
 One cluster serves the module.
 """

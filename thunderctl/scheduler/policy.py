@@ -353,13 +353,12 @@ class Scheduler:
         if not self._waiting:
             return False
         likely_ended = self._likely_ended()
-        paused = False
-        for program in self.room.silent(self.workers.values(), self.clock() - likely_ended.floor):
-            if likely_ended(program):
-                self._pause(program)
-                self.counters.ended_pauses += 1
-                paused = True
-        return paused
+        silent = self.room.silent(self.workers.values(), self.clock() - likely_ended.floor)
+        ended = [program for program in silent if likely_ended(program)]
+        for program in ended:
+            self._pause(program)
+        self.counters.ended_pauses += len(ended)
+        return bool(ended)
 
     def _resume_waiting(self) -> None:
         """The event-driven resume: only programs whose request waits, nobody forced."""
