@@ -27,8 +27,8 @@ cluster in turn, in slices (ABBA), from `--clients` processes. Per arm:
 - the scheduler's CPU per step (ms): the daemon's, where relay processes do the relaying;
 - messages per step: frames the relays sent the daemon over the requests.
 
-The first token's p50 at 1 stream, relays against one process, is what the two messages and the
-end's acknowledgement add. 1 / (relay CPU per chunk) is the chunks/s one relay core carries:
+The first token's p50 at 1 stream, relays against one process, is what the two calls (the
+admission, and the answer's end before its last event goes) add. 1 / (relay CPU per chunk) is the chunks/s one relay core carries:
 the cluster it serves is that over the chunks/s a worker sends (its decode rate over the
 profile's `engine.stream_interval`).
 """

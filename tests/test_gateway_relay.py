@@ -9,8 +9,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import pytest
@@ -23,6 +25,7 @@ from thunderctl.gateway.admissions import Admission, Admitted, AnswerEnd, Chain,
 from thunderctl.gateway.apis import CHAT
 from thunderctl.gateway.identity import Candidates, ChatKeys, Claim, Keys, Match, PromptKeys, PromptMatches
 from thunderctl.gateway.relay import Relay
+from thunderctl.gateway.remote import AdmissionsServer, RemoteAdmissions
 from thunderctl.gateway.requests import PromptShape
 from thunderctl.gateway.views import programs_view
 from thunderctl.prometheus import parse_samples
@@ -378,8 +381,8 @@ class Told:
         self.messages.append(failure)
         return failure.attempt == 1
 
-    async def kept(self, program_id: str | None, keep: bool = True) -> None:
-        self.messages.append(("kept", program_id))
+    async def ended(self, end: AnswerEnd, keep: bool) -> None:
+        self.messages.append(("ended", end, keep))
 
     async def route(self, program_id: str | None) -> Admitted:
         return Admitted("a", "http://a:8000")
@@ -408,6 +411,15 @@ async def test_a_relay_tells_the_scheduler_side_a_streamed_answers_usage_and_fir
     assert isinstance(admission, Admission) and (admission.program_id, admission.attempt) == ("p1", 1)
     assert isinstance(end, AnswerEnd) and (end.worker, end.program_id, end.usage) == ("a", "p1", USAGE)
     assert end.ttft_s is not None
+
+
+async def test_a_relay_process_tells_a_streamed_answers_end_and_waits_for_it_in_one_message() -> None:
+    told = Told(remote=True)
+    answer = await relayed_through(told, Workers(), chat(stream=True))
+    assert answer.endswith(b"data: [DONE]\n\n")
+    admission, (kind, end, keep) = told.messages
+    assert isinstance(admission, Admission) and kind == "ended" and keep is False
+    assert isinstance(end, AnswerEnd) and (end.program_id, end.usage) == ("p1", USAGE)
 
 
 async def test_a_derived_programs_scheduler_side_is_told_hashes_and_never_the_conversations_text() -> None:
@@ -472,3 +484,34 @@ async def test_a_client_gone_mid_body_at_a_relay_process_is_counted_in_the_daemo
     finally:
         await gateway.stop()
     assert disconnects_counted(metrics) == [1.0]
+
+
+async def test_an_answer_admitted_before_the_daemon_restarted_does_not_end_one_the_next_daemon_admitted(
+    anyio_backend: str,
+) -> None:
+    socket_dir = Path(tempfile.mkdtemp(prefix="relays-"))  # short: a Unix socket's path is at most 107 bytes
+    daemons = [Gateway([WorkerLink("a", "http://a:8000")], transport=Workers().transport()) for _ in range(2)]
+    for daemon in daemons:
+        assert await daemon.start() == []
+    server = AdmissionsServer(daemons[0], socket_dir / "relays.sock", release=lambda program_id: None)
+    await server.start()
+    remote = RemoteAdmissions(server.path, 1, [("a", "http://a:8000")], on_give_up=lambda worker: 0)
+    await remote.start()
+    shape = PromptShape(chars=14)
+    try:
+        before = await remote.admit(Admission("p1", shape))
+        await server.stop()  # the daemon dies; the next one starts on the same socket
+        server = AdmissionsServer(daemons[1], server.path, release=lambda program_id: None)
+        await server.start()
+        await remote.admit(Admission("p2", shape))
+        remote.finished(AnswerEnd("a", "p1", shape, USAGE, ticket=before.ticket))
+        await remote.chain("resp-1")  # a call after the end: the daemon has read the end by its reply
+        in_flight = daemons[1].links["a"].in_flight
+    finally:
+        await remote.stop()
+        await server.stop()
+        for daemon in daemons:
+            await daemon.stop()
+        socket_dir.rmdir()
+    assert in_flight == 1  # p2's answer still runs there
+    assert program(daemons[1], "p2")["steps"] == 0 and "p1" not in {p["program_id"] for p in programs_view(daemons[1])}

@@ -3,11 +3,11 @@
 The relay (relay.py) carries bytes; the scheduler side (gateway.py) decides. They meet only here,
 in messages of plain data: the program of a request that names none (by its identity hashes, which
 the relay takes), the Responses chain a request continues, a request's admission (where it goes,
-once its program may run), the end of its answer (what the answer taught the scheduler), a failure
-(whether to try again), the wait until what an answer taught is kept, and the route of an
-unscheduled request; the other way, one push: give up the unanswered requests on a stalled worker. Today they are calls within the
-gateway's process; they are the messages a relay process and the scheduler's process would send
-each other (docs/gateway.md, "Past one core").
+once its program may run), the end of its answer (what the answer taught the scheduler, and, when
+the relay holds the answer's last event, the wait until that is kept), a failure (whether to try
+again), and the route of an unscheduled request; the other way, one push: give up the unanswered
+requests on a stalled worker. In one process they are calls; with relay processes
+(`gateway.relays`), the messages of wire.py (remote.py; docs/gateway.md, "Past one core").
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class Admissions(Protocol):
     @property
     def remote(self) -> bool:
         """Whether the scheduler side is another process: then each scheduled answer's end is held
-        until the scheduler acknowledges it (`kept`), so that the program's next request, through
+        until the scheduler acknowledges it (`ended`), so that the program's next request, through
         whichever relay, finds this one ended."""
         ...
 
@@ -135,13 +135,13 @@ class Admissions(Protocol):
         """The answer ended; its worker no longer counts it in flight."""
         ...
 
-    async def failed(self, failure: Failure) -> bool:
-        """The request failed; whether it goes again (to another worker, when one is usable)."""
+    async def ended(self, end: AnswerEnd, keep: bool) -> None:
+        """The answer ended (as `finished`); returns once what it taught is kept (`keep`), or else
+        once the scheduler side has its end. One message where the scheduler side is another process."""
         ...
 
-    async def kept(self, program_id: str | None, keep: bool = True) -> None:
-        """Until what the program's last answer taught is kept (`keep`), or else until the scheduler
-        side has its end."""
+    async def failed(self, failure: Failure) -> bool:
+        """The request failed; whether it goes again (to another worker, when one is usable)."""
         ...
 
     async def route(self, program_id: str | None) -> Admitted:

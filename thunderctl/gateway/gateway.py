@@ -376,7 +376,12 @@ class Gateway:
             self.scheduler.on_request_failed(failure.program_id)
         return False
 
-    async def kept(self, program_id: str | None, keep: bool = True) -> None:
+    async def ended(self, end: AnswerEnd, keep: bool) -> None:
+        self.finished(end)
+        await self.kept(end.program_id, keep)
+
+    async def kept(self, program_id: str | None, keep: bool) -> None:
+        """Until what the program's last answer taught is kept, when `keep` and the journal keeps it."""
         if keep and self.keep_answers is not None:
             await self.keep_answers(program_id)
 

@@ -164,11 +164,12 @@ class Relay:
                 end = self._end(
                     admitted, program_id, shape, answered.usage, answered.tool, None, answered, followed, chain
                 )
-        self.admissions.finished(end)
         # An error teaches nothing to keep, but its end is acknowledged all the same.
         whole = response.status_code == 200
         if (keep := self._holds(program_id, followed if whole else None, chain if whole else None)) is not None:
-            await self.admissions.kept(program_id, keep)
+            await self.admissions.ended(end, keep)
+        else:
+            self.admissions.finished(end)
         media_type = response.headers.get("content-type", "application/json")
         return Relayed(response.status_code, media_type, content)
 
@@ -247,11 +248,11 @@ class Relay:
             tool = whole.tool if whole is not None and program_id is not None else None
             # Only a whole answer is remembered: a client whose stream was cut does not echo it back.
             remembered = whole if ended else None
-            self.admissions.finished(
-                self._end(admitted, program_id, shape, relay.usage, tool, answer.ttft_s, remembered, followed, chain)
-            )
+            end = self._end(admitted, program_id, shape, relay.usage, tool, answer.ttft_s, remembered, followed, chain)
+            if not (ended and held):  # else told below, with the wait for its acknowledgement
+                self.admissions.finished(end)
         if held:
-            await self.admissions.kept(program_id, bool(keep))
+            await self.admissions.ended(end, bool(keep))
             yield held
 
     def _endpoint(self, url: str, path: str) -> httpx.URL:

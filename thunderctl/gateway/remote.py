@@ -17,6 +17,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -25,7 +26,18 @@ from typing import Any
 from thunderctl.gateway.admissions import Admission, Admitted, AnswerEnd, Chain, Failure
 from thunderctl.gateway.gateway import Gateway
 from thunderctl.gateway.identity import Candidates, ChatKeys, Claim, Keys, PromptKeys, PromptMatches
-from thunderctl.gateway.wire import ERROR, REPLY, Adopt, ClaimAsk, Codec, Hello, KeptAsk, Welcome, WireError, read_frame
+from thunderctl.gateway.wire import (
+    ERROR,
+    REPLY,
+    Adopt,
+    ClaimAsk,
+    Codec,
+    EndedAsk,
+    Hello,
+    Welcome,
+    WireError,
+    read_frame,
+)
 
 log = logging.getLogger(__name__)
 
@@ -223,8 +235,10 @@ class RemoteAdmissions:
         answered, again = await self._call("failed", failure)
         return bool(again) if answered else failure.attempt == 1
 
-    async def kept(self, program_id: str | None, keep: bool = True) -> None:
-        await self._call("kept", KeptAsk(program_id, keep))
+    async def ended(self, end: AnswerEnd, keep: bool) -> None:
+        self._open[end.worker] -= 1
+        if end.ticket:
+            await self._call("ended", EndedAsk(end, keep))
 
     async def route(self, program_id: str | None) -> Admitted:
         answered, admitted = await self._call("route", program_id)
@@ -296,7 +310,10 @@ class AdmissionsServer:
         self._adopt = adopt
         self.connections: list[_RelayConnection] = []
         self._codec = Codec()
-        self._tickets = itertools.count(1)
+        # Past every ticket an earlier daemon of this boot gave (it gave far fewer than one a
+        # nanosecond): an answer it admitted, ending at a relay after this daemon started, ends
+        # nothing of this one's.
+        self._tickets = itertools.count(time.monotonic_ns())
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self) -> None:
@@ -344,8 +361,13 @@ class AdmissionsServer:
         admission while its program is paused, a journal write) as tasks of their own."""
         gateway = self.gateway
         if kind == "finished":
-            if connection.admitted.pop(payload.ticket, None) is not None:
-                gateway.finished(payload)
+            self._finished(connection, payload)
+        elif kind == "ended":
+            self._finished(connection, payload.end)
+            if payload.keep and gateway.keeps_answers:
+                self._spawn(connection, kind, number, self._kept(connection, number, payload.end.program_id))
+            else:
+                connection.reply(number, None)
         elif kind == "failed":
             if connection.admitted.pop(payload.ticket, None) is not None:
                 connection.reply(number, await gateway.failed(payload))
@@ -374,8 +396,6 @@ class AdmissionsServer:
         elif kind == "admit":
             connection.requests += 1
             self._spawn(connection, kind, number, self._admit(connection, number, payload))
-        elif kind == "kept":
-            self._spawn(connection, kind, number, self._kept(connection, number, payload))
         else:
             raise WireError(f"the scheduler is not told {kind!r}")
 
@@ -405,8 +425,12 @@ class AdmissionsServer:
         connection.admitted[admitted.ticket] = (admitted, admission)
         connection.reply(number, admitted)
 
-    async def _kept(self, connection: _RelayConnection, number: int, ask: KeptAsk) -> None:
-        await self.gateway.kept(ask.program_id, ask.keep)
+    def _finished(self, connection: _RelayConnection, end: AnswerEnd) -> None:
+        if connection.admitted.pop(end.ticket, None) is not None:
+            self.gateway.finished(end)
+
+    async def _kept(self, connection: _RelayConnection, number: int, program_id: str | None) -> None:
+        await self.gateway.kept(program_id, keep=True)
         connection.reply(number, None)
 
     def _closed(self, connection: _RelayConnection) -> None:

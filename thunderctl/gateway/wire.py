@@ -57,14 +57,15 @@ class Adopt:
 
 
 @dataclass(frozen=True, slots=True)
-class KeptAsk:
-    """`Admissions.kept`'s arguments."""
+class EndedAsk:
+    """`Admissions.ended`'s arguments."""
 
-    program_id: str | None
+    end: AnswerEnd
     keep: bool
 
 
-# What each kind of frame carries, and what the reply to it carries (None: a tell, no reply).
+# What each kind of frame carries, and what the reply to it carries (None: a tell, which has no
+# reply, or a call whose reply says only that it is done).
 CALLS: dict[str, tuple[Any, Any]] = {
     "hello": (Hello, Welcome),
     "admit": (Admission, Admitted),
@@ -72,9 +73,9 @@ CALLS: dict[str, tuple[Any, Any]] = {
     "candidates": (PromptKeys, Candidates),
     "chain": (str, Chain | None),
     "failed": (Failure, bool),
-    "kept": (KeptAsk, None),
     "route": (str | None, Admitted),
     "finished": (AnswerEnd, None),
+    "ended": (EndedAsk, None),
     "give_up": (str, None),
     "release": (str, None),
     "adopt": (Adopt, None),
