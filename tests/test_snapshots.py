@@ -218,6 +218,37 @@ def test_the_journal_reads_back_what_it_wrote_whole_then_by_changes(tmp_path: Pa
     assert sorted(restored.derived) == sorted(source.derived.ids())
 
 
+def test_a_ticks_journal_write_writes_only_the_programs_changed_since_and_reads_back_as_they_are(
+    tmp_path: Path,
+) -> None:
+    clock = VirtualClock(1000.0)
+    source = gateway(clock)
+    source.scheduler = busy_scheduler(clock)
+    journal = Journal(tmp_path / "journal.sqlite")
+
+    async def write_three_times() -> list[int]:
+        journal.follow(source)
+        await journal.write(source)  # all of them
+        written = [journal.stats.programs_written]
+        await journal.write(source)  # none changed
+        written.append(journal.stats.programs_written)
+        clock.now += 2.0
+        source.scheduler.on_request("p1", 900)  # p1 leaves its tool call and takes a step
+        clock.now += 0.5
+        source.scheduler.on_response("p1", 900, 20, tool="bash")
+        await journal.write(source)
+        return [*written, journal.stats.programs_written]
+
+    assert asyncio.run(write_three_times()) == [len(source.scheduler.programs), 0, 1]
+    journal.close()
+    reader = Journal(tmp_path / "journal.sqlite")
+    restored = reader.load()
+    reader.close()
+    assert restored is not None
+    by_id = sorted(restored.scheduler.programs, key=lambda record: record["id"])
+    assert by_id == sorted(source.scheduler.snapshot().programs, key=lambda record: record["id"])
+
+
 def test_a_journal_that_is_not_a_database_is_set_aside_and_the_daemon_starts_without_it(tmp_path: Path) -> None:
     path = tmp_path / "journal.sqlite"
     path.write_bytes(b"not a database at all, but long enough to be read as a header" * 4)

@@ -6,7 +6,8 @@ It holds every live program (the scheduler's snapshot: ids, workers, tokens, pha
 steps, each program's tool times) and what the laws learnt, the derived programs' conversations (hashes
 only) and the Responses chains. A write is one transaction: a daemon killed at any moment leaves the
 last whole write, never part of one. The scheduler's state is small (a row a program, a few hundred
-samples) and written whole, each program's row only when it changed; the conversations (up to
+samples); a tick encodes and writes only the rows of the programs changed since the last write
+(compared on the event loop as tuples of their fields) and what the laws learnt; the conversations (up to
 `remembered_conversations`) and the responses are written by their changes since the last write, at
 the tick and before the end of each answer that changed them reaches its client (`keep`): an
 unchanged client that has its answer is found again by the next daemon.
@@ -87,13 +88,16 @@ class JournalStats:
     programs: int = 0
     conversations: int = 0
     responses: int = 0
+    programs_written: int = 0  # by the last tick's write: the programs changed since the write before
 
 
 @dataclass
 class Journal:
     path: Path
     stats: JournalStats = field(default_factory=JournalStats)
-    _written: dict[str, str] = field(default_factory=dict)  # each program's record as last written
+    # Each program's state (snapshot.py `program_state`) as last written; None: its row is written,
+    # in a state not known here (read back, or an answer's write), and is written again at the tick.
+    _written: dict[str, tuple[Any, ...] | None] = field(default_factory=dict)
     _learnt: str = ""  # the learnt state as last written
     _whole: bool = True  # the next write rewrites the conversations and responses whole
     _asked: int = 0  # answers that asked to be kept (`keep`), and how many of them are
@@ -160,7 +164,7 @@ class Journal:
             raise ValueError(f"of version {meta.get('version')}, not {SCHEMA_VERSION}")
         programs = []
         for program_id, record in self._db.execute("SELECT id, record FROM programs"):
-            self._written[program_id] = record
+            self._written[program_id] = None
             programs.append(json.loads(record))
         self._learnt = meta["learnt"]
         taken_at = json.loads(meta["scheduler"])["taken_at"]
@@ -243,10 +247,11 @@ class Journal:
         self.stats.written_at = capture.written_at
 
     def capture(self, gateway: Gateway) -> Capture:
-        """The gateway's state now: whole for the scheduler, the changes since the last capture for the
-        conversations and the responses (all of them at the first, or after a failed write)."""
+        """The gateway's state now: the programs changed since the last write and what the laws
+        learnt, and the changes since the last capture of the conversations and the responses (all
+        of them at the first, or after a failed write)."""
         whole, self._whole = self._whole, False
-        return self._capture(gateway, gateway.scheduler.snapshot(), whole)
+        return self._capture(gateway, gateway.scheduler.snapshot(since=self._written), whole)
 
     def capture_answers(self, gateway: Gateway) -> Capture:
         """The conversations and responses changed since the last capture, and the programs answered."""
@@ -278,9 +283,9 @@ class Journal:
     def _write(self, capture: Capture) -> None:
         """One transaction: the scheduler's changed rows, the changes of the other stores, the meta rows."""
         assert capture.scheduler is not None
-        records = {p["id"]: json.dumps(p, separators=(",", ":")) for p in capture.scheduler.programs}
-        changed = [(i, r) for i, r in records.items() if self._written.get(i) != r]
-        gone = [(i,) for i in self._written.keys() - records.keys()]
+        states = capture.scheduler.states
+        changed = [(p["id"], json.dumps(p, separators=(",", ":"))) for p in capture.scheduler.programs]
+        gone = [(i,) for i in self._written.keys() - states.keys()]
         learnt = json.dumps(capture.scheduler.learnt, separators=(",", ":"))
         meta = {
             "version": str(SCHEMA_VERSION),
@@ -296,9 +301,9 @@ class Journal:
             db.executemany("INSERT OR REPLACE INTO programs VALUES (?, ?)", changed)
             self._write_stores(db, capture)
             db.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", meta.items())
-        self._written = records
+        self._written = dict(states)
         self._learnt = learnt
-        self.stats.programs = len(records)
+        self.stats.programs, self.stats.programs_written = len(states), len(changed)
         self.stats.conversations = self._db.execute("SELECT count(*) FROM conversations").fetchone()[0]
         self.stats.responses = self._db.execute("SELECT count(*) FROM responses").fetchone()[0]
 
@@ -311,7 +316,7 @@ class Journal:
             db.executemany("INSERT OR REPLACE INTO programs VALUES (?, ?)", records.items())
             self._write_stores(db, capture)
             db.execute("INSERT OR REPLACE INTO meta VALUES ('index', ?)", (json.dumps(capture.index),))
-        self._written.update(records)
+        self._written.update(dict.fromkeys(records))
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:

@@ -116,6 +116,7 @@ class JournalStatus(StatusPart):
     programs: int
     conversations: int
     responses: int
+    programs_written: int = 0  # the programs the last tick's write wrote: those changed since the write before
 
 
 class DaemonStatus(StatusPart):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict
 from typing import Any
 
@@ -21,7 +21,7 @@ from thunderctl.scheduler.placement import admit_in_order, placements
 from thunderctl.scheduler.program import Phase, Program, Status, Worker
 from thunderctl.scheduler.progress import ProgramLengths
 from thunderctl.scheduler.retention import RetentionLaw
-from thunderctl.scheduler.snapshot import SchedulerSnapshot, program_from_record, program_record
+from thunderctl.scheduler.snapshot import SchedulerSnapshot, program_from_record, program_record, program_state
 
 log = logging.getLogger(__name__)
 
@@ -224,9 +224,13 @@ class Scheduler:
 
     # ---- its state, for a daemon that comes back -------------------------------------------
 
-    def snapshot(self) -> SchedulerSnapshot:
-        """Every live program and what the laws learnt, as plain data (snapshot.py)."""
-        programs = self.program_records(self.programs)
+    def snapshot(self, since: Mapping[str, tuple[Any, ...] | None] | None = None) -> SchedulerSnapshot:
+        """Every live program and what the laws learnt, as plain data (snapshot.py); with `since` (the
+        programs' states an earlier snapshot took), of the programs only those changed since. A
+        journal of thousands of programs then encodes and writes only the few that took a step."""
+        states = {program_id: program_state(program) for program_id, program in self.programs.items()}
+        changed = states if since is None else [i for i, state in states.items() if since.get(i) != state]
+        programs = self.program_records(changed)
         learnt = (
             self.retention.snapshot()
             | self.ending.snapshot()
@@ -237,7 +241,7 @@ class Scheduler:
                 "counters": asdict(self.counters),
             }
         )
-        return SchedulerSnapshot(self.clock(), programs, learnt)
+        return SchedulerSnapshot(self.clock(), programs, learnt, states)
 
     def program_records(self, ids: Iterable[str]) -> list[dict[str, Any]]:
         """The live programs among `ids`, as plain data (snapshot.py)."""

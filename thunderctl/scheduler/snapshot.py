@@ -4,7 +4,8 @@ dicts and lists, times in the scheduler's clock."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import operator
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from thunderctl.scheduler.program import Phase, Program, Status
@@ -12,6 +13,9 @@ from thunderctl.scheduler.program import Phase, Program, Status
 # A program's moments, in the scheduler's clock: moved together when it is restored under another.
 PROGRAM_TIMES = ("created_at", "last_activity", "acting_since", "paused_at", "waiting_since", "responded_at")
 PROGRAM_FIELDS = tuple(f.name for f in fields(Program))
+# A program's fields as one tuple: a program whose state is the one a snapshot took has not changed
+# since. Its tool times change only when it leaves a tool call, and its phase does then too.
+program_state = operator.attrgetter(*PROGRAM_FIELDS)
 
 
 @dataclass
@@ -24,6 +28,9 @@ class SchedulerSnapshot:
     # What the laws learnt: tool times (cluster, tail, tool kinds), the ending law's counts, the
     # admission law's rung and measurements, the recent lengths, the groups, the counters.
     learnt: dict[str, Any]
+    # Each live program's `program_state` when taken: a later snapshot `since` these holds only the
+    # programs changed meanwhile in `programs`.
+    states: dict[str, tuple[Any, ...]] = field(default_factory=dict, compare=False)
 
 
 def program_record(program: Program, gaps: list[float]) -> dict[str, Any]:
