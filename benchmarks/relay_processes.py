@@ -5,6 +5,11 @@ messages between them, against the one-process gateway, in the same run.
     python benchmarks/relay_processes.py --streams 1,64,512,2048 --slice-s 20 --slices 2
     python benchmarks/relay_processes.py --relays 2,4
     python benchmarks/relay_processes.py --streams 512,2048 --pin --kills 5
+    python benchmarks/relay_processes.py --streams 64 --slices 4 --against ../base   # another tree
+
+With `--against TREE` (a `git worktree` of another commit) the arms are this tree and that one,
+each with the first `--relays` count of relay processes (no one-process arm): the same-run
+comparison of two trees' costs per step and per chunk, each cluster running its tree's code.
 
 With `--pin` the gateway's processes (daemon, relays) run on the last core and the simulated
 worker and the clients on the others, so that the load generator does not take the relays' core
@@ -65,6 +70,7 @@ ANSWER_TOKENS = 64
 
 @dataclass
 class ArmFigures:
+    tree: str  # "this", or the `--against` tree
     relays: int
     streams: int
     chunks_per_s: float
@@ -78,9 +84,10 @@ class ArmFigures:
 
 
 class Cluster:
-    """A simulated cluster with `relays` relay processes, through the CLI, in `directory`."""
+    """A simulated cluster with `relays` relay processes, through the CLI, in `directory`; of the code
+    of `tree` (a checkout's root) when given, else of this one."""
 
-    def __init__(self, directory: Path, relays: int) -> None:
+    def __init__(self, directory: Path, relays: int, tree: Path | None = None) -> None:
         self.relays = relays
         self.name = f"relays{relays}-{secrets.token_hex(3)}"
         worker_port, gateway_port = pick_free_ports(2)
@@ -93,11 +100,17 @@ class Cluster:
         self.profile.write_text(yaml.safe_dump(profile))
         self.state_dir = directory / self.name
         self.env = os.environ | {"THUNDERCTL_STATE_DIR": str(self.state_dir)}
+        # `python -m` puts its working directory first on the path: the CLI runs in the tree it is of.
+        self.cwd = tree.resolve() if tree is not None else None
+        if self.cwd is not None:
+            self.env["PYTHONPATH"] = str(self.cwd)
         self.url = f"http://127.0.0.1:{gateway_port}"
         self.pin_to: tuple[set[int], set[int]] | None = None  # (the gateway's cores, the others')
 
     def cli(self, *args: str) -> str:
-        done = subprocess.run([sys.executable, "-m", "thunderctl", *args], env=self.env, capture_output=True, text=True)
+        done = subprocess.run(
+            [sys.executable, "-m", "thunderctl", *args], env=self.env, cwd=self.cwd, capture_output=True, text=True
+        )
         if done.returncode != 0:
             raise RuntimeError(f"thunderctl {' '.join(args)} exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
         return done.stdout
@@ -187,7 +200,7 @@ def restart_times(
     return {"kills": kills, "streams": streams, "restart_s": times, "requests": requests, "failed": failed}
 
 
-def figures(relays: int, streams: int, slices: list[dict]) -> ArmFigures:
+def figures(tree: str, relays: int, streams: int, slices: list[dict]) -> ArmFigures:
     chunks_all = sum(s["chunks_all"] for s in slices) or 1
     steps = sum(s["requests_all"] for s in slices) or 1
     daemon = sum(s["daemon_cpu_s"] for s in slices)
@@ -195,6 +208,7 @@ def figures(relays: int, streams: int, slices: list[dict]) -> ArmFigures:
     ttfts = [t for s in slices for t in s["ttft_s"]]
     totals = [t for s in slices for t in s["total_s"]]
     return ArmFigures(
+        tree=tree,
         relays=relays,
         streams=streams,
         chunks_per_s=sum(s["chunks"] for s in slices) / sum(s["window_s"] for s in slices),
@@ -213,13 +227,14 @@ def milli(seconds: float | None) -> float | None:
 
 
 def render(rows: list[ArmFigures], console: Console) -> None:
-    table = Table(title="relay processes against one process (same run, ABBA slices; times in ms)")
-    for column in ("streams", "relays", "chunks/s", "TTFT p50", "request p50", "relay µs/chunk", "relay ms/step",
-                   "scheduler ms/step", "messages/step", "failed"):  # fmt: skip
+    table = Table(title="relay processes, arms in the same run (ABBA slices; times in ms)")
+    for column in ("streams", "tree", "relays", "chunks/s", "TTFT p50", "request p50", "relay µs/chunk",
+                   "relay ms/step", "scheduler ms/step", "messages/step", "failed"):  # fmt: skip
         table.add_column(column, justify="right")
     for r in rows:
         table.add_row(
-            str(r.streams), str(r.relays), f"{r.chunks_per_s:,.0f}", ms(milli(r.ttft_p50_s)), ms(milli(r.total_p50_s)),
+            str(r.streams), r.tree, str(r.relays), f"{r.chunks_per_s:,.0f}", ms(milli(r.ttft_p50_s)),
+            ms(milli(r.total_p50_s)),
             f"{r.relay_cpu_us_per_chunk:.0f}", f"{r.relay_cpu_ms_per_step:.2f}",
             "–" if r.scheduler_cpu_ms_per_step is None else f"{r.scheduler_cpu_ms_per_step:.3f}",
             "–" if r.messages_per_step is None else f"{r.messages_per_step:.1f}", str(r.failed),
@@ -231,6 +246,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", default="64,512", help="concurrent streams, comma-separated")
     parser.add_argument("--relays", default="2", help="relay processes of the other arms (the first arm: 1)")
+    parser.add_argument("--against", type=Path, help="another tree (a worktree's root): its arm against this tree's")
     parser.add_argument("--clients", type=int, default=2, help="load-generator processes")
     parser.add_argument("--slices", type=int, default=2, help="slices per arm and concurrency (ABBA order)")
     parser.add_argument("--slice-s", type=float, default=20.0, help="measured seconds per slice")
@@ -240,7 +256,15 @@ def main() -> None:
     parser.add_argument("--kill-streams", type=int, default=64, help="concurrent streams while relays are killed")
     parser.add_argument("--out", type=Path, default=Path("results/relay_processes.json"))
     args = parser.parse_args()
-    counts = [1, *(int(n) for n in args.relays.split(","))]
+    counts = [int(n) for n in args.relays.split(",")]
+    # Each arm: its name, its relay processes and its tree (None: this one).
+    arms: dict[str, tuple[int, Path | None]] = (
+        {"this": (counts[0], None), str(args.against): (counts[0], args.against)}
+        if args.against is not None
+        else {str(n): (n, None) for n in [1, *counts]}
+    )
+    if args.against is not None and not (args.against / "thunderctl" / "__init__.py").is_file():
+        raise SystemExit(f"--against {args.against}: not a thunderctl checkout (no thunderctl/__init__.py there)")
     cores = set(os.sched_getaffinity(0))
     if args.pin and len(cores) < 2:
         raise SystemExit("--pin needs 2 cores or more: one for the gateway's processes, the others for the load")
@@ -249,7 +273,7 @@ def main() -> None:
     console = Console()
     rows: list[ArmFigures] = []
     with tempfile.TemporaryDirectory(prefix="relays-bench-") as directory:
-        clusters = {n: Cluster(Path(directory), n) for n in counts}
+        clusters = {arm: Cluster(Path(directory), n, tree) for arm, (n, tree) in arms.items()}
         for cluster in clusters.values():
             cluster.pin_to = pin_to
         try:
@@ -261,18 +285,24 @@ def main() -> None:
             pinned = {"initializer": os.sched_setaffinity, "initargs": (0, pin_to[1])} if pin_to else {}
             with ProcessPoolExecutor(args.clients, mp_context=get_context("spawn"), **pinned) as pool:
                 for streams in (int(n) for n in args.streams.split(",")):
-                    done: dict[int, list[dict]] = {n: [] for n in counts}
-                    for arm in arm_order(tuple(str(n) for n in counts), args.slices, flip=False):
-                        console.print(f"[dim]{streams} streams, {arm} relay(s)…[/]")
-                        done[int(arm)].append(run_slice(clusters[int(arm)], streams, args, pool))
-                    rows.extend(figures(n, streams, done[n]) for n in counts)
+                    done: dict[str, list[dict]] = {arm: [] for arm in arms}
+                    for arm in arm_order(tuple(arms), args.slices, flip=False):
+                        console.print(f"[dim]{streams} streams, arm {arm}…[/]")
+                        done[arm].append(run_slice(clusters[arm], streams, args, pool))
+                    rows.extend(
+                        figures("this" if tree is None else str(tree), n, streams, done[arm])
+                        for arm, (n, tree) in arms.items()
+                    )
                 render(rows, console)
                 if args.kills:
                     console.print(f"[dim]{args.kills} relay kills under load…[/]")
-                    restarts = restart_times(clusters[counts[1]], args.kill_streams, args.kills, args, pool)
+                    killed = next(arm for arm, (n, tree) in arms.items() if n > 1 and tree is None)
+                    restarts = restart_times(clusters[killed], args.kill_streams, args.kills, args, pool)
         finally:
             for cluster in clusters.values():
-                subprocess.run([sys.executable, "-m", "thunderctl", "down"], env=cluster.env, capture_output=True)
+                subprocess.run(
+                    [sys.executable, "-m", "thunderctl", "down"], env=cluster.env, cwd=cluster.cwd, capture_output=True
+                )
     if restarts is not None:
         back = restarts["restart_s"]
         console.print(
