@@ -76,10 +76,11 @@ def kept(programs: dict[str, dict[str, Any]]) -> dict[str, tuple]:
     return {i: tuple(p[key] for key in KEPT) for i, p in programs.items()}
 
 
-def up(directory: Path, workers: int, tick_s: float) -> Cluster:
+def up(directory: Path, workers: int, tick_s: float, relays: int = 1) -> Cluster:
     name = f"journal-{secrets.token_hex(3)}"
     profile = sim_profile(name, workers, time_scale=0.1)
     profile["scheduler"] = {"tick_interval_s": tick_s}
+    profile["gateway"]["relays"] = relays
     path = directory / "profile.yaml"
     path.write_text(yaml.safe_dump(profile))
     cli = Cli(directory / "state")
@@ -94,11 +95,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
     cluster.cli("down", check=False)
 
 
-@pytest.fixture(scope="module")
-def untick(tmp_path_factory: pytest.TempPathFactory):
+@pytest.fixture(scope="module", params=[1, 2], ids=["one-process", "two-relays"])
+def untick(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest):
     """A cluster whose tick (and so the journal's whole write) comes once in ten minutes: what the
-    next daemon finds of an answer was written at the answer."""
-    cluster = up(tmp_path_factory.mktemp("untick"), 1, 600.0)
+    next daemon finds of an answer was written at the answer. With relay processes too: the answer's
+    end is then a message, and its last event waits for the daemon's reply after the write."""
+    cluster = up(tmp_path_factory.mktemp("untick"), 1, 600.0, relays=request.param)
     yield cluster
     cluster.cli("down", check=False)
 
