@@ -541,6 +541,12 @@ def through_the_gateway_as_straight(loop: Callable, worker_url: str, model: str,
     assert [(p["steps"], p["derived"]) for p in programs] == [(LOOP_TURNS, True)]
 
 
+def short_socket_dir() -> Path:
+    """A new directory for Unix sockets, under the system's temporary directory (pytest's tmp_path
+    can be too long: a Unix socket's path is at most 107 bytes). The caller removes it."""
+    return Path(tempfile.mkdtemp(prefix="relays-"))
+
+
 @contextlib.asynccontextmanager
 async def relays_apart(
     gateway: Gateway,
@@ -554,7 +560,7 @@ async def relays_apart(
     on a real Unix socket, and `count` relays each asking it through RemoteAdmissions, their other
     routes handed to `app` (the gateway's, build_app). Yields an ASGI app that sends each request
     to the next relay in turn, as the kernel spreads an agent's connections."""
-    socket_dir = Path(tempfile.mkdtemp(prefix="relays-"))  # short: a Unix socket's path is at most 107 bytes
+    socket_dir = short_socket_dir()
 
     def release(program_id: str) -> None:
         gateway.scheduler.release(program_id)

@@ -9,16 +9,14 @@ import asyncio
 import contextlib
 import json
 import logging
-import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 import pytest
 import uvicorn
 
-from support import relays_apart
+from support import relays_apart, short_socket_dir
 from thunderctl.engines.simulated.server import SimEngineConfig, SimServer
 from thunderctl.gateway import Gateway, WorkerLink, build_app
 from thunderctl.gateway.admissions import Admission, Admitted, AnswerEnd, Chain, Failure
@@ -489,7 +487,7 @@ async def test_a_client_gone_mid_body_at_a_relay_process_is_counted_in_the_daemo
 async def test_an_answer_admitted_before_the_daemon_restarted_does_not_end_one_the_next_daemon_admitted(
     anyio_backend: str,
 ) -> None:
-    socket_dir = Path(tempfile.mkdtemp(prefix="relays-"))  # short: a Unix socket's path is at most 107 bytes
+    socket_dir = short_socket_dir()
     daemons = [Gateway([WorkerLink("a", "http://a:8000")], transport=Workers().transport()) for _ in range(2)]
     for daemon in daemons:
         assert await daemon.start() == []

@@ -251,6 +251,8 @@ class Journal:
         learnt, and the changes since the last capture of the conversations and the responses (all
         of them at the first, or after a failed write)."""
         whole, self._whole = self._whole, False
+        # `_written` changes on the journal's thread, and only after a commit: a program it shows
+        # in a state is in the journal in that state, so reading it meanwhile skips no change.
         return self._capture(gateway, gateway.scheduler.snapshot(since=self._written), whole)
 
     def capture_answers(self, gateway: Gateway) -> Capture:
